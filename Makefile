@@ -1,0 +1,32 @@
+# Two commands: `make run` starts a local cluster, `make test` runs the tests.
+# Both create .venv and install everything on first use.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install proto clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned: on this machine 2.13.0 is a local CPU wheel; anything else downloads GBs.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/pdserve up
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+# Regenerate proto/worker_pb2*.py after editing proto/worker.proto (tests fail when they are stale).
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/worker.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Client API adapters: parse and validate, map to a GenerationRequest, format events back."""

@@ -1,0 +1,107 @@
+"""POST /v1/chat/completions: OpenAI chat, stream and non-stream, in the seed's chunk format."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from coordinator.apis.openai_common import (
+    OpenAIRequest,
+    error_body,
+    finish_reason,
+    new_id,
+    usage,
+)
+from coordinator.errors import ApiError
+from coordinator.request import Finished, TokenDelta
+from coordinator.serving import Transcript
+
+
+class TextPart(BaseModel):
+    """A text item of a message's content list."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    """The body of a chat completion request."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+
+    @field_validator("messages")
+    @classmethod
+    def _not_blank(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not any(m.text() for m in messages):
+            raise ValueError("at least one message must have non-empty content")
+        return messages
+
+    def template_messages(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class ChatFormatter:
+    """Chunks as in seed 000/003: delta{role, content} per token, a final chunk with usage."""
+
+    done_marker = "[DONE]"
+
+    def __init__(self, request_id: str, created: int, model: str, full_text: bool, return_token_ids: bool,
+                 prompt_token_ids: list[int]):
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        self.full_text = full_text
+        self.return_token_ids = return_token_ids
+        self.prompt_token_ids = prompt_token_ids
+
+    def _chunk(self, content: str, finish: str | None, **extra) -> dict:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": content}, "logprobs": None,
+                  "finish_reason": finish}
+        if "token_ids" in extra:
+            choice["token_ids"] = extra.pop("token_ids")
+        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, **extra, "choices": [choice]}
+
+    def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]:
+        extra = {"token_ids": [delta.token_id]} if self.return_token_ids else {}
+        if self.return_token_ids and delta.index == 0:
+            extra["prompt_token_ids"] = self.prompt_token_ids
+        return [self._chunk(transcript.text if self.full_text else delta.text, None, **extra)]
+
+    def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
+        extra = {"full_text": transcript.text} if self.full_text else {}
+        return [self._chunk(transcript.text if self.full_text else "", finish_reason(finished),
+                            **extra, usage=usage(finished))]
+
+    def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
+        return [self._chunk("", "stop", **error_body(error))]
+
+    def response(self, transcript: Transcript) -> dict:
+        finished = transcript.finished
+        choice = {"index": 0, "message": {"role": "assistant", "content": transcript.text}, "logprobs": None,
+                  "finish_reason": finish_reason(finished)}
+        if self.return_token_ids:
+            choice["token_ids"] = transcript.token_ids
+        body = {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage(finished), "prefill_time": round(finished.prefill_time_ms, 3),
+                "decode_time_arr": [round(t, 3) for t in finished.decode_time_ms]}
+        if self.return_token_ids:
+            body["prompt_token_ids"] = self.prompt_token_ids
+        return body
+
+
+def new_request_id() -> str:
+    return new_id("chatcmpl")

@@ -1,0 +1,95 @@
+"""create_app(config) and the coordinator process's run loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from coordinator.apis.openai_common import error_body
+from coordinator.config import CoordinatorConfig
+from coordinator.errors import ApiError
+from coordinator.limits import ModelLimits
+from coordinator.pipeline import RequestPipeline
+from coordinator.routes import add_routes
+from coordinator.routing import RoundRobinRouter
+from coordinator.state import STATE, CoordinatorState
+from coordinator.tokenization import PromptTokenizer
+from coordinator.worker_client import WorkerClient
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 * 1024 * 1024  # a 4 MB prompt as JSON, with escapes and the other fields
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Every failure leaves as the API's own error body; nothing escapes as a bare 500 page."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return web.json_response(error_body(exc), status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = ApiError(exc.status, exc.reason if exc.status != 413 else f"request body exceeds {MAX_BODY_BYTES} bytes")
+        return web.json_response(error_body(error), status=exc.status, headers={
+            k: v for k, v in exc.headers.items() if k.lower() == "allow"
+        })
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response(error_body(ApiError(500, "internal server error")), status=500)
+
+
+def create_app(config: CoordinatorConfig) -> web.Application:
+    """Build the client-facing app; workers are reached lazily over cached gRPC channels."""
+    from embedded_model import ensure_default_model
+
+    model = config.model_settings
+    model_dir = model.modelWeightPath or str(ensure_default_model())
+    tokenizer = PromptTokenizer(model_dir)
+    limits = ModelLimits(
+        max_seq_len=model.maxSeqLen,
+        max_input_token_len=model.maxInputTokenLen,
+        max_iter_times=model.maxIterTimes,
+        max_position_embeddings=tokenizer.max_position_embeddings,
+    )
+    client = WorkerClient()
+    router = RoundRobinRouter([i.address for i in config.instances.prefill], [i.address for i in config.instances.decode])
+    pipeline = RequestPipeline(client, router, limits, config.exception_config.first_token_timeout,
+                               config.exception_config.infer_timeout)
+
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[STATE] = CoordinatorState(model.modelName, model.fullTextEnabled, tokenizer, limits, client, router, pipeline)
+
+    async def close_channels(app: web.Application):
+        yield
+        await client.close()
+
+    app.cleanup_ctx.append(close_channels)
+    add_routes(app)
+    return app
+
+
+async def run_coordinator(config: CoordinatorConfig) -> None:
+    """Serve until SIGTERM/SIGINT; print one ready line with the bound address."""
+    app = create_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    http = config.http_config
+    site = web.TCPSite(runner, http.predict_ip, http.predict_port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    print(f"pdserve coordinator ready: http://{http.predict_ip}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("coordinator stopping")
+    await runner.cleanup()

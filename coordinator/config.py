@@ -1,0 +1,112 @@
+"""ms_coordinator.json as pydantic models, loaded and validated once at start-up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class _Section(BaseModel):
+    # Unknown keys are typos until proven otherwise: fail start-up and name them.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class HttpConfig(_Section):
+    """Where clients reach the coordinator."""
+
+    predict_ip: str = Field("127.0.0.1", description="Address the client APIs listen on.")
+    predict_port: int = Field(1025, ge=0, le=65535, description="Port of the client APIs; 0 picks a free one.")
+
+
+class ModelConfig(_Section):
+    """The served model and the limits the coordinator enforces for it."""
+
+    modelName: str = Field("pdserve-tiny", min_length=1, description="Name clients pass as `model`.")
+    modelWeightPath: str = Field("", description="Model folder for the tokenizer; empty = embedded default model.")
+    maxSeqLen: int = Field(2048, ge=2, description="Prompt plus generated tokens, at most.")
+    maxInputTokenLen: int = Field(2048, ge=1, description="Prompt tokens, at most.")
+    maxIterTimes: int = Field(512, ge=1, description="Decode steps after the first token, at most.")
+    fullTextEnabled: bool = Field(False, description="Stream cumulative text instead of deltas.")
+
+
+class InstanceConfig(_Section):
+    """One worker the coordinator may route to."""
+
+    address: str = Field(description="host:port of the worker's gRPC server.")
+
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"must be host:port with a port in [1, 65535], got {value!r}")
+        return value
+
+
+class InstancesConfig(_Section):
+    """The static instance lists."""
+
+    prefill: list[InstanceConfig] = Field(min_length=1, description="Prefill workers.")
+    decode: list[InstanceConfig] = Field(min_length=1, description="Decode workers.")
+
+
+class SchedulerConfig(_Section):
+    """How a prefill and a decode instance are picked for each request."""
+
+    algorithm_type: Literal["round_robin"] = Field("round_robin", description="Instance selection policy.")
+
+
+class ExceptionConfig(_Section):
+    """Deadlines that keep any request from hanging."""
+
+    first_token_timeout: float = Field(600, gt=0, le=3600, description="Seconds until the first token.")
+    infer_timeout: float = Field(600, gt=0, le=3600, description="Seconds for the whole request.")
+
+
+class CoordinatorConfig(_Section):
+    """The whole ms_coordinator.json."""
+
+    http_config: HttpConfig = HttpConfig()
+    model_settings: ModelConfig = Field(ModelConfig(), alias="model_config")
+    instances: InstancesConfig
+    digs_scheduler_config: SchedulerConfig = SchedulerConfig()
+    exception_config: ExceptionConfig = ExceptionConfig()
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
+
+
+class ConfigError(Exception):
+    """ms_coordinator.json is missing, not JSON, or invalid; the message names the key."""
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(root)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{source}: {where}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: object, source: str = "ms_coordinator.json") -> CoordinatorConfig:
+    try:
+        return CoordinatorConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None
+
+
+def load_config(path: Path | str) -> CoordinatorConfig:
+    """Read and validate a config file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    return parse_config(data, str(path))

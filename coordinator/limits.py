@@ -1,0 +1,49 @@
+"""Model limits the coordinator enforces before any worker sees a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.errors import ApiError
+
+MAX_INPUT_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """maxSeqLen, maxInputTokenLen, maxIterTimes and the checkpoint's position limit."""
+
+    max_seq_len: int
+    max_input_token_len: int
+    max_iter_times: int
+    max_position_embeddings: int
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return min(self.max_input_token_len, self.max_seq_len - 1, self.max_position_embeddings)
+
+    def check_text(self, text: str, param: str) -> None:
+        if not text:
+            raise ApiError(400, f"{param} must not be empty", param=param)
+        if len(text.encode("utf-8")) > MAX_INPUT_BYTES:
+            raise ApiError(413, f"{param} is larger than {MAX_INPUT_BYTES} bytes (4 MB)", param=param)
+
+    def check_prompt(self, num_tokens: int, param: str) -> None:
+        if num_tokens > self.max_prompt_tokens:
+            raise ApiError(
+                400,
+                f"{param} has {num_tokens} tokens; the limit is min(maxInputTokenLen={self.max_input_token_len}, "
+                f"maxSeqLen-1={self.max_seq_len - 1}, max_position_embeddings={self.max_position_embeddings}) "
+                f"= {self.max_prompt_tokens}",
+                param=param,
+            )
+
+    def generation_cap(self, requested: int | None) -> int:
+        """Tokens to generate, the prefill worker's first one included.
+
+        The decode worker runs at most maxIterTimes steps after the first token, so a request
+        capped by maxIterTimes (or asking for nothing or for more) gets maxIterTimes + 1 tokens.
+        """
+        if requested is None or requested > self.max_iter_times:
+            return self.max_iter_times + 1
+        return requested

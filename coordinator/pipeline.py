@@ -1,0 +1,114 @@
+"""Drive one request through a prefill worker and a decode worker, as a stream of events."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from coordinator.errors import WorkerError
+from coordinator.limits import ModelLimits
+from coordinator.request import Finished, GenerationEvent, GenerationRequest, TokenDelta
+from coordinator.routing import RoundRobinRouter
+from coordinator.worker_client import FINISH_FROM_PB, WorkerClient
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED,)
+
+
+def _worker_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> WorkerError:
+    status = 504 if exc.code() in _TIMEOUT_CODES else 503
+    return WorkerError(f"{stage} worker {address} failed: {exc.code().name}: {exc.details()}", status=status)
+
+
+class RequestPipeline:
+    """Opens the decode stream, starts the prefill, then relays decode tokens as events."""
+
+    def __init__(self, client: WorkerClient, router: RoundRobinRouter, limits: ModelLimits,
+                 first_token_timeout: float, infer_timeout: float):
+        self.client = client
+        self.router = router
+        self.limits = limits
+        self.first_token_timeout = first_token_timeout
+        self.infer_timeout = infer_timeout
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        route = self.router.route()
+        max_tokens = self.limits.generation_cap(request.max_tokens)
+        call = self.client.open_decode(route.decode, request, max_tokens, self.limits.max_seq_len, self.infer_timeout)
+        prefill_task: asyncio.Task | None = None
+        try:
+            try:
+                await asyncio.wait_for(call.read(), self.first_token_timeout)  # the `accepted` event
+                # The decode worker now waits for this request's KV cache; start the prefill.
+                prefill_task = asyncio.create_task(
+                    self.client.prefill(route.prefill, request, max_tokens, route.decode, self.first_token_timeout)
+                )
+                first = await self._first_token(call, prefill_task, route.prefill)
+                async for event in self._relay(call, first, len(request.prompt_token_ids), route.decode):
+                    yield event
+            except grpc.aio.AioRpcError as exc:
+                # A failed prefill explains a failed decode better than the decode error does.
+                if prefill_task is not None and prefill_task.done() and not prefill_task.cancelled():
+                    pexc = prefill_task.exception()
+                    if isinstance(pexc, grpc.aio.AioRpcError):
+                        raise _worker_error("prefill", route.prefill, pexc) from None
+                raise _worker_error("decode", route.decode, exc) from None
+            except asyncio.TimeoutError:
+                raise WorkerError(
+                    f"no first token from prefill {route.prefill} / decode {route.decode} within "
+                    f"first_token_timeout={self.first_token_timeout}s",
+                    status=504,
+                ) from None
+        finally:
+            call.cancel()
+            if prefill_task is not None:
+                if not prefill_task.done():
+                    prefill_task.cancel()
+                # Retrieve the outcome so a failed prefill is never reported as unhandled.
+                await asyncio.gather(prefill_task, return_exceptions=True)
+
+    async def _first_token(self, call, prefill_task: asyncio.Task, prefill_address: str):
+        """Wait for the first decode event, failing at once if the prefill fails first."""
+        read = asyncio.ensure_future(call.read())
+        done, _ = await asyncio.wait({read, prefill_task}, timeout=self.first_token_timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if read in done:
+            return read.result()
+        if prefill_task in done and prefill_task.exception() is not None:
+            read.cancel()
+            exc = prefill_task.exception()
+            if isinstance(exc, grpc.aio.AioRpcError):
+                raise _worker_error("prefill", prefill_address, exc)
+            raise exc
+        if not done:
+            read.cancel()
+            raise asyncio.TimeoutError
+        return await asyncio.wait_for(read, self.first_token_timeout)
+
+    async def _relay(self, call, msg, prompt_len: int, decode_address: str) -> AsyncIterator[GenerationEvent]:
+        decode_times: list[float] = []
+        prefill_ms = 0.0
+        while True:
+            if msg is grpc.aio.EOF:
+                raise WorkerError(f"decode worker {decode_address} ended the stream without a final token")
+            token = msg.token
+            if token.index == 0:
+                prefill_ms = token.time_ms
+            else:
+                decode_times.append(token.time_ms)
+            yield TokenDelta(token_id=token.token_id, text=token.text, index=token.index, time_ms=token.time_ms)
+            if token.finish_reason:
+                yield Finished(
+                    reason=FINISH_FROM_PB[token.finish_reason],
+                    prompt_tokens=prompt_len,
+                    completion_tokens=token.index + 1,
+                    matched_stop=token.matched_stop or None,
+                    prefill_time_ms=prefill_ms,
+                    decode_time_ms=tuple(decode_times),
+                )
+                return
+            msg = await call.read()

@@ -1,0 +1,67 @@
+"""The one internal request and event types every client API maps onto."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Validated sampling and stopping rules, in engine terms (top_k 0 = off)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class GenerationRequest:
+    """A tokenized request, ready for routing. `max_tokens` None means the model default."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    max_tokens: int | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class FinishReason(enum.Enum):
+    """Why generation ended, before each API names it in its own words."""
+
+    EOS = "eos"
+    STOP_STRING = "stop_string"
+    LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """One generated token and the text it released."""
+
+    token_id: int
+    text: str
+    index: int
+    time_ms: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of a successful generation."""
+
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    matched_stop: str | None = None
+    prefill_time_ms: float = 0.0
+    decode_time_ms: tuple[float, ...] = ()
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+GenerationEvent = TokenDelta | Finished

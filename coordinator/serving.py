@@ -1,0 +1,102 @@
+"""Run one generation through the pipeline and write it back as JSON or as a stream.
+
+Adapters supply a formatter; this module only moves events, so every API streams, ends and
+reports late errors the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from aiohttp import web
+
+from coordinator.errors import ApiError
+from coordinator.pipeline import RequestPipeline
+from coordinator.request import Finished, GenerationRequest, TokenDelta
+from coordinator.sse import encode_event, open_sse
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Transcript:
+    """What has been generated so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: Finished | None = None
+
+
+class ResponseFormatter(Protocol):
+    """Per-API wire format of a generation."""
+
+    done_marker: str | None
+
+    def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]: ...
+
+    def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]: ...
+
+    def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]: ...
+
+    def response(self, transcript: Transcript) -> dict: ...
+
+
+async def serve_generation(
+    http_request: web.Request,
+    pipeline: RequestPipeline,
+    request: GenerationRequest,
+    formatter: ResponseFormatter,
+    stream: bool,
+) -> web.StreamResponse:
+    transcript = Transcript()
+    events = pipeline.generate(request)
+    if not stream:
+        try:
+            async for event in events:
+                _record(transcript, event)
+        finally:
+            await events.aclose()
+        return web.json_response(formatter.response(transcript), dumps=_dumps)
+
+    response: web.StreamResponse | None = None
+    try:
+        async for event in events:
+            if response is None:
+                # Opened on the first event, so a failure before it is a plain HTTP error.
+                response = await open_sse(http_request)
+            _record(transcript, event)
+            frames = (
+                formatter.token_frames(event, transcript)
+                if isinstance(event, TokenDelta)
+                else formatter.final_frames(event, transcript)
+            )
+            for frame in frames:
+                await response.write(encode_event(frame))
+    except ApiError as error:
+        if response is None:
+            raise
+        logger.warning("request %s failed mid-stream: %s", request.request_id, error.message)
+        for frame in formatter.error_frames(error, transcript):
+            await response.write(encode_event(frame))
+    finally:
+        await events.aclose()
+    if formatter.done_marker is not None:
+        await response.write(encode_event(formatter.done_marker))
+    await response.write_eof()
+    return response
+
+
+def _record(transcript: Transcript, event) -> None:
+    if isinstance(event, TokenDelta):
+        transcript.text += event.text
+        transcript.token_ids.append(event.token_id)
+    else:
+        transcript.finished = event
+
+
+def _dumps(obj) -> str:
+    import json
+
+    return json.dumps(obj, ensure_ascii=False)

@@ -1,0 +1,20 @@
+"""Server-sent events: `data: <json>\n\n` frames on an aiohttp stream response."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+
+def encode_event(payload: dict | str) -> bytes:
+    body = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {body}\n\n".encode("utf-8")
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    return response

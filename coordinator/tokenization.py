@@ -1,0 +1,27 @@
+"""Text and chat messages to prompt token ids, with the model's own tokenizer and template."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer
+
+
+class PromptTokenizer:
+    """Tokenizes off the event loop, so a 4 MB prompt never stalls other requests."""
+
+    def __init__(self, model_dir: Path | str):
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 1 << 30))
+
+    async def encode_text(self, text: str) -> list[int]:
+        return await asyncio.to_thread(lambda: self.tokenizer(text)["input_ids"])
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        def run() -> list[int]:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+        return await asyncio.to_thread(run)

@@ -1,0 +1,81 @@
+"""gRPC calls from the coordinator to workers; the only place coordinator types meet protobuf."""
+
+from __future__ import annotations
+
+import grpc
+
+from coordinator.request import FinishReason, GenerationRequest
+from kv_transfer.grpc_transport import GRPC_OPTIONS
+from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
+
+FINISH_FROM_PB = {
+    pb.FINISH_REASON_EOS: FinishReason.EOS,
+    pb.FINISH_REASON_STOP_STRING: FinishReason.STOP_STRING,
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+}
+
+
+def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingParams:
+    s = request.sampling
+    return pb.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed or 0,
+        has_seed=s.seed is not None,
+        max_tokens=max_tokens,
+        stop=list(s.stop),
+        skip_special_tokens=s.skip_special_tokens,
+    )
+
+
+class WorkerClient:
+    """One channel per worker address, opened on first use and closed at shutdown."""
+
+    def __init__(self):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float):
+        """Start a Decode stream; the caller reads events from the returned call."""
+        stub = pb_grpc.DecodeServiceStub(self._channel(address))
+        return stub.Decode(
+            pb.DecodeRequest(
+                request_id=request.request_id,
+                prompt_len=len(request.prompt_token_ids),
+                sampling=sampling_to_pb(request, max_tokens),
+                max_seq_len=max_seq_len,
+            ),
+            timeout=timeout,
+        )
+
+    async def prefill(
+        self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float
+    ) -> pb.PrefillResponse:
+        stub = pb_grpc.PrefillServiceStub(self._channel(address))
+        return await stub.Prefill(
+            pb.PrefillRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling=sampling_to_pb(request, max_tokens),
+                decode_address=decode_address,
+            ),
+            timeout=timeout,
+        )
+
+    async def health(self, address: str, role: str, timeout: float = 2.0) -> pb.HealthResponse:
+        channel = self._channel(address)
+        stub = pb_grpc.PrefillServiceStub(channel) if role == "prefill" else pb_grpc.DecodeServiceStub(channel)
+        return await stub.Health(pb.HealthRequest(), timeout=timeout)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -1,0 +1,39 @@
+"""The KV transfer contract: what a sender sends, what a receiver yields, how each can fail."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class TransferState(enum.Enum):
+    """Life cycle of one request's KV transfer, on either side."""
+
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+class KvTransferError(Exception):
+    """A KV stream that cannot be trusted: corrupt, truncated, malformed or late."""
+
+
+@dataclass
+class TransferredKv:
+    """A prompt's KV cache as it travels: per layer (key, value), plus the prefill result."""
+
+    request_id: str
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    first_token_id: int
+    prefill_time_ms: float
+
+    @property
+    def seq_len(self) -> int:
+        return self.layers[0][0].shape[2]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)

@@ -1,0 +1,90 @@
+"""KV transfer over gRPC: a client-streaming sender on the prefill side, a servicer on the decode side."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from kv_transfer.base import KvTransferError, TransferredKv
+from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, encode_kv
+from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+# Chunks are bounded, but headers and framing need headroom above the chunk size.
+GRPC_MESSAGE_LIMIT = 64 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", GRPC_MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", GRPC_MESSAGE_LIMIT),
+]
+
+
+class GrpcKvSender:
+    """Pushes KV caches to decode workers, one cached channel per address."""
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0):
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> pb_grpc.KvReceiverStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = channel
+        return pb_grpc.KvReceiverStub(channel)
+
+    async def send(self, address: str, kv: TransferredKv) -> int:
+        """Stream `kv` to `address`; return the bytes the receiver verified."""
+        try:
+            ack = await self._stub(address).PushKv(encode_kv(kv, self.chunk_bytes), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise KvTransferError(f"KV transfer to {address} failed: {exc.code().name}: {exc.details()}") from exc
+        return ack.bytes_received
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+class KvReceiverServicer(pb_grpc.KvReceiverServicer):
+    """Verifies an incoming KV stream block by block and hands the whole cache on."""
+
+    def __init__(
+        self,
+        on_kv: Callable[[TransferredKv], None],
+        on_failure: Callable[[str, str], None],
+        max_bytes: int | None = None,
+    ):
+        self._on_kv = on_kv
+        self._on_failure = on_failure
+        self._max_bytes = max_bytes
+
+    async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.KvAck:
+        request_id = ""
+        try:
+            assembler = None
+            async for message in request_iterator:
+                if message.HasField("header"):
+                    if assembler is not None:
+                        raise KvTransferError("KV stream carries a second header")
+                    request_id = message.header.request_id
+                    assembler = KvAssembler(message.header, self._max_bytes)
+                elif assembler is None:
+                    raise KvTransferError("KV stream starts with a block instead of a header")
+                else:
+                    assembler.add(message.block)
+            if assembler is None:
+                raise KvTransferError("KV stream is empty")
+            kv = assembler.finish()
+            self._on_kv(kv)
+            return pb.KvAck(bytes_received=assembler.bytes_received)
+        except KvTransferError as exc:
+            logger.warning("rejected KV stream for request %s: %s", request_id or "?", exc)
+            if request_id:
+                self._on_failure(request_id, str(exc))
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))

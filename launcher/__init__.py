@@ -1,0 +1,1 @@
+"""The `pdserve` command: coordinator, worker, local cluster, model builder."""

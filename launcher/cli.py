@@ -1,0 +1,109 @@
+"""Entry point of the `pdserve` console script."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from launcher.logs import setup_logging
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from coordinator.app import run_coordinator
+    from coordinator.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"pdserve coordinator: invalid config:\n{exc}", file=sys.stderr)
+        return 2
+    if args.predict_ip is not None:
+        config.http_config.predict_ip = args.predict_ip
+    if args.predict_port is not None:
+        config.http_config.predict_port = args.predict_port
+    asyncio.run(run_coordinator(config))
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from worker.server import WorkerOptions, serve
+
+    model = args.model
+    if model is None:
+        from embedded_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    options = WorkerOptions(role=args.role, model_dir=model, host=args.host, port=args.port, dtype=args.dtype,
+                            kv_trans_timeout_s=args.kv_trans_timeout)
+    asyncio.run(serve(options))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from launcher.local_cluster import ClusterOptions, run_local_cluster
+
+    return run_local_cluster(ClusterOptions(config=args.config, predict_port=args.predict_port,
+                                            num_prefill=args.prefill, num_decode=args.decode, model=args.model,
+                                            log_level=args.log_level))
+
+
+def _build_model(args: argparse.Namespace) -> int:
+    from embedded_model import ModelSpec, build_model, default_model_dir
+
+    spec = ModelSpec(name=args.name, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                     num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                     num_key_value_heads=args.kv_heads)
+    out = build_model(args.out or default_model_dir(), spec)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill-decode disaggregated LLM serving.")
+    parser.add_argument("--log-level", default=None, help="debug|info|warning|error (default warning)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("coordinator", help="serve the client APIs and route to workers")
+    p.add_argument("--config", required=True, help="path to ms_coordinator.json")
+    p.add_argument("--predict-ip", default=None, help="overrides http_config.predict_ip")
+    p.add_argument("--predict-port", type=int, default=None, help="overrides http_config.predict_port")
+    p.set_defaults(func=_coordinator)
+
+    p = sub.add_parser("worker", help="run a prefill or decode worker")
+    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-trans-timeout", type=float, default=10.0, help="seconds a decode request waits for KV")
+    p.set_defaults(func=_worker)
+
+    p = sub.add_parser("up", help="start a local cluster: coordinator + prefill + decode workers")
+    p.add_argument("--config", default=None, help="ms_coordinator.json to take settings from")
+    p.add_argument("--predict-port", type=int, default=None)
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    p.set_defaults(func=_up)
+
+    p = sub.add_parser("build-model", help="build a tiny Llama checkpoint offline")
+    p.add_argument("--out", default=None, help="output folder (default: the embedded model's cache folder)")
+    p.add_argument("--name", default="pdserve-tiny")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=344)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.set_defaults(func=_build_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

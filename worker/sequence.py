@@ -1,0 +1,76 @@
+"""One request's state inside a worker, and the parameters that shape its tokens."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence stopped generating."""
+
+    EOS = "eos"
+    STOP_STRING = "stop_string"
+    LENGTH = "length"
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in the decode worker's life cycle."""
+
+    WAITING_FOR_KV = "waiting_for_kv"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each token and when to stop; ranges are validated by the coordinator."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One generated token as it leaves the engine."""
+
+    token_id: int
+    text: str
+    time_ms: float
+    index: int
+    finish_reason: FinishReason | None = None
+    matched_stop: str | None = None
+
+
+@dataclass
+class Sequence:
+    """A request being decoded: its tokens so far, its KV cache and its stopping state."""
+
+    request_id: str
+    prompt_len: int
+    sampling: SamplingParams
+    max_seq_len: int
+    status: SequenceStatus = SequenceStatus.WAITING_FOR_KV
+    output_token_ids: list[int] = field(default_factory=list)
+    # Model-runner state (a transformers cache); opaque to the scheduler.
+    kv_cache: Any = None
+    last_step_at: float = 0.0
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.num_generated
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.CANCELLED)
