@@ -9,6 +9,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from kv_transfer.base import KvTransferError, TransferredKv
@@ -77,6 +78,7 @@ class KvAssembler:
             raise KvTransferError(f"KV cache of {total} bytes exceeds the receive limit of {max_bytes} bytes")
         self.tensor_bytes = expected
         self._buffers = [torch.empty(expected, dtype=torch.uint8) for _ in range(2 * header.num_layers)]
+        self._views = [b.numpy() for b in self._buffers]  # writable views: chunks land in place
         self._received = [0] * (2 * header.num_layers)
         self.bytes_received = 0
 
@@ -93,7 +95,7 @@ class KvAssembler:
         index = 2 * block.layer + int(block.is_value)
         if block.offset != self._received[index]:
             raise KvTransferError(f"KV block for {where}: expected offset {self._received[index]}")
-        self._buffers[index][block.offset : end] = torch.frombuffer(block.data, dtype=torch.uint8)
+        self._views[index][block.offset : end] = np.frombuffer(block.data, dtype=np.uint8)
         self._received[index] = end
         self.bytes_received += len(block.data)
 

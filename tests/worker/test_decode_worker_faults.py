@@ -1,0 +1,123 @@
+"""A real decode worker fed bad KV streams by this test acting as the prefill worker."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+import pytest
+import torch
+
+from kv_transfer.base import TransferredKv
+from kv_transfer.codec import encode_kv
+from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
+from tests.conftest import CLUSTER_KV_TIMEOUT_S
+
+PROMPT_LEN = 9
+
+
+def fake_prompt_kv(request_id: str, hf_model) -> TransferredKv:
+    config = hf_model[0].config
+    head_dim = config.hidden_size // config.num_attention_heads
+    shape = (1, config.num_key_value_heads, PROMPT_LEN, head_dim)
+    layers = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
+    return TransferredKv(request_id=request_id, layers=layers, first_token_id=5, prefill_time_ms=1.0)
+
+
+@pytest.fixture
+async def decode_channel(cluster):
+    async with grpc.aio.insecure_channel(cluster.decode.address) as channel:
+        yield channel
+
+
+async def open_decode(channel, request_id: str, max_tokens: int = 4):
+    call = pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
+        request_id=request_id, prompt_len=PROMPT_LEN, max_seq_len=512,
+        sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=max_tokens, skip_special_tokens=True),
+    ), timeout=30)
+    first = await call.read()
+    assert first.HasField("accepted")
+    return call
+
+
+async def push(channel, messages):
+    return await pb_grpc.KvReceiverStub(channel).PushKv(iter(messages), timeout=30)
+
+
+async def read_all(call) -> list:
+    events = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        events.append(msg)
+    return events
+
+
+async def test_valid_kv_stream_is_decoded_to_the_end(decode_channel, hf_model):
+    rid = uuid.uuid4().hex
+    call = await open_decode(decode_channel, rid, max_tokens=4)
+    ack = await push(decode_channel, list(encode_kv(fake_prompt_kv(rid, hf_model))))
+    assert ack.bytes_received > 0
+    events = await read_all(call)
+    assert [e.token.index for e in events] == [0, 1, 2, 3]
+    assert events[0].token.token_id == 5
+    assert events[-1].token.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+async def test_corrupted_kv_block_fails_transfer_and_decode_with_checksum_error(decode_channel, hf_model):
+    rid = uuid.uuid4().hex
+    call = await open_decode(decode_channel, rid)
+    messages = list(encode_kv(fake_prompt_kv(rid, hf_model), chunk_bytes=512))
+    messages[3].block.data = b"\x00" + messages[3].block.data[1:]
+    with pytest.raises(grpc.aio.AioRpcError) as push_err:
+        await push(decode_channel, messages)
+    assert push_err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "checksum mismatch" in push_err.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as decode_err:
+        await read_all(call)
+    assert decode_err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "checksum mismatch" in decode_err.value.details()
+
+
+async def test_truncated_kv_stream_fails_transfer_and_decode(decode_channel, hf_model):
+    rid = uuid.uuid4().hex
+    call = await open_decode(decode_channel, rid)
+    messages = list(encode_kv(fake_prompt_kv(rid, hf_model), chunk_bytes=512))
+    with pytest.raises(grpc.aio.AioRpcError) as push_err:
+        await push(decode_channel, messages[:-2])
+    assert "truncated" in push_err.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as decode_err:
+        await read_all(call)
+    assert "truncated" in decode_err.value.details()
+
+
+async def test_kv_with_wrong_prompt_length_is_refused(decode_channel, hf_model):
+    rid = uuid.uuid4().hex
+    call = await open_decode(decode_channel, rid)
+    kv = fake_prompt_kv(rid, hf_model)
+    kv.layers = [(k[:, :, :-1], v[:, :, :-1]) for k, v in kv.layers]
+    with pytest.raises(grpc.aio.AioRpcError) as push_err:
+        await push(decode_channel, list(encode_kv(kv)))
+    assert "prompt has 9 tokens" in push_err.value.details()
+    with pytest.raises(grpc.aio.AioRpcError):
+        await read_all(call)
+
+
+async def test_kv_for_an_unknown_request_is_refused(decode_channel, hf_model):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await push(decode_channel, list(encode_kv(fake_prompt_kv("nobody-waits", hf_model))))
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "is waiting for a KV cache" in err.value.details()
+
+
+async def test_decode_request_whose_kv_never_arrives_times_out(decode_channel):
+    call = await open_decode(decode_channel, uuid.uuid4().hex)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await read_all(call)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert f"kv_trans_timeout={CLUSTER_KV_TIMEOUT_S}s" in err.value.details()
+
+
+def test_cluster_still_serves_after_kv_faults(http):
+    resp = http.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": 3})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 3
