@@ -1,0 +1,85 @@
+"""Sampling parameters honoured end to end: seed, top_k, stop strings, fullTextEnabled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import sse_events, start_coordinator, write_config
+
+BASE = {"model": "pdserve-tiny", "prompt": "Once upon a time", "max_tokens": 10}
+
+
+def text_of(http, **fields) -> dict:
+    resp = http.post("/v1/completions", json={**BASE, **fields})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]
+
+
+def test_same_seed_gives_the_same_sampled_text(http):
+    a = text_of(http, temperature=1.0, seed=1234)
+    b = text_of(http, temperature=1.0, seed=1234)
+    assert a["text"] == b["text"]
+
+
+def test_different_seeds_give_different_sampled_text(http):
+    texts = {text_of(http, temperature=1.5, seed=s)["text"] for s in range(1, 6)}
+    assert len(texts) > 1
+
+
+def test_top_k_one_is_greedy(http):
+    assert text_of(http, temperature=1.0, top_k=1, seed=9)["text"] == text_of(http, temperature=0)["text"]
+
+
+def test_tiny_top_p_is_greedy(http):
+    assert text_of(http, temperature=1.0, top_p=1e-5, seed=9)["text"] == text_of(http, temperature=0)["text"]
+
+
+def test_stop_string_cuts_the_output_exactly_before_it(http):
+    full = text_of(http, temperature=0)["text"]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    expected = full[: full.index(stop)]
+    choice = text_of(http, temperature=0, stop=[stop, "never-appears"])
+    assert choice["text"] == expected
+    assert choice["finish_reason"] == "stop"
+    assert choice["stop_reason"] == stop
+
+
+def test_streamed_stop_string_never_leaks_even_partially(http):
+    full = text_of(http, temperature=0)["text"]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    with http.stream("POST", "/v1/completions", json={**BASE, "temperature": 0, "stop": stop, "stream": True}) as r:
+        chunks = [json.loads(p) for p in sse_events(r.read())[:-1]]
+    emitted = ""
+    for chunk in chunks:
+        emitted += chunk["choices"][0]["text"]
+        assert stop not in emitted
+        assert full.startswith(emitted)
+    assert emitted == full[: full.index(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.fixture(scope="module")
+def full_text_url(cluster, tmp_path_factory):
+    config = write_config(tmp_path_factory.mktemp("fulltext") / "ms_coordinator.json", [cluster.prefill.address],
+                          [cluster.decode.address], cluster.model_dir, fullTextEnabled=True)
+    coordinator = start_coordinator(config)
+    yield coordinator.address
+    coordinator.stop()
+
+
+def test_full_text_enabled_streams_cumulative_text_and_full_text_at_the_end(http, full_text_url):
+    import httpx
+
+    body = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6,
+            "temperature": 0}
+    whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    with httpx.Client(base_url=full_text_url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            chunks = [json.loads(p) for p in sse_events(r.read())[:-1]]
+    contents = [c["choices"][0]["delta"]["content"] for c in chunks]
+    for shorter, longer in zip(contents, contents[1:]):
+        assert longer.startswith(shorter)
+    assert contents[-1] == whole
+    assert chunks[-1]["full_text"] == whole

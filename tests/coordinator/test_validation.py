@@ -1,0 +1,102 @@
+"""Bad input gets a 4xx in OpenAI's error format naming the field, and the server keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import CLUSTER_MAX_SEQ_LEN
+
+CHAT = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": "Hi"}]}
+COMPLETION = {"model": "pdserve-tiny", "prompt": "Hi"}
+
+OUT_OF_RANGE = [
+    ("temperature", -0.5, ">= 0.0"),
+    ("top_p", 0, "(1e-6, 1.0]"),
+    ("top_p", 1.5, "(1e-6, 1.0]"),
+    ("top_k", 0, "-1 or in (0, 2147483647]"),
+    ("top_k", -2, "-1 or in (0, 2147483647]"),
+    ("seed", 0, "(0, 18446744073709551615]"),
+    ("seed", 18446744073709551616, "(0, 18446744073709551615]"),
+    ("max_tokens", 0, "(0, 2147483647]"),
+    ("max_tokens", 2147483648, "(0, 2147483647]"),
+    ("stop", "", "1 to 32768 characters"),
+    ("stop", ["ok", ""], "at least 1 character"),
+    ("stop", ["x" * 20000, "y" * 20000], "at most 32768 characters in total"),
+]
+
+
+@pytest.mark.parametrize("path,base", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+@pytest.mark.parametrize("field,value,range_text", OUT_OF_RANGE)
+def test_out_of_range_value_is_400_naming_field_and_range(http, path, base, field, value, range_text):
+    resp = http.post(path, json={**base, field: value})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["message"].startswith(f"{field}:")
+    assert range_text in error["message"]
+    assert error["param"] == field and error["code"] == 400 and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field,value", [("n", 2), ("logprobs", True), ("presence_penalty", 0.5),
+                                         ("stream_options", {"include_usage": True}), ("ignore_eos", True)])
+def test_not_yet_supported_field_is_400_not_ignored(http, field, value):
+    resp = http.post("/v1/chat/completions", json={**CHAT, field: value})
+    assert resp.status_code == 400
+    assert f"{field} is not supported" in resp.json()["error"]["message"]
+
+
+def test_not_yet_supported_field_at_its_default_is_accepted(http):
+    resp = http.post("/v1/chat/completions", json={**CHAT, "n": 1, "presence_penalty": 0, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({**CHAT, "bogus": 1}, "bogus: unknown field"),
+    ({**CHAT, "temperature": "hot"}, "temperature:"),
+    ({**CHAT, "messages": []}, "messages:"),
+    ({**CHAT, "messages": [{"role": "user", "content": ""}]}, "non-empty content"),
+    ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": CHAT["messages"]}, "model:"),
+])
+def test_malformed_chat_body_is_400_naming_the_problem(http, body, needle):
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400
+    assert needle in resp.json()["error"]["message"]
+
+
+def test_invalid_json_is_400(http):
+    resp = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    assert "not valid JSON" in resp.json()["error"]["message"]
+
+
+def test_non_object_body_is_400(http):
+    assert http.post("/v1/completions", json=[1, 2]).status_code == 400
+
+
+def test_unknown_model_is_404_in_openai_format(http):
+    resp = http.post("/v1/completions", json={**COMPLETION, "model": "gpt-9"})
+    assert resp.status_code == 404
+    assert resp.json()["error"]["param"] == "model"
+
+
+def test_prompt_over_the_token_limit_is_400_naming_the_limits(http):
+    resp = http.post("/v1/completions", json={**COMPLETION, "prompt": "hello world " * CLUSTER_MAX_SEQ_LEN})
+    assert resp.status_code == 400
+    message = resp.json()["error"]["message"]
+    assert f"maxSeqLen-1={CLUSTER_MAX_SEQ_LEN - 1}" in message and "maxInputTokenLen" in message
+
+
+def test_prompt_over_4mb_is_413(http):
+    resp = http.post("/v1/completions", json={**COMPLETION, "prompt": "a" * (4 * 1024 * 1024 + 1)})
+    assert resp.status_code == 413
+
+
+def test_unknown_path_and_wrong_method_answer_in_openai_format(http):
+    assert http.get("/v1/nothing").json()["error"]["code"] == 404
+    resp = http.get("/v1/completions")
+    assert resp.status_code == 405 and resp.json()["error"]["code"] == 405
+
+
+def test_server_keeps_serving_after_bad_requests(http):
+    resp = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
