@@ -38,12 +38,22 @@ class ModelLimits:
                 param=param,
             )
 
-    def generation_cap(self, requested: int | None) -> int:
+    def generation_cap(self, requested: int | None, prompt_tokens: int, param: str = "max_tokens") -> int:
         """Tokens to generate, the prefill worker's first one included.
 
         The decode worker runs at most maxIterTimes steps after the first token, so a request
         capped by maxIterTimes (or asking for nothing or for more) gets maxIterTimes + 1 tokens.
+        A request that names more tokens than fit after its prompt in maxSeqLen can never be
+        served and is refused; one that names none stops at maxSeqLen.
         """
+        room = self.max_seq_len - prompt_tokens
+        if requested is not None and requested > room:
+            raise ApiError(
+                400,
+                f"{param}={requested} plus the prompt's {prompt_tokens} tokens exceeds maxSeqLen={self.max_seq_len}; "
+                f"at most {room} tokens can be generated for this prompt",
+                param=param,
+            )
         if requested is None or requested > self.max_iter_times:
-            return self.max_iter_times + 1
+            return min(self.max_iter_times + 1, room)
         return requested

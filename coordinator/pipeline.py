@@ -37,7 +37,7 @@ class RequestPipeline:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         route = self.router.route()
-        max_tokens = self.limits.generation_cap(request.max_tokens)
+        max_tokens = self.limits.generation_cap(request.max_tokens, len(request.prompt_token_ids))
         call = self.client.open_decode(route.decode, request, max_tokens, self.limits.max_seq_len, self.infer_timeout)
         prefill_task: asyncio.Task | None = None
         try:

@@ -25,28 +25,35 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
+def encode_header(request_id: str, dtype: torch.dtype, num_layers: int, shape: tuple[int, ...]) -> pb.KvMessage:
+    """The first message of a KV stream."""
+    if dtype not in DTYPE_NAMES:
+        raise KvTransferError(f"unsupported KV dtype {dtype}")
+    tensor_bytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    return pb.KvMessage(header=pb.KvHeader(request_id=request_id, dtype=DTYPE_NAMES[dtype], num_layers=num_layers,
+                                           shape=list(shape), tensor_bytes=tensor_bytes))
+
+
+def encode_layer(layer: int, key: torch.Tensor, value: torch.Tensor, chunk_bytes: int) -> Iterator[pb.KvMessage]:
+    """All blocks of one layer's key then value tensor."""
+    yield from encode_tensor(layer, False, key, chunk_bytes)
+    yield from encode_tensor(layer, True, value, chunk_bytes)
+
+
+def encode_trailer(first_token_id: int, prefill_time_ms: float) -> pb.KvMessage:
+    """The last message of a KV stream."""
+    return pb.KvMessage(trailer=pb.KvTrailer(first_token_id=first_token_id, prefill_time_ms=prefill_time_ms))
+
+
 def encode_kv(kv: TransferredKv, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.KvMessage]:
-    """Yield the header then every block of every layer's key and value tensors."""
+    """A whole, already computed cache as one stream: header, every layer, trailer."""
     if not kv.layers:
         raise KvTransferError("a KV cache needs at least one layer")
     key0 = kv.layers[0][0]
-    if key0.dtype not in DTYPE_NAMES:
-        raise KvTransferError(f"unsupported KV dtype {key0.dtype}")
-    tensor_bytes = key0.numel() * key0.element_size()
-    yield pb.KvMessage(
-        header=pb.KvHeader(
-            request_id=kv.request_id,
-            dtype=DTYPE_NAMES[key0.dtype],
-            num_layers=len(kv.layers),
-            shape=list(key0.shape),
-            tensor_bytes=tensor_bytes,
-            first_token_id=kv.first_token_id,
-            prefill_time_ms=kv.prefill_time_ms,
-        )
-    )
+    yield encode_header(kv.request_id, key0.dtype, len(kv.layers), tuple(key0.shape))
     for layer, (key, value) in enumerate(kv.layers):
-        for is_value, tensor in ((False, key), (True, value)):
-            yield from encode_tensor(layer, is_value, tensor, chunk_bytes)
+        yield from encode_layer(layer, key, value, chunk_bytes)
+    yield encode_trailer(kv.first_token_id, kv.prefill_time_ms)
 
 
 def encode_tensor(layer: int, is_value: bool, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[pb.KvMessage]:
@@ -77,10 +84,22 @@ class KvAssembler:
         if max_bytes is not None and total > max_bytes:
             raise KvTransferError(f"KV cache of {total} bytes exceeds the receive limit of {max_bytes} bytes")
         self.tensor_bytes = expected
+        self.trailer: pb.KvTrailer | None = None
         self._buffers = [torch.empty(expected, dtype=torch.uint8) for _ in range(2 * header.num_layers)]
         self._views = [b.numpy() for b in self._buffers]  # writable views: chunks land in place
         self._received = [0] * (2 * header.num_layers)
         self.bytes_received = 0
+
+    def add_message(self, message: pb.KvMessage) -> None:
+        """Take the next message after the header."""
+        if self.trailer is not None:
+            raise KvTransferError("KV stream continues after its trailer")
+        if message.HasField("block"):
+            self.add(message.block)
+        elif message.HasField("trailer"):
+            self.trailer = message.trailer
+        else:
+            raise KvTransferError("KV stream carries a second header")
 
     def add(self, block: pb.KvBlock) -> None:
         """Verify one block and copy it into place."""
@@ -108,11 +127,13 @@ class KvAssembler:
                 f"KV stream truncated: layer {i // 2} {'value' if i % 2 else 'key'} has "
                 f"{self._received[i]} of {self.tensor_bytes} bytes"
             )
+        if self.trailer is None:
+            raise KvTransferError("KV stream truncated: it ended without its trailer")
         tensors = [b.view(self.dtype).reshape(self.shape) for b in self._buffers]
         layers = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(self.header.num_layers)]
         return TransferredKv(
             request_id=self.header.request_id,
             layers=layers,
-            first_token_id=self.header.first_token_id,
-            prefill_time_ms=self.header.prefill_time_ms,
+            first_token_id=self.trailer.first_token_id,
+            prefill_time_ms=self.trailer.prefill_time_ms,
         )

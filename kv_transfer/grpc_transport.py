@@ -38,9 +38,13 @@ class GrpcKvSender:
         return pb_grpc.KvReceiverStub(channel)
 
     async def send(self, address: str, kv: TransferredKv) -> int:
-        """Stream `kv` to `address`; return the bytes the receiver verified."""
+        """Stream a computed cache to `address`; return the bytes the receiver verified."""
+        return await self.send_stream(address, encode_kv(kv, self.chunk_bytes))
+
+    async def send_stream(self, address: str, messages) -> int:
+        """Stream KV messages (an iterator or async iterator, header first) to `address`."""
         try:
-            ack = await self._stub(address).PushKv(encode_kv(kv, self.chunk_bytes), timeout=self.timeout_s)
+            ack = await self._stub(address).PushKv(messages, timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise KvTransferError(f"KV transfer to {address} failed: {exc.code().name}: {exc.details()}") from exc
         return ack.bytes_received
@@ -69,15 +73,13 @@ class KvReceiverServicer(pb_grpc.KvReceiverServicer):
         try:
             assembler = None
             async for message in request_iterator:
-                if message.HasField("header"):
-                    if assembler is not None:
-                        raise KvTransferError("KV stream carries a second header")
+                if assembler is not None:
+                    assembler.add_message(message)
+                elif message.HasField("header"):
                     request_id = message.header.request_id
                     assembler = KvAssembler(message.header, self._max_bytes)
-                elif assembler is None:
-                    raise KvTransferError("KV stream starts with a block instead of a header")
                 else:
-                    assembler.add(message.block)
+                    raise KvTransferError("KV stream does not start with a header")
             if assembler is None:
                 raise KvTransferError("KV stream is empty")
             kv = assembler.finish()

@@ -35,7 +35,9 @@ def _worker(args: argparse.Namespace) -> int:
 
         model = str(ensure_default_model())
     options = WorkerOptions(role=args.role, model_dir=model, host=args.host, port=args.port, dtype=args.dtype,
-                            kv_trans_timeout_s=args.kv_trans_timeout)
+                            kv_trans_timeout_s=args.kv_trans_timeout, kv_lease_timeout_s=args.kv_lease_timeout,
+                            kv_budget_tokens=args.kv_budget_tokens, max_prefill_tokens=args.max_prefill_tokens,
+                            max_prefill_batch_size=args.max_prefill_batch_size, max_running=args.max_running)
     asyncio.run(serve(options))
     return 0
 
@@ -77,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-trans-timeout", type=float, default=10.0, help="seconds a decode request waits for KV")
+    p.add_argument("--kv-lease-timeout", type=float, default=30.0,
+                   help="seconds a prefill worker holds a KV cache for the decode worker to confirm")
+    p.add_argument("--kv-budget-tokens", type=int, default=None,
+                   help="KV budget in token positions (default: 40%% of the memory free at start-up)")
+    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded tokens per prefill forward")
+    p.add_argument("--max-prefill-batch-size", type=int, default=16, help="prompts per prefill forward")
+    p.add_argument("--max-running", type=int, default=64, help="sequences per decode step")
     p.set_defaults(func=_worker)
 
     p = sub.add_parser("up", help="start a local cluster: coordinator + prefill + decode workers")

@@ -107,34 +107,46 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("role", "model", "num_running", "num_waiting")
+    __slots__ = ("role", "model", "num_running", "num_waiting", "kv_capacity_tokens", "kv_used_tokens", "num_kv_leases", "queued_prompt_tokens")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_LEASES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_running: int
     num_waiting: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    num_kv_leases: int
+    queued_prompt_tokens: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes", "first_token_id", "prefill_time_ms")
+    __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     dtype: str
     num_layers: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     tensor_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., tensor_bytes: _Optional[int] = ...) -> None: ...
+
+class KvTrailer(_message.Message):
+    __slots__ = ("first_token_id", "prefill_time_ms")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_time_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., tensor_bytes: _Optional[int] = ..., first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ...) -> None: ...
 
 class KvBlock(_message.Message):
     __slots__ = ("layer", "is_value", "offset", "data", "crc32")
@@ -151,12 +163,14 @@ class KvBlock(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., is_value: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class KvMessage(_message.Message):
-    __slots__ = ("header", "block")
+    __slots__ = ("header", "block", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: KvHeader
     block: KvBlock
-    def __init__(self, header: _Optional[_Union[KvHeader, _Mapping]] = ..., block: _Optional[_Union[KvBlock, _Mapping]] = ...) -> None: ...
+    trailer: KvTrailer
+    def __init__(self, header: _Optional[_Union[KvHeader, _Mapping]] = ..., block: _Optional[_Union[KvBlock, _Mapping]] = ..., trailer: _Optional[_Union[KvTrailer, _Mapping]] = ...) -> None: ...
 
 class KvAck(_message.Message):
     __slots__ = ("bytes_received",)

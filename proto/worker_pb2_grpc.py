@@ -288,7 +288,7 @@ class KvReceiverServicer:
     """
 
     def PushKv(self, request_iterator, context):
-        """Client stream: a header, then every block of every layer; acknowledged once verified.
+        """Client stream: a header, every block of every layer, a trailer; acknowledged once verified.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

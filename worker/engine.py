@@ -1,19 +1,22 @@
 """The engines behind the gRPC servers.
 
 Prefill worker, one request's life:
-  1. `PrefillEngine.prefill` queues the prompt on the engine thread (one forward at a time).
-  2. The forward fills the KV cache; the first token is sampled from the last position.
-  3. The server pushes the KV cache to the decode worker named in the request and answers
-     the coordinator once the decode worker has verified and acknowledged every byte.
+  1. `PrefillEngine.submit` waits in line until the KV budget can hold the prompt (the lease
+     starts here), then queues the prompt for the engine thread.
+  2. The engine thread prefills queued prompts together, right-padded, within the token and
+     batch-size budgets; each layer's KV is handed out as soon as that layer has run.
+  3. The server streams header, layers and trailer (first token, timing) to the decode worker.
+  4. `PrefillEngine.release` ends the lease when the decode worker confirms receipt, when the
+     lease expires, or when the request is cancelled, whichever comes first.
 
 Decode worker, one request's life:
-  1. `DecodeEngine.register` is called when the coordinator opens the Decode stream; the
-     request waits for its KV cache (bounded by the receive timeout).
-  2. `DecodeEngine.on_kv` receives the verified cache from the prefill worker; the sequence is
-     handed to the engine thread, which emits the prefill worker's first token at once.
-  3. Every engine step runs one decode forward for the running sequences, samples a token
-     each, and posts the tokens to their streams; a finished or cancelled sequence leaves the
-     scheduler at once and drops its cache.
+  1. `DecodeEngine.register` + `admit`: the coordinator's Decode stream waits in line until the
+     KV budget can hold prompt + max tokens, then is told `accepted`.
+  2. `DecodeEngine.on_kv` receives the verified cache; the engine thread emits the prefill
+     worker's first token at once and queues the sequence for the batch.
+  3. Every step runs one batched forward over all running sequences; a sequence joins at the
+     next step and a finished or cancelled one leaves at once, freeing its rows.
+  4. `DecodeEngine.release` (end of the stream, for any reason) frees the budget.
 """
 
 from __future__ import annotations
@@ -23,46 +26,121 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
 from kv_transfer.base import KvTransferError, TransferredKv
+from worker.kv_budget import KvAdmission, KvBudget
 from worker.model_runner import ModelRunner
 from worker.output import OutputProcessor
 from worker.sampling import sample_token
-from worker.scheduler import DecodeScheduler
+from worker.scheduler import DecodeScheduler, PrefillScheduler
 from worker.sequence import SamplingParams, Sequence, SequenceStatus, TokenOutput
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
+class PrefillJob:
+    """One prompt on the prefill worker, from admission to the end of its KV lease."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    submitted_at: float
+    # ("layer", i, key, value) | ("done", first_token_id, prefill_ms) | ("error", message)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
 class PrefillEngine:
-    """Runs prompts one forward at a time on a dedicated thread."""
+    """Batched prefill on a dedicated thread, behind a KV budget with leases."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, budget_tokens: int, max_batch_tokens: int = 8192,
+                 max_batch_size: int = 16):
         self.runner = runner
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
-        self.num_queued = 0
+        self.admission = KvAdmission(KvBudget(budget_tokens))
+        self.scheduler = PrefillScheduler(max_batch_tokens, max_batch_size)
+        self.leases: dict[str, PrefillJob] = {}
+        self.num_running = 0
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> TransferredKv:
-        """Compute the prompt's KV cache and sample the first token."""
-        self.num_queued += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._prefill_sync, request_id, prompt_token_ids, sampling
-            )
-        finally:
-            self.num_queued -= 1
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
 
-    def _prefill_sync(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> TransferredKv:
-        start = time.perf_counter()
-        logits, layers = self.runner.prefill(prompt_token_ids)
-        first = sample_token(logits, sampling, index=0)
-        elapsed_ms = (time.perf_counter() - start) * 1000
-        return TransferredKv(request_id=request_id, layers=layers, first_token_id=first, prefill_time_ms=elapsed_ms)
+    @property
+    def num_queued_tokens(self) -> int:
+        with self._cond:
+            return self.scheduler.num_queued_tokens
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> PrefillJob:
+        """Wait for KV budget, then queue the prompt; the caller must `release` the job."""
+        if request_id in self.leases:
+            raise ValueError(f"request {request_id!r} is already on this prefill worker")
+        submitted_at = time.perf_counter()
+        await self.admission.acquire(request_id, len(prompt_token_ids))
+        job = PrefillJob(request_id, prompt_token_ids, sampling, submitted_at)
+        self.leases[request_id] = job
+        with self._cond:
+            self.scheduler.add(job)
+            self._cond.notify()
+        return job
+
+    def release(self, job: PrefillJob) -> None:
+        """End the job's lease: its KV is dropped and its budget returned."""
+        job.cancelled = True
+        with self._cond:
+            self.scheduler.remove(job)
+        if self.leases.pop(job.request_id, None) is not None:
+            self.admission.release(job.request_id)
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _emit(self, job: PrefillJob, item: tuple) -> None:
+        if not job.cancelled:
+            self._loop.call_soon_threadsafe(job.events.put_nowait, item)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self.scheduler.queue:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                batch = [job for job in self.scheduler.next_batch() if not job.cancelled]
+                self.num_running = len(batch)
+            if batch:
+                self._prefill(batch)
+            self.num_running = 0
+
+    def _prefill(self, batch: list[PrefillJob]) -> None:
+        lengths = [job.num_tokens for job in batch]
+
+        def on_layer(i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            for row, (job, n) in enumerate(zip(batch, lengths)):
+                self._emit(job, ("layer", i, keys[row : row + 1, :, :n], values[row : row + 1, :, :n]))
+
+        try:
+            logits, _ = self.runner.prefill([job.prompt_token_ids for job in batch], on_layer)
+            for row, job in enumerate(batch):
+                first = sample_token(logits[row], job.sampling, index=0)
+                self._emit(job, ("done", first, (time.perf_counter() - job.submitted_at) * 1000))
+        except Exception as exc:  # a failed forward must fail its requests, not hang them
+            logger.exception("prefill of %d prompts failed", len(batch))
+            for job in batch:
+                self._emit(job, ("error", f"prefill failed on the worker: {exc}"))
 
 
 @dataclass
@@ -76,12 +154,18 @@ class DecodeHandle:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     kv_arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
+    @property
+    def kv_reservation(self) -> int:
+        """Positions this request may fill: the prompt plus every token it may generate."""
+        return min(self.prompt_len + self.sampling.max_tokens, self.max_seq_len)
+
 
 class DecodeEngine:
-    """Continuous decode loop on its own thread, fed by KV arrivals, read by gRPC streams."""
+    """Continuous batching on its own thread, fed by KV arrivals, read by gRPC streams."""
 
-    def __init__(self, runner: ModelRunner, max_running: int = 256):
+    def __init__(self, runner: ModelRunner, budget_tokens: int, max_running: int = 64):
         self.runner = runner
+        self.admission = KvAdmission(KvBudget(budget_tokens))
         self.scheduler = DecodeScheduler(max_running=max_running)
         self._handles: dict[str, DecodeHandle] = {}
         self._processors: dict[str, OutputProcessor] = {}
@@ -96,7 +180,7 @@ class DecodeEngine:
         self._thread.start()
 
     @property
-    def num_pending(self) -> int:
+    def num_pending_kv(self) -> int:
         return sum(1 for h in self._handles.values() if not h.kv_arrived.is_set())
 
     def register(self, request_id: str, prompt_len: int, sampling: SamplingParams, max_seq_len: int) -> DecodeHandle:
@@ -106,6 +190,10 @@ class DecodeEngine:
         self._handles[request_id] = handle
         return handle
 
+    async def admit(self, handle: DecodeHandle) -> None:
+        """Wait until the KV budget holds this request (raises KvCapacityError if it never can)."""
+        await self.admission.acquire(handle.request_id, handle.kv_reservation)
+
     def on_kv(self, kv: TransferredKv) -> None:
         """Hand a verified KV cache to its waiting request; raise if nobody waits for it."""
         handle = self._handles.get(kv.request_id)
@@ -114,7 +202,7 @@ class DecodeEngine:
         if kv.seq_len != handle.prompt_len:
             raise KvTransferError(f"KV cache holds {kv.seq_len} positions but the prompt has {handle.prompt_len} tokens")
         seq = Sequence(kv.request_id, handle.prompt_len, handle.sampling, handle.max_seq_len)
-        self.runner.attach_kv(seq, kv.layers)
+        seq.pending_kv = kv.layers
         handle.kv_arrived.set()
         self._inbox.put(("add", seq, kv))
 
@@ -125,9 +213,10 @@ class DecodeEngine:
             handle.events.put_nowait(KvTransferError(message))
 
     def release(self, request_id: str) -> None:
-        """Forget a request; if it is still decoding, cancel it and free its cache."""
+        """Forget a request: cancel it if it still decodes, and free its KV budget."""
         if self._handles.pop(request_id, None) is not None:
             self._inbox.put(("cancel", request_id, None))
+        self.admission.release(request_id)
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -159,38 +248,41 @@ class DecodeEngine:
 
     def _admit(self, seq: Sequence, kv: TransferredKv) -> None:
         processor = OutputProcessor(seq, self.runner.tokenizer, self.runner.eos_token_ids)
-        self._processors[seq.request_id] = processor
         output = processor.append(kv.first_token_id, kv.prefill_time_ms)
         seq.last_step_at = time.perf_counter()
         self._emit(seq.request_id, output)
         if output.finish_reason is None:
+            self._processors[seq.request_id] = processor
             self.scheduler.add(seq)
-        else:
-            self._processors.pop(seq.request_id, None)
 
     def _retire(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)
+        self.runner.leave(seq.request_id)
+        seq.pending_kv = None
         self._processors.pop(seq.request_id, None)
 
     def _run(self) -> None:
         while not self._stopped.is_set():
             self._drain_inbox(block=not self.scheduler.running and not self.scheduler.waiting)
-            seqs = self.scheduler.schedule()
-            if not seqs:
+            joined, batch = self.scheduler.schedule()
+            if not batch:
                 continue
             try:
-                self._step(seqs)
+                for seq in joined:
+                    self.runner.join(seq, seq.pending_kv)
+                    seq.pending_kv = None
+                self._step(batch)
             except Exception:  # a model failure must end the affected streams, not hang them
                 logger.exception("decode step failed")
-                for seq in seqs:
+                for seq in batch:
                     self._retire(seq, SequenceStatus.CANCELLED)
                     self._loop.call_soon_threadsafe(self.fail, seq.request_id, "decode step failed on the worker")
 
-    def _step(self, seqs: list[Sequence]) -> None:
-        all_logits = self.runner.decode(seqs)
+    def _step(self, batch: list[Sequence]) -> None:
+        all_logits = self.runner.decode(batch)
         now = time.perf_counter()
-        for seq, logits in zip(seqs, all_logits):
-            token = sample_token(logits, seq.sampling, index=seq.num_generated)
+        for seq in batch:
+            token = sample_token(all_logits[seq.request_id], seq.sampling, index=seq.num_generated)
             output = self._processors[seq.request_id].append(token, (now - seq.last_step_at) * 1000)
             seq.last_step_at = now
             self._emit(seq.request_id, output)

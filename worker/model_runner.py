@@ -1,24 +1,29 @@
-"""The only torch-heavy module: loads a checkpoint and runs prefill and decode forwards."""
+"""The only torch-heavy module: loads a checkpoint and runs batched prefill and decode forwards."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
-from worker.kv_cache import cache_to_layers, layers_to_cache
+from worker.batch_cache import BatchedKvCache
 from worker.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
+KvLayers = list[tuple[torch.Tensor, torch.Tensor]]
+# Called from inside the forward as soon as layer `i` has its keys and values for every row.
+LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+
 
 class ModelRunner:
-    """Owns the model and tokenizer of one worker; every call runs on the engine thread."""
+    """Owns the model, the tokenizer and the decode batch's cache; called only from engine threads."""
 
     def __init__(self, model_dir: Path | str, dtype: str = "auto"):
         self.model_dir = Path(model_dir)
@@ -31,26 +36,84 @@ class ModelRunner:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        self.batch = BatchedKvCache(self.config)
+        self._decoder_layers = self._find_decoder_layers()
         logger.info("loaded %s (%s, %s)", self.model_dir, type(self.model).__name__, self.model.dtype)
 
-    @torch.inference_mode()
-    def prefill(self, prompt_token_ids: list[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Run the prompt; return the last position's logits and the per-layer KV cache."""
-        input_ids = torch.tensor([prompt_token_ids], dtype=torch.long)
-        out = self.model(input_ids=input_ids, use_cache=True)
-        return out.logits[0, -1].float(), cache_to_layers(out.past_key_values)
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
-    def attach_kv(self, seq: Sequence, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Give a sequence the cache it will continue from."""
-        seq.kv_cache = layers_to_cache(layers, self.config)
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def kv_shape(self, seq_len: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's key (or value) tensor for one sequence of `seq_len` positions."""
+        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        return (1, kv_heads, seq_len, head_dim)
+
+    def kv_bytes_per_token(self) -> int:
+        _, kv_heads, _, head_dim = self.kv_shape(1)
+        return 2 * self.num_layers * kv_heads * head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    def _find_decoder_layers(self):
+        base = getattr(self.model, "model", None)
+        layers = getattr(base, "layers", None)
+        return list(layers) if layers is not None and len(layers) == self.num_layers else None
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """One decode step for each sequence: feed its last token, return next-token logits."""
-        logits = []
-        for seq in seqs:
-            input_ids = torch.tensor([[seq.output_token_ids[-1]]], dtype=torch.long)
-            out = self.model(input_ids=input_ids, past_key_values=seq.kv_cache, use_cache=True)
-            seq.kv_cache = out.past_key_values
-            logits.append(out.logits[0, -1].float())
-        return logits
+    def prefill(self, prompts: list[list[int]], on_layer: LayerCallback | None = None) -> tuple[torch.Tensor, list[KvLayers]]:
+        """Run right-padded prompts in one forward; return last-position logits [B, V] and each row's KV."""
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        pad_id = self.tokenizer.pad_token_id or 0
+        input_ids = torch.tensor([p + [pad_id] * (width - len(p)) for p in prompts], dtype=torch.long)
+        mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
+        cache = DynamicCache(config=self.config)
+        hooks = []
+        if on_layer is not None and self._decoder_layers is not None:
+            # Hand each layer's KV out while later layers still compute, so its transfer can start.
+            for i, layer in enumerate(self._decoder_layers):
+                hooks.append(layer.register_forward_hook(
+                    lambda _m, _in, _out, i=i: on_layer(i, cache.layers[i].keys, cache.layers[i].values)))
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=mask if len(prompts) > 1 else None,
+                             past_key_values=cache, use_cache=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if on_layer is not None and self._decoder_layers is None:
+            for i, layer in enumerate(cache.layers):
+                on_layer(i, layer.keys, layer.values)
+        last = torch.tensor(lengths) - 1
+        logits = out.logits[torch.arange(len(prompts)), last].float()
+        rows = [[(l.keys[r : r + 1, :, :n], l.values[r : r + 1, :, :n]) for l in cache.layers]
+                for r, n in enumerate(lengths)]
+        return logits, rows
+
+    def join(self, seq: Sequence, layers: KvLayers) -> None:
+        """Put a sequence's transferred cache into the decode batch."""
+        self.batch.add(seq.request_id, layers)
+
+    def leave(self, request_id: str) -> None:
+        """Take a sequence out of the decode batch and drop its cache."""
+        if request_id in self.batch.request_ids:
+            self.batch.remove(request_id)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        """One batched decode step over every sequence in the batch; next-token logits by request id."""
+        by_id = {s.request_id: s for s in seqs}
+        order = list(self.batch.request_ids)
+        if set(order) != set(by_id):
+            raise RuntimeError("decode batch and running sequences disagree")
+        mask, positions = self.batch.step_inputs(order)
+        input_ids = torch.tensor([[by_id[r].output_token_ids[-1]] for r in order], dtype=torch.long)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=self.batch.cache, use_cache=True)
+        self.batch.cache = out.past_key_values
+        self.batch.advance()
+        logits = out.logits[:, -1].float()
+        return {r: logits[i] for i, r in enumerate(order)}

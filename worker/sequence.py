@@ -59,8 +59,8 @@ class Sequence:
     max_seq_len: int
     status: SequenceStatus = SequenceStatus.WAITING_FOR_KV
     output_token_ids: list[int] = field(default_factory=list)
-    # Model-runner state (a transformers cache); opaque to the scheduler.
-    kv_cache: Any = None
+    # The transferred KV cache until the sequence joins the decode batch; opaque to the scheduler.
+    pending_kv: Any = None
     last_step_at: float = 0.0
 
     @property

@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass
 
 import grpc
 
 from kv_transfer.base import KvTransferError
+from kv_transfer.codec import encode_header, encode_layer, encode_trailer
 from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverServicer
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from worker.engine import DecodeEngine, PrefillEngine
+from worker.engine import DecodeEngine, PrefillEngine, PrefillJob
+from worker.kv_budget import KvCapacityError, default_capacity_tokens
 from worker.model_runner import ModelRunner
 from worker.sequence import FinishReason, SamplingParams, TokenOutput
 
@@ -37,7 +40,12 @@ class WorkerOptions:
     port: int = 0
     dtype: str = "auto"
     kv_trans_timeout_s: float = 10.0
+    kv_lease_timeout_s: float = 30.0
     kv_chunk_bytes: int = 4 * 1024 * 1024
+    kv_budget_tokens: int | None = None  # None: a share of the memory free at start-up
+    max_prefill_tokens: int = 8192
+    max_prefill_batch_size: int = 16
+    max_running: int = 64
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -68,31 +76,78 @@ def token_to_pb(output: TokenOutput) -> pb.DecodeEvent:
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     """Prefill, then push the KV cache to the decode worker the coordinator chose."""
 
-    def __init__(self, engine: PrefillEngine, sender: GrpcKvSender):
+    def __init__(self, engine: PrefillEngine, sender: GrpcKvSender, lease_timeout_s: float, chunk_bytes: int):
         self.engine = engine
         self.sender = sender
+        self.lease_timeout_s = lease_timeout_s
+        self.chunk_bytes = chunk_bytes
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
-        kv = await self.engine.prefill(
-            request.request_id, list(request.prompt_token_ids), sampling_from_pb(request.sampling)
-        )
-        loop = asyncio.get_running_loop()
-        start = loop.time()
         try:
-            sent = await self.sender.send(request.decode_address, kv)
+            job = await self.engine.submit(request.request_id, list(request.prompt_token_ids),
+                                           sampling_from_pb(request.sampling))
+        except KvCapacityError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        stream = PrefillKvStream(job, self.engine.runner, self.chunk_bytes)
+        start = time.perf_counter()
+        try:
+            sent = await asyncio.wait_for(self.sender.send_stream(request.decode_address, stream.messages()),
+                                          self.lease_timeout_s)
+        except asyncio.TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"KV lease of request {request.request_id} expired after {self.lease_timeout_s}s before "
+                f"decode worker {request.decode_address} confirmed receipt",
+            )
         except KvTransferError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return pb.PrefillResponse(
-            first_token_id=kv.first_token_id,
-            prefill_time_ms=kv.prefill_time_ms,
-            kv_bytes=sent,
-            kv_transfer_ms=(loop.time() - start) * 1000,
-        )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, stream.error or str(exc))
+        finally:
+            self.engine.release(job)
+        return pb.PrefillResponse(first_token_id=stream.first_token_id, prefill_time_ms=stream.prefill_time_ms,
+                                  kv_bytes=sent, kv_transfer_ms=(time.perf_counter() - start) * 1000)
 
     async def Health(self, request, context) -> pb.HealthResponse:
-        return pb.HealthResponse(role="prefill", model=str(self.engine.runner.model_dir), num_waiting=self.engine.num_queued)
+        budget = self.engine.admission.budget
+        return pb.HealthResponse(
+            role="prefill", model=str(self.engine.runner.model_dir), num_running=self.engine.num_running,
+            num_waiting=self.engine.admission.num_waiting + len(self.engine.scheduler.queue),
+            kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used, num_kv_leases=len(self.engine.leases),
+            queued_prompt_tokens=self.engine.num_queued_tokens,
+        )
+
+
+class PrefillKvStream:
+    """The KV messages of one prefill job, produced while its forward runs."""
+
+    def __init__(self, job: PrefillJob, runner, chunk_bytes: int):
+        self.job = job
+        self.runner = runner
+        self.chunk_bytes = chunk_bytes
+        self.first_token_id = -1
+        self.prefill_time_ms = 0.0
+        self.error: str | None = None
+
+    async def messages(self):
+        job = self.job
+        yield encode_header(job.request_id, self.runner.dtype, self.runner.num_layers,
+                            self.runner.kv_shape(job.num_tokens))
+        while True:
+            item = await job.events.get()
+            if item[0] == "layer":
+                for message in encode_layer(item[1], item[2], item[3], self.chunk_bytes):
+                    yield message
+            elif item[0] == "done":
+                self.first_token_id, self.prefill_time_ms = item[1], item[2]
+                yield encode_trailer(item[1], item[2])
+                return
+            else:
+                # Ending without a trailer makes the decode worker reject the stream as truncated.
+                self.error = item[1]
+                return
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -114,6 +169,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         try:
+            try:
+                await self.engine.admit(handle)
+            except KvCapacityError as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             yield pb.DecodeEvent(accepted=pb.Accepted())
             try:
                 await asyncio.wait_for(handle.kv_arrived.wait(), self.kv_trans_timeout_s)
@@ -135,26 +194,29 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             self.engine.release(request.request_id)
 
     async def Health(self, request, context) -> pb.HealthResponse:
+        budget = self.engine.admission.budget
         return pb.HealthResponse(
-            role="decode",
-            model=str(self.engine.runner.model_dir),
-            num_running=self.engine.scheduler.num_running,
-            num_waiting=self.engine.num_pending + self.engine.scheduler.num_waiting,
+            role="decode", model=str(self.engine.runner.model_dir), num_running=self.engine.scheduler.num_running,
+            num_waiting=self.engine.admission.num_waiting + self.engine.num_pending_kv + self.engine.scheduler.num_waiting,
+            kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used,
         )
 
 
 async def serve(options: WorkerOptions) -> None:
     """Load the model, serve until SIGTERM/SIGINT, then stop gracefully."""
     runner = ModelRunner(options.model_dir, options.dtype)
+    budget = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token())
     server = grpc.aio.server(options=GRPC_OPTIONS)
     closers = []
     if options.role == "prefill":
-        engine = PrefillEngine(runner)
-        sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes)
-        pb_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(engine, sender), server)
+        engine = PrefillEngine(runner, budget, options.max_prefill_tokens, options.max_prefill_batch_size)
+        engine.start()
+        sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s)
+        servicer = PrefillServicer(engine, sender, options.kv_lease_timeout_s, options.kv_chunk_bytes)
+        pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
         closers.append(sender.close)
     elif options.role == "decode":
-        engine = DecodeEngine(runner)
+        engine = DecodeEngine(runner, budget, options.max_running)
         engine.start()
         pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, options.kv_trans_timeout_s), server)
         pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(engine.on_kv, engine.fail), server)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import CLUSTER_MAX_ITER_TIMES, sse_events
+from tests.conftest import CLUSTER_MAX_ITER_TIMES, CLUSTER_MAX_SEQ_LEN, sse_events
 
 PROMPT = "The scheduler counts every batch"
 
@@ -26,7 +26,7 @@ def complete(http, stream: bool, **fields) -> dict:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("max_tokens", [None, CLUSTER_MAX_ITER_TIMES + 1, 1000])
+@pytest.mark.parametrize("max_tokens", [None, CLUSTER_MAX_ITER_TIMES + 1, 400])
 def test_request_capped_by_max_iter_times_reports_max_iter_times_plus_one(http, stream, max_tokens):
     fields = {} if max_tokens is None else {"max_tokens": max_tokens}
     body = complete(http, stream, **fields)
@@ -56,3 +56,14 @@ def test_chat_usage_counts_prompt_from_the_chat_template(http, hf_model):
     assert body["usage"]["prompt_tokens"] == len(tokenizer(templated, add_special_tokens=False)["input_ids"])
     assert body["usage"]["completion_tokens"] == 3
     assert len(body["decode_time_arr"]) == 2 and body["prefill_time"] > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_that_cannot_fit_in_max_seq_len_is_400_naming_the_limits(http, stream):
+    resp = http.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": PROMPT, "stream": stream,
+                                              "max_tokens": CLUSTER_MAX_SEQ_LEN})
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == "max_tokens"
+    assert f"maxSeqLen={CLUSTER_MAX_SEQ_LEN}" in error["message"]
+    assert complete(http, False, max_tokens=2)["usage"]["completion_tokens"] == 2

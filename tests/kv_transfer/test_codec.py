@@ -19,7 +19,7 @@ def make_kv(dtype: torch.dtype, layers: int = 3, seq: int = 37) -> TransferredKv
 def assemble(messages) -> TransferredKv:
     assembler = KvAssembler(messages[0].header)
     for m in messages[1:]:
-        assembler.add(m.block)
+        assembler.add_message(m)
     return assembler.finish()
 
 
@@ -52,7 +52,7 @@ def test_flipped_byte_fails_the_checksum():
 def test_missing_block_is_detected_as_truncation():
     messages = list(encode_kv(make_kv(torch.float16), 256))
     with pytest.raises(KvTransferError, match="truncated"):
-        assemble(messages[:-1])
+        assemble(messages[:-2] + messages[-1:])
 
 
 def test_skipped_block_is_detected_by_offset():
@@ -80,3 +80,15 @@ def test_header_over_the_receive_limit_is_rejected():
     header = next(iter(encode_kv(make_kv(torch.float32)))).header
     with pytest.raises(KvTransferError, match="exceeds the receive limit"):
         KvAssembler(header, max_bytes=1024)
+
+
+def test_stream_without_trailer_is_truncated():
+    messages = list(encode_kv(make_kv(torch.float32), 256))
+    with pytest.raises(KvTransferError, match="without its trailer"):
+        assemble(messages[:-1])
+
+
+def test_message_after_trailer_is_rejected():
+    messages = list(encode_kv(make_kv(torch.float32), 256))
+    with pytest.raises(KvTransferError, match="after its trailer"):
+        assemble(messages + [messages[1]])

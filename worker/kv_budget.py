@@ -1,0 +1,119 @@
+"""KV memory accounting in token positions: a budget, and a FIFO line of requests waiting for it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import OrderedDict
+
+logger = logging.getLogger(__name__)
+
+
+class KvCapacityError(Exception):
+    """A request whose KV reservation can never fit this worker's budget."""
+
+
+class KvBudget:
+    """Token positions of KV cache a worker may hold; every holder is named by request id."""
+
+    def __init__(self, capacity_tokens: int):
+        if capacity_tokens <= 0:
+            raise ValueError(f"capacity_tokens={capacity_tokens} must be > 0")
+        self.capacity = capacity_tokens
+        self._held: dict[str, int] = {}
+
+    @property
+    def used(self) -> int:
+        return sum(self._held.values())
+
+    @property
+    def num_holders(self) -> int:
+        return len(self._held)
+
+    def can_allocate(self, tokens: int) -> bool:
+        return self.used + tokens <= self.capacity
+
+    def allocate(self, request_id: str, tokens: int) -> None:
+        if request_id in self._held:
+            raise ValueError(f"request {request_id!r} already holds KV budget")
+        if not self.can_allocate(tokens):
+            raise KvCapacityError(f"{tokens} tokens do not fit: {self.used} of {self.capacity} in use")
+        self._held[request_id] = tokens
+
+    def free(self, request_id: str) -> int:
+        """Release what `request_id` holds (nothing if it holds nothing); return the tokens freed."""
+        return self._held.pop(request_id, 0)
+
+
+class KvAdmission:
+    """Requests wait here, first come first served, until the budget can hold them."""
+
+    def __init__(self, budget: KvBudget):
+        self.budget = budget
+        self._waiting: OrderedDict[str, tuple[int, asyncio.Future]] = OrderedDict()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    async def acquire(self, request_id: str, tokens: int) -> None:
+        """Wait until `tokens` are allocated to `request_id`; raise at once if they never could be."""
+        if tokens > self.budget.capacity:
+            raise KvCapacityError(
+                f"request needs {tokens} tokens of KV cache but this worker's whole budget is "
+                f"{self.budget.capacity} tokens"
+            )
+        if not self._waiting and self.budget.can_allocate(tokens):
+            self.budget.allocate(request_id, tokens)
+            return
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = (tokens, future)
+        try:
+            await future
+        except asyncio.CancelledError:
+            self._waiting.pop(request_id, None)
+            if future.done() and not future.cancelled():
+                self.release(request_id)  # admitted and cancelled in the same tick
+            raise
+
+    def release(self, request_id: str) -> None:
+        """Free what `request_id` holds, or take it out of the line, and admit whoever now fits."""
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None:
+            waiting[1].cancel()
+        self.budget.free(request_id)
+        while self._waiting:
+            rid, (tokens, future) = next(iter(self._waiting.items()))
+            if not self.budget.can_allocate(tokens):
+                break
+            del self._waiting[rid]
+            self.budget.allocate(rid, tokens)
+            future.set_result(None)
+
+
+def default_capacity_tokens(bytes_per_token: int, memory_fraction: float = 0.4) -> int:
+    """A budget from the memory free now: `memory_fraction` of it, in token positions."""
+    available = _available_memory_bytes()
+    tokens = int(available * memory_fraction) // max(1, bytes_per_token)
+    logger.info("KV budget %d tokens (%.1f GiB available, %d bytes per token)", tokens, available / 2**30,
+                bytes_per_token)
+    return max(tokens, 1)
+
+
+def _available_memory_bytes() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.mem_get_info()[0]
+    except Exception:  # no usable accelerator: fall back to host memory
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
