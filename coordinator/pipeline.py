@@ -20,6 +20,9 @@ _TIMEOUT_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED,)
 
 
 def _worker_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> WorkerError:
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        # The worker says this request can never fit its KV budget: the client must ask for less.
+        return WorkerError(f"{stage} worker {address} refused the request: {exc.details()}", status=400)
     status = 504 if exc.code() in _TIMEOUT_CODES else 503
     return WorkerError(f"{stage} worker {address} failed: {exc.code().name}: {exc.details()}", status=status)
 

@@ -1,0 +1,197 @@
+"""KV budgets read back to zero after every way a request can end, with real worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+import uuid
+
+import grpc
+import httpx
+import pytest
+
+from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
+from tests.conftest import ServerProcess, start_coordinator, start_worker, write_config
+from tests.worker.test_decode_worker_faults import fake_prompt_kv
+from kv_transfer.codec import encode_kv
+
+LEASE_S = 2.0
+DECODE_BUDGET = 300
+
+
+def health(address: str, role: str) -> pb.HealthResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.PrefillServiceStub(channel) if role == "prefill" else pb_grpc.DecodeServiceStub(channel)
+        return stub.Health(pb.HealthRequest(), timeout=5)
+
+
+def wait_for_idle(address: str, role: str, timeout_s: float = 10.0) -> pb.HealthResponse:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        h = health(address, role)
+        if h.kv_used_tokens == 0 and h.num_running == 0 and h.num_waiting == 0 and h.num_kv_leases == 0:
+            return h
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{role} worker {address} still holds KV: {h}")
+        time.sleep(0.05)
+
+
+class BudgetCluster:
+    def __init__(self, model_dir, tmp):
+        self.model_dir = model_dir
+        self.prefill = start_worker("prefill", model_dir, "--kv-lease-timeout", str(LEASE_S))
+        self.decode = start_worker("decode", model_dir, "--kv-budget-tokens", str(DECODE_BUDGET),
+                                   "--kv-trans-timeout", "3")
+        self.coordinator = start_coordinator(write_config(tmp / "ms_coordinator.json", [self.prefill.address],
+                                                          [self.decode.address], model_dir, maxIterTimes=400))
+        self.url = self.coordinator.address
+
+    def stop(self):
+        for proc in (self.coordinator, self.prefill, self.decode):
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def bc(model_dir, tmp_path_factory):
+    cluster = BudgetCluster(model_dir, tmp_path_factory.mktemp("budget"))
+    yield cluster
+    cluster.stop()
+
+
+def complete(url: str, **fields) -> httpx.Response:
+    body = {"model": "pdserve-tiny", "prompt": "Hello there", "temperature": 0, **fields}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def test_budget_is_zero_after_normal_completion(bc):
+    for stream in (False, True):
+        assert complete(bc.url, max_tokens=20, stream=stream).status_code == 200
+    wait_for_idle(bc.prefill.address, "prefill")
+    h = wait_for_idle(bc.decode.address, "decode")
+    assert h.kv_capacity_tokens == DECODE_BUDGET
+
+
+def test_client_disconnect_cancels_the_request_and_frees_its_kv(bc):
+    body = {"model": "pdserve-tiny", "prompt": "Hello there", "max_tokens": 250, "stream": True, "temperature": 0}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", f"{bc.url}/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert health(bc.decode.address, "decode").num_running == 1
+    wait_for_idle(bc.decode.address, "decode", timeout_s=5)
+    wait_for_idle(bc.prefill.address, "prefill")
+
+
+def test_request_that_can_never_fit_the_decode_budget_is_refused_naming_the_limit(bc):
+    resp = complete(bc.url, max_tokens=DECODE_BUDGET)
+    assert resp.status_code == 400
+    assert f"whole budget is {DECODE_BUDGET} tokens" in resp.json()["error"]["message"]
+    wait_for_idle(bc.decode.address, "decode")
+    assert complete(bc.url, max_tokens=3).json()["usage"]["completion_tokens"] == 3
+
+
+def test_request_that_does_not_fit_now_waits_for_budget_then_runs(bc):
+    results, seen_waiting = [], []
+
+    def run():
+        results.append(complete(bc.url, max_tokens=200))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        if health(bc.decode.address, "decode").num_waiting:
+            seen_waiting.append(True)
+        time.sleep(0.01)
+    assert [r.status_code for r in results] == [200, 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 200 for r in results)
+    assert seen_waiting, "the second request never waited although both could not fit at once"
+    wait_for_idle(bc.decode.address, "decode")
+
+
+async def test_checksum_failure_frees_the_decode_workers_budget(bc, hf_model):
+    rid = uuid.uuid4().hex
+    async with grpc.aio.insecure_channel(bc.decode.address) as channel:
+        call = pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
+            request_id=rid, prompt_len=9, max_seq_len=512,
+            sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=30)
+        assert (await call.read()).HasField("accepted")
+        assert health(bc.decode.address, "decode").kv_used_tokens == 13
+        messages = list(encode_kv(fake_prompt_kv(rid, hf_model), chunk_bytes=512))
+        messages[2].block.data = b"\x01" + messages[2].block.data[1:]
+        with pytest.raises(grpc.aio.AioRpcError, match="checksum mismatch"):
+            await pb_grpc.KvReceiverStub(channel).PushKv(iter(messages), timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call.read()
+    wait_for_idle(bc.decode.address, "decode")
+
+
+async def prefill_into_stopped_decode_worker(bc, victim: ServerProcess, prompt_len: int = 300):
+    """Register a request on `victim`, freeze it, and start a prefill that streams KV into it."""
+    rid = uuid.uuid4().hex
+    channel = grpc.aio.insecure_channel(victim.address)
+    decode_call = pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
+        request_id=rid, prompt_len=prompt_len, max_seq_len=2048,
+        sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=60)
+    assert (await decode_call.read()).HasField("accepted")
+    victim.proc.send_signal(signal.SIGSTOP)
+    pchannel = grpc.aio.insecure_channel(bc.prefill.address)
+    prefill = asyncio.ensure_future(pb_grpc.PrefillServiceStub(pchannel).Prefill(pb.PrefillRequest(
+        request_id=rid, prompt_token_ids=[7] * prompt_len, decode_address=victim.address,
+        sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=60))
+    deadline = time.monotonic() + 10
+    while health(bc.prefill.address, "prefill").num_kv_leases == 0:
+        assert time.monotonic() < deadline and not prefill.done()
+        await asyncio.sleep(0.02)
+    return prefill, [channel, pchannel, decode_call]
+
+
+async def test_decode_worker_killed_during_transfer_frees_the_prefill_workers_kv(bc):
+    victim = start_worker("decode", bc.model_dir)
+    try:
+        prefill, handles = await prefill_into_stopped_decode_worker(bc, victim)
+        await asyncio.sleep(0.3)
+        assert not prefill.done()
+        victim.proc.send_signal(signal.SIGKILL)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await prefill
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert victim.address in err.value.details()
+        wait_for_idle(bc.prefill.address, "prefill")
+    finally:
+        victim.proc.kill()
+        victim.proc.wait()
+        handles[2].cancel()
+        for ch in handles[:2]:
+            await ch.close()
+
+
+async def test_expired_kv_lease_frees_the_prefill_workers_kv(bc):
+    victim = start_worker("decode", bc.model_dir)
+    try:
+        prefill, handles = await prefill_into_stopped_decode_worker(bc, victim)
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await prefill
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert f"KV lease" in err.value.details() and f"{LEASE_S}s" in err.value.details()
+        assert time.monotonic() - started < LEASE_S + 5
+        wait_for_idle(bc.prefill.address, "prefill")
+    finally:
+        victim.proc.kill()
+        victim.proc.wait()
+        handles[2].cancel()
+        for ch in handles[:2]:
+            await ch.close()
+
+
+def test_cluster_still_serves_after_the_faults(bc):
+    resp = complete(bc.url, max_tokens=5, stream=False)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
+    wait_for_idle(bc.prefill.address, "prefill")
+    wait_for_idle(bc.decode.address, "decode")
