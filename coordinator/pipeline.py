@@ -45,11 +45,14 @@ class RequestPipeline:
         prefill_task: asyncio.Task | None = None
         try:
             try:
-                await asyncio.wait_for(call.read(), self.first_token_timeout)  # the `accepted` event
-                # The decode worker now waits for this request's KV cache; start the prefill.
-                prefill_task = asyncio.create_task(
-                    self.client.prefill(route.prefill, request, max_tokens, route.decode, self.first_token_timeout)
-                )
+                accepted = await asyncio.wait_for(call.read(), self.first_token_timeout)
+                if accepted is grpc.aio.EOF:
+                    raise WorkerError(f"decode worker {route.decode} closed the stream before accepting")
+                # The decode worker now holds KV budget for this request and waits for its cache.
+                prefill_task = asyncio.create_task(self.client.prefill(
+                    route.prefill, request, max_tokens, route.decode, self.first_token_timeout,
+                    kv_data_address=accepted.accepted.kv_data_address,
+                ))
                 first = await self._first_token(call, prefill_task, route.prefill)
                 async for event in self._relay(call, first, len(request.prompt_token_ids), route.decode):
                     yield event

@@ -57,7 +57,8 @@ class WorkerClient:
         )
 
     async def prefill(
-        self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float
+        self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
+        kv_data_address: str = "",
     ) -> pb.PrefillResponse:
         stub = pb_grpc.PrefillServiceStub(self._channel(address))
         return await stub.Prefill(
@@ -66,6 +67,7 @@ class WorkerClient:
                 prompt_token_ids=request.prompt_token_ids,
                 sampling=sampling_to_pb(request, max_tokens),
                 decode_address=decode_address,
+                kv_data_address=kv_data_address,
             ),
             timeout=timeout,
         )

@@ -1,16 +1,17 @@
-"""Tensor <-> protobuf chunks, with a CRC32 per chunk and full-coverage checks on receipt.
+"""What a KV stream says, independent of the wire: header, checksummed blocks, trailer.
 
 Tensors travel as raw bytes (bf16 included: reinterpreted, never converted), sliced without
-per-element Python work; the receiver writes each chunk into one preallocated buffer per tensor.
+per-element Python work. Each block carries an xxh3-64 checksum; the receiver writes blocks
+into one preallocated buffer per tensor and refuses any gap, overlap, overrun or mismatch.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
-import numpy as np
 import torch
+import xxhash
 
 from kv_transfer.base import KvTransferError, TransferredKv
 from proto import worker_pb2 as pb
@@ -21,53 +22,85 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
+def checksum(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy when it is already contiguous."""
     return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
-def encode_header(request_id: str, dtype: torch.dtype, num_layers: int, shape: tuple[int, ...]) -> pb.KvMessage:
-    """The first message of a KV stream."""
+@dataclass(frozen=True)
+class KvLayer:
+    """One layer's key and value tensors, ready to send."""
+
+    index: int
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+# A KV stream before it meets a wire: a header, layers in order, a trailer.
+KvItem = pb.KvHeader | KvLayer | pb.KvTrailer
+
+
+def make_header(request_id: str, dtype: torch.dtype, num_layers: int, shape: tuple[int, ...]) -> pb.KvHeader:
     if dtype not in DTYPE_NAMES:
         raise KvTransferError(f"unsupported KV dtype {dtype}")
-    tensor_bytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-    return pb.KvMessage(header=pb.KvHeader(request_id=request_id, dtype=DTYPE_NAMES[dtype], num_layers=num_layers,
-                                           shape=list(shape), tensor_bytes=tensor_bytes))
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    return pb.KvHeader(request_id=request_id, dtype=DTYPE_NAMES[dtype], num_layers=num_layers, shape=list(shape),
+                       tensor_bytes=nbytes)
 
 
-def encode_layer(layer: int, key: torch.Tensor, value: torch.Tensor, chunk_bytes: int) -> Iterator[pb.KvMessage]:
-    """All blocks of one layer's key then value tensor."""
-    yield from encode_tensor(layer, False, key, chunk_bytes)
-    yield from encode_tensor(layer, True, value, chunk_bytes)
+def make_trailer(first_token_id: int, prefill_time_ms: float) -> pb.KvTrailer:
+    return pb.KvTrailer(first_token_id=first_token_id, prefill_time_ms=prefill_time_ms)
 
 
-def encode_trailer(first_token_id: int, prefill_time_ms: float) -> pb.KvMessage:
-    """The last message of a KV stream."""
-    return pb.KvMessage(trailer=pb.KvTrailer(first_token_id=first_token_id, prefill_time_ms=prefill_time_ms))
-
-
-def encode_kv(kv: TransferredKv, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.KvMessage]:
-    """A whole, already computed cache as one stream: header, every layer, trailer."""
+def kv_items(kv: TransferredKv) -> Iterator[KvItem]:
+    """A whole, already computed cache as a stream of items."""
     if not kv.layers:
         raise KvTransferError("a KV cache needs at least one layer")
     key0 = kv.layers[0][0]
-    yield encode_header(kv.request_id, key0.dtype, len(kv.layers), tuple(key0.shape))
-    for layer, (key, value) in enumerate(kv.layers):
-        yield from encode_layer(layer, key, value, chunk_bytes)
-    yield encode_trailer(kv.first_token_id, kv.prefill_time_ms)
+    yield make_header(kv.request_id, key0.dtype, len(kv.layers), tuple(key0.shape))
+    for i, (key, value) in enumerate(kv.layers):
+        yield KvLayer(i, key, value)
+    yield make_trailer(kv.first_token_id, kv.prefill_time_ms)
 
 
-def encode_tensor(layer: int, is_value: bool, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[pb.KvMessage]:
-    """Yield one tensor as checksummed blocks of at most `chunk_bytes`."""
-    raw = _as_bytes(tensor)
+def blocks(layer: int, is_value: bool, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
+    """(offset, bytes) slices of one tensor, at most `chunk_bytes` each."""
+    raw = tensor_bytes(tensor)
     for offset in range(0, len(raw), chunk_bytes):
-        data = raw[offset : offset + chunk_bytes]
-        yield pb.KvMessage(
-            block=pb.KvBlock(layer=layer, is_value=is_value, offset=offset, data=bytes(data), crc32=zlib.crc32(data))
-        )
+        yield offset, raw[offset : offset + chunk_bytes]
+
+
+def item_messages(item: KvItem, chunk_bytes: int) -> Iterator[pb.KvMessage]:
+    """The protobuf messages of one item (for the gRPC path)."""
+    if isinstance(item, pb.KvHeader):
+        yield pb.KvMessage(header=item)
+    elif isinstance(item, pb.KvTrailer):
+        yield pb.KvMessage(trailer=item)
+    else:
+        for is_value, tensor in ((False, item.key), (True, item.value)):
+            for offset, data in blocks(item.index, is_value, tensor, chunk_bytes):
+                yield pb.KvMessage(block=pb.KvBlock(layer=item.index, is_value=is_value, offset=offset,
+                                                    data=bytes(data), checksum=checksum(data)))
+
+
+def encode_kv(kv: TransferredKv, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[pb.KvMessage]:
+    """A whole cache as protobuf messages: header, every block of every layer, trailer."""
+    for item in kv_items(kv):
+        yield from item_messages(item, chunk_bytes)
+
+
+async def messages_from_items(items: AsyncIterator[KvItem], chunk_bytes: int) -> AsyncIterator[pb.KvMessage]:
+    async for item in items:
+        for message in item_messages(item, chunk_bytes):
+            yield message
 
 
 class KvAssembler:
-    """Rebuilds a TransferredKv from a header and blocks, refusing anything inconsistent."""
+    """Rebuilds a TransferredKv from a header, blocks and a trailer, refusing anything inconsistent."""
 
     def __init__(self, header: pb.KvHeader, max_bytes: int | None = None):
         if header.dtype not in DTYPES:
@@ -86,40 +119,51 @@ class KvAssembler:
         self.tensor_bytes = expected
         self.trailer: pb.KvTrailer | None = None
         self._buffers = [torch.empty(expected, dtype=torch.uint8) for _ in range(2 * header.num_layers)]
-        self._views = [b.numpy() for b in self._buffers]  # writable views: chunks land in place
+        self._views = [memoryview(b.numpy()) for b in self._buffers]  # writable: blocks land in place
         self._received = [0] * (2 * header.num_layers)
         self.bytes_received = 0
 
     def add_message(self, message: pb.KvMessage) -> None:
-        """Take the next message after the header."""
-        if self.trailer is not None:
-            raise KvTransferError("KV stream continues after its trailer")
+        """Take the next protobuf message after the header."""
         if message.HasField("block"):
-            self.add(message.block)
+            b = message.block
+            self.reserve(b.layer, b.is_value, b.offset, len(b.data))[:] = b.data
+            self.commit(b.layer, b.is_value, b.offset, len(b.data), b.checksum)
         elif message.HasField("trailer"):
-            self.trailer = message.trailer
+            self.set_trailer(message.trailer)
         else:
             raise KvTransferError("KV stream carries a second header")
 
-    def add(self, block: pb.KvBlock) -> None:
-        """Verify one block and copy it into place."""
-        where = f"layer {block.layer} {'value' if block.is_value else 'key'} offset {block.offset}"
-        if not 0 <= block.layer < self.header.num_layers:
+    def set_trailer(self, trailer: pb.KvTrailer) -> None:
+        if self.trailer is not None:
+            raise KvTransferError("KV stream carries a second trailer")
+        self.trailer = trailer
+
+    def reserve(self, layer: int, is_value: bool, offset: int, length: int) -> memoryview:
+        """The buffer slice a block will be written into, after checking it belongs there."""
+        where = f"layer {layer} {'value' if is_value else 'key'} offset {offset}"
+        if self.trailer is not None:
+            raise KvTransferError("KV stream continues after its trailer")
+        if not 0 <= layer < self.header.num_layers:
             raise KvTransferError(f"KV block for {where}: layer out of range [0, {self.header.num_layers})")
-        end = block.offset + len(block.data)
-        if end > self.tensor_bytes:
-            raise KvTransferError(f"KV block for {where}: {len(block.data)} bytes overrun a {self.tensor_bytes}-byte tensor")
-        if zlib.crc32(block.data) != block.crc32:
-            raise KvTransferError(f"KV block for {where}: checksum mismatch")
-        index = 2 * block.layer + int(block.is_value)
-        if block.offset != self._received[index]:
+        if offset + length > self.tensor_bytes:
+            raise KvTransferError(f"KV block for {where}: {length} bytes overrun a {self.tensor_bytes}-byte tensor")
+        index = 2 * layer + int(is_value)
+        if offset != self._received[index]:
             raise KvTransferError(f"KV block for {where}: expected offset {self._received[index]}")
-        self._views[index][block.offset : end] = np.frombuffer(block.data, dtype=np.uint8)
-        self._received[index] = end
-        self.bytes_received += len(block.data)
+        return self._views[index][offset : offset + length]
+
+    def commit(self, layer: int, is_value: bool, offset: int, length: int, expected_checksum: int) -> None:
+        """Verify a block written into its reserved slice and count it as received."""
+        index = 2 * layer + int(is_value)
+        if checksum(self._views[index][offset : offset + length]) != expected_checksum:
+            where = f"layer {layer} {'value' if is_value else 'key'} offset {offset}"
+            raise KvTransferError(f"KV block for {where}: checksum mismatch")
+        self._received[index] = offset + length
+        self.bytes_received += length
 
     def finish(self) -> TransferredKv:
-        """Return the rebuilt cache, or raise if any tensor is incomplete."""
+        """Return the rebuilt cache, or raise if any tensor or the trailer is missing."""
         missing = [i for i, n in enumerate(self._received) if n != self.tensor_bytes]
         if missing:
             i = missing[0]
@@ -137,3 +181,4 @@ class KvAssembler:
             first_token_id=self.trailer.first_token_id,
             prefill_time_ms=self.trailer.prefill_time_ms,
         )
+

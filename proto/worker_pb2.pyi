@@ -39,16 +39,18 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     decode_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    kv_data_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "prefill_time_ms", "kv_bytes", "kv_transfer_ms")
@@ -83,8 +85,10 @@ class DecodeEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("kv_data_address",)
+    KV_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    kv_data_address: str
+    def __init__(self, kv_data_address: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_id", "text", "time_ms", "finish_reason", "index", "matched_stop")
@@ -149,18 +153,18 @@ class KvTrailer(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ...) -> None: ...
 
 class KvBlock(_message.Message):
-    __slots__ = ("layer", "is_value", "offset", "data", "crc32")
+    __slots__ = ("layer", "is_value", "offset", "data", "checksum")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     IS_VALUE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     layer: int
     is_value: bool
     offset: int
     data: bytes
-    crc32: int
-    def __init__(self, layer: _Optional[int] = ..., is_value: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    checksum: int
+    def __init__(self, layer: _Optional[int] = ..., is_value: _Optional[bool] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class KvMessage(_message.Message):
     __slots__ = ("header", "block", "trailer")

@@ -267,7 +267,9 @@ class DecodeService:
 
 
 class KvReceiverStub:
-    """Served by decode workers, called by prefill workers.
+    """Served by decode workers, called by prefill workers. Large caches normally travel over the
+    decode worker's raw-TCP receiver (kv_transfer/tcp_transport.py) with the same header, blocks
+    and trailer; this RPC is the portable path.
     """
 
     def __init__(self, channel):
@@ -284,7 +286,9 @@ class KvReceiverStub:
 
 
 class KvReceiverServicer:
-    """Served by decode workers, called by prefill workers.
+    """Served by decode workers, called by prefill workers. Large caches normally travel over the
+    decode worker's raw-TCP receiver (kv_transfer/tcp_transport.py) with the same header, blocks
+    and trailer; this RPC is the portable path.
     """
 
     def PushKv(self, request_iterator, context):
@@ -311,7 +315,9 @@ def add_KvReceiverServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KvReceiver:
-    """Served by decode workers, called by prefill workers.
+    """Served by decode workers, called by prefill workers. Large caches normally travel over the
+    decode worker's raw-TCP receiver (kv_transfer/tcp_transport.py) with the same header, blocks
+    and trailer; this RPC is the portable path.
     """
 
     @staticmethod

@@ -1,94 +1,184 @@
-"""The decode batch's KV cache: one left-padded tensor per layer, rows joining and leaving freely.
+"""The decode batch's KV cache: preallocated per-layer buffers, rows joining and leaving freely.
 
-Rows have different lengths; each is right-aligned in a shared length L, its leading pad
-columns masked out, and its positions counted from its own first real token. So a sequence's
-attention sees exactly its own keys, whatever else is in the batch.
+Each layer owns one buffer [row slots, kv_heads, columns, head_dim]. Active rows fill slots
+0..B-1; every row writes its next token at the shared column `end`, and row i's real tokens
+occupy [start_i, end). Rows of different lengths are therefore left-padded, the pad masked out
+and each row's positions counted from its own first token, so a sequence's attention sees
+exactly its own keys whatever else is in the batch. Buffers leave slack on both sides, so a
+step writes one column in place (no per-step concatenation), a longer newcomer moves the
+window's left edge instead of shifting everyone, and a leaving row is replaced by the last one.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
-from worker.kv_cache import layers_to_cache
+
+class _WindowLayer(DynamicLayer):
+    """A cache layer whose keys/values are a window into the batch cache's buffers."""
+
+    def __init__(self, owner: BatchedKvCache, index: int):
+        super().__init__()
+        self.owner = owner
+        self.index = index
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.owner._write_step(self.index, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.owner.width
+
+    @property
+    def keys(self):
+        return self.owner._window(self.index, False)
+
+    @keys.setter
+    def keys(self, value):  # DynamicLayer's constructor assigns these; the buffers are the truth
+        pass
+
+    @property
+    def values(self):
+        return self.owner._window(self.index, True)
+
+    @values.setter
+    def values(self, value):
+        pass
 
 
 class BatchedKvCache:
-    """Per-layer [batch, kv_heads, L, head_dim] tensors plus each row's pad and real length."""
+    """Rows of sequences in shared per-layer buffers, plus each row's start column and length."""
 
-    def __init__(self, config):
+    def __init__(self, config, dtype: torch.dtype | None = None):
         self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.dtype = dtype
         self.request_ids: list[str] = []
-        self.pads: list[int] = []
+        self.starts: list[int] = []
         self.lengths: list[int] = []
-        self.cache: DynamicCache | None = None
-
-    @property
-    def width(self) -> int:
-        return 0 if self.cache is None else self.cache.layers[0].keys.shape[2]
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self.begin = 0  # first column any active row uses
+        self.end = 0  # next column to write
+        self.cache: Cache | None = None
+        self._like: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
-    def _tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
+    @property
+    def width(self) -> int:
+        return self.end - self.begin
 
+    @property
+    def pads(self) -> list[int]:
+        return [s - self.begin for s in self.starts]
+
+    # buffers -------------------------------------------------------------------------------
+    def _allocate(self, slots: int, left: int, used: int, right: int, like: torch.Tensor) -> None:
+        """(Re)allocate buffers with `left` free columns, the `used` window, and `right` free columns."""
+        _, heads, _, head_dim = like.shape
+        shape = (slots, heads, left + used + right, head_dim)
+        new_k = [torch.zeros(shape, dtype=like.dtype) for _ in range(self.num_layers)]
+        new_v = [torch.zeros(shape, dtype=like.dtype) for _ in range(self.num_layers)]
+        rows = len(self.request_ids)
+        if self._k and rows:
+            for i in range(self.num_layers):
+                new_k[i][:rows, :, left : left + used] = self._k[i][:rows, :, self.begin : self.end]
+                new_v[i][:rows, :, left : left + used] = self._v[i][:rows, :, self.begin : self.end]
+        shift = left - self.begin
+        self.starts = [s + shift for s in self.starts]
+        self.begin, self.end = left, left + used
+        self._k, self._v = new_k, new_v
+        self.cache = Cache(layers=[_WindowLayer(self, i) for i in range(self.num_layers)])
+
+    @property
+    def _slots(self) -> int:
+        return self._k[0].shape[0] if self._k else 0
+
+    def _window(self, layer: int, value: bool) -> torch.Tensor:
+        buf = self._v[layer] if value else self._k[layer]
+        return buf[: len(self.request_ids), :, self.begin : self.end]
+
+    def _write_step(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        rows, n = keys.shape[0], keys.shape[2]
+        self._k[layer][:rows, :, self.end : self.end + n] = keys
+        self._v[layer][:rows, :, self.end : self.end + n] = values
+        k = self._k[layer][:rows, :, self.begin : self.end + n]
+        v = self._v[layer][:rows, :, self.begin : self.end + n]
+        return k, v
+
+    def _ensure_room(self, rows: int, width: int, right: int = 1) -> None:
+        """Make room for `rows` slots, a window `width` columns wide, and `right` columns to write."""
+        extra_left = width - self.width
+        have_right = self._k[0].shape[2] - self.end
+        if rows <= self._slots and extra_left <= self.begin and right <= have_right:
+            if extra_left > 0:
+                self.begin -= extra_left
+            return
+        slack = max(width, 16)
+        self._allocate(max(rows, 2 * self._slots, 4), left=extra_left + slack, used=self.width,
+                       right=max(right, slack, 64), like=self._like)
+        self.begin -= extra_left
+
+    # rows ------------------------------------------------------------------------------------
     def add(self, request_id: str, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Append a row holding one sequence's cache ([1, kv_heads, n, head_dim] per layer)."""
         n = layers[0][0].shape[2]
-        if self.cache is None:
-            self.cache = layers_to_cache([(k.clone(), v.clone()) for k, v in layers], self.config)
-            self.request_ids, self.pads, self.lengths = [request_id], [0], [n]
-            return
-        width = self.width
-        if n > width:  # widen everyone already here
-            grow = n - width
-            current = [(F.pad(k, (0, 0, grow, 0)), F.pad(v, (0, 0, grow, 0))) for k, v in self._tensors()]
-            self.pads = [p + grow for p in self.pads]
-            width = n
-        else:
-            current = self._tensors()
-        pad = width - n
-        merged = [
-            (torch.cat([k, F.pad(nk, (0, 0, pad, 0))]), torch.cat([v, F.pad(nv, (0, 0, pad, 0))]))
-            for (k, v), (nk, nv) in zip(current, layers)
-        ]
-        self.cache = layers_to_cache(merged, self.config)
+        self._like = layers[0][0]
+        if not self._k:
+            self._allocate(4, left=max(n, 16), used=0, right=max(n, 64), like=self._like)
+        self._ensure_room(len(self.request_ids) + 1, max(self.width, n))
+        row = len(self.request_ids)
+        start = self.end - n
+        for i, (k, v) in enumerate(layers):
+            self._k[i][row, :, self.begin : start] = 0
+            self._v[i][row, :, self.begin : start] = 0
+            self._k[i][row, :, start : self.end] = k[0]
+            self._v[i][row, :, start : self.end] = v[0]
         self.request_ids.append(request_id)
-        self.pads.append(pad)
+        self.starts.append(start)
         self.lengths.append(n)
 
     def remove(self, request_id: str) -> None:
-        """Drop a row, then trim pad columns that no remaining row needs."""
-        index = self.request_ids.index(request_id)
-        del self.request_ids[index], self.pads[index], self.lengths[index]
-        if not self.request_ids:
-            self.cache = None
-            return
-        keep = torch.tensor([i for i in range(len(self.request_ids) + 1) if i != index])
-        trim = min(self.pads)
-        tensors = [(k.index_select(0, keep)[:, :, trim:], v.index_select(0, keep)[:, :, trim:])
-                   for k, v in self._tensors()]
-        self.cache = layers_to_cache(tensors, self.config)
-        self.pads = [p - trim for p in self.pads]
+        """Drop a row (the last row moves into its slot), then narrow the window to what is used."""
+        row = self.request_ids.index(request_id)
+        last = len(self.request_ids) - 1
+        if row != last:
+            for i in range(self.num_layers):
+                self._k[i][row] = self._k[i][last]
+                self._v[i][row] = self._v[i][last]
+            self.request_ids[row] = self.request_ids[last]
+            self.starts[row] = self.starts[last]
+            self.lengths[row] = self.lengths[last]
+        self.request_ids.pop()
+        self.starts.pop()
+        self.lengths.pop()
+        if self.request_ids:
+            self.begin = min(self.starts)
+        else:
+            self._k, self._v, self.cache = [], [], None
+            self.begin = self.end = 0
 
     def step_inputs(self, request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention mask [B, L+1] and position ids [B, 1] for one decode step over all rows."""
+        """Attention mask [B, width+1] and position ids [B, 1] for one decode step over all rows."""
         if request_ids != self.request_ids:
             raise RuntimeError("decode batch order differs from the cache's row order")
-        width = self.width
-        cols = torch.arange(width + 1)
+        self._ensure_room(len(self.request_ids), self.width, right=1)
+        cols = torch.arange(self.width + 1)
         mask = (cols.unsqueeze(0) >= torch.tensor(self.pads).unsqueeze(1)).long()
         positions = torch.tensor(self.lengths).unsqueeze(1)
         return mask, positions
 
     def advance(self) -> None:
         """Record that every row grew by the token just decoded."""
+        self.end += 1
         self.lengths = [n + 1 for n in self.lengths]
 
     def row_layers(self, request_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One row's real keys and values (for tests and inspection)."""
         i = self.request_ids.index(request_id)
-        p = self.pads[i]
-        return [(k[i : i + 1, :, p:], v[i : i + 1, :, p:]) for k, v in self._tensors()]
+        s = self.starts[i]
+        return [(self._k[l][i : i + 1, :, s : self.end], self._v[l][i : i + 1, :, s : self.end])
+                for l in range(self.num_layers)]

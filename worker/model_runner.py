@@ -22,6 +22,20 @@ KvLayers = list[tuple[torch.Tensor, torch.Tensor]]
 LayerCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
+class LayerStreamingCache(DynamicCache):
+    """A prefill cache that hands out each layer's keys and values the moment attention stores them."""
+
+    def __init__(self, config, on_layer: LayerCallback | None):
+        super().__init__(config=config)
+        self._on_layer = on_layer
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if self._on_layer is not None:
+            self._on_layer(layer_idx, keys, values)
+        return keys, values
+
+
 class ModelRunner:
     """Owns the model, the tokenizer and the decode batch's cache; called only from engine threads."""
 
@@ -37,7 +51,6 @@ class ModelRunner:
             eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         self.batch = BatchedKvCache(self.config)
-        self._decoder_layers = self._find_decoder_layers()
         logger.info("loaded %s (%s, %s)", self.model_dir, type(self.model).__name__, self.model.dtype)
 
     @property
@@ -58,11 +71,6 @@ class ModelRunner:
         _, kv_heads, _, head_dim = self.kv_shape(1)
         return 2 * self.num_layers * kv_heads * head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
-    def _find_decoder_layers(self):
-        base = getattr(self.model, "model", None)
-        layers = getattr(base, "layers", None)
-        return list(layers) if layers is not None and len(layers) == self.num_layers else None
-
     @torch.inference_mode()
     def prefill(self, prompts: list[list[int]], on_layer: LayerCallback | None = None) -> tuple[torch.Tensor, list[KvLayers]]:
         """Run right-padded prompts in one forward; return last-position logits [B, V] and each row's KV."""
@@ -71,22 +79,9 @@ class ModelRunner:
         pad_id = self.tokenizer.pad_token_id or 0
         input_ids = torch.tensor([p + [pad_id] * (width - len(p)) for p in prompts], dtype=torch.long)
         mask = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
-        cache = DynamicCache(config=self.config)
-        hooks = []
-        if on_layer is not None and self._decoder_layers is not None:
-            # Hand each layer's KV out while later layers still compute, so its transfer can start.
-            for i, layer in enumerate(self._decoder_layers):
-                hooks.append(layer.register_forward_hook(
-                    lambda _m, _in, _out, i=i: on_layer(i, cache.layers[i].keys, cache.layers[i].values)))
-        try:
-            out = self.model(input_ids=input_ids, attention_mask=mask if len(prompts) > 1 else None,
-                             past_key_values=cache, use_cache=True)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        if on_layer is not None and self._decoder_layers is None:
-            for i, layer in enumerate(cache.layers):
-                on_layer(i, layer.keys, layer.values)
+        cache = LayerStreamingCache(self.config, on_layer)
+        out = self.model(input_ids=input_ids, attention_mask=mask if len(prompts) > 1 else None,
+                         past_key_values=cache, use_cache=True)
         last = torch.tensor(lengths) - 1
         logits = out.logits[torch.arange(len(prompts)), last].float()
         rows = [[(l.keys[r : r + 1, :, :n], l.values[r : r + 1, :, :n]) for l in cache.layers]

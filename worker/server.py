@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import grpc
 
 from kv_transfer.base import KvTransferError
-from kv_transfer.codec import encode_header, encode_layer, encode_trailer
+from kv_transfer.codec import KvLayer, make_header, make_trailer
 from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverServicer
+from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from worker.engine import DecodeEngine, PrefillEngine, PrefillJob
@@ -46,6 +47,7 @@ class WorkerOptions:
     max_prefill_tokens: int = 8192
     max_prefill_batch_size: int = 16
     max_running: int = 64
+    kv_data_port: int = 0  # decode: raw-TCP KV receiver port; 0 picks one, -1 disables (gRPC PushKv only)
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -76,11 +78,12 @@ def token_to_pb(output: TokenOutput) -> pb.DecodeEvent:
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     """Prefill, then push the KV cache to the decode worker the coordinator chose."""
 
-    def __init__(self, engine: PrefillEngine, sender: GrpcKvSender, lease_timeout_s: float, chunk_bytes: int):
+    def __init__(self, engine: PrefillEngine, grpc_sender: GrpcKvSender, tcp_sender: TcpKvSender,
+                 lease_timeout_s: float):
         self.engine = engine
-        self.sender = sender
+        self.grpc_sender = grpc_sender
+        self.tcp_sender = tcp_sender
         self.lease_timeout_s = lease_timeout_s
-        self.chunk_bytes = chunk_bytes
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         if not request.prompt_token_ids:
@@ -92,11 +95,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        stream = PrefillKvStream(job, self.engine.runner, self.chunk_bytes)
+        stream = PrefillKvStream(job, self.engine.runner)
+        if request.kv_data_address:
+            send = self.tcp_sender.send_items(request.kv_data_address, stream.items())
+        else:
+            send = self.grpc_sender.send_items(request.decode_address, stream.items())
         start = time.perf_counter()
         try:
-            sent = await asyncio.wait_for(self.sender.send_stream(request.decode_address, stream.messages()),
-                                          self.lease_timeout_s)
+            sent = await asyncio.wait_for(send, self.lease_timeout_s)
         except asyncio.TimeoutError:
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -104,7 +110,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 f"decode worker {request.decode_address} confirmed receipt",
             )
         except KvTransferError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, stream.error or str(exc))
+            reason = stream.error or str(exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"sending KV to decode worker {request.decode_address}: {reason}")
         finally:
             self.engine.release(job)
         return pb.PrefillResponse(first_token_id=stream.first_token_id, prefill_time_ms=stream.prefill_time_ms,
@@ -121,28 +129,26 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
 
 class PrefillKvStream:
-    """The KV messages of one prefill job, produced while its forward runs."""
+    """The KV items of one prefill job, produced while its forward runs."""
 
-    def __init__(self, job: PrefillJob, runner, chunk_bytes: int):
+    def __init__(self, job: PrefillJob, runner):
         self.job = job
         self.runner = runner
-        self.chunk_bytes = chunk_bytes
         self.first_token_id = -1
         self.prefill_time_ms = 0.0
         self.error: str | None = None
 
-    async def messages(self):
+    async def items(self):
         job = self.job
-        yield encode_header(job.request_id, self.runner.dtype, self.runner.num_layers,
-                            self.runner.kv_shape(job.num_tokens))
+        yield make_header(job.request_id, self.runner.dtype, self.runner.num_layers,
+                          self.runner.kv_shape(job.num_tokens))
         while True:
             item = await job.events.get()
             if item[0] == "layer":
-                for message in encode_layer(item[1], item[2], item[3], self.chunk_bytes):
-                    yield message
+                yield KvLayer(item[1], item[2], item[3])
             elif item[0] == "done":
                 self.first_token_id, self.prefill_time_ms = item[1], item[2]
-                yield encode_trailer(item[1], item[2])
+                yield make_trailer(item[1], item[2])
                 return
             else:
                 # Ending without a trailer makes the decode worker reject the stream as truncated.
@@ -153,9 +159,10 @@ class PrefillKvStream:
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
     """Register a request, wait for its KV cache, stream its tokens."""
 
-    def __init__(self, engine: DecodeEngine, kv_trans_timeout_s: float):
+    def __init__(self, engine: DecodeEngine, kv_trans_timeout_s: float, kv_data_address: str):
         self.engine = engine
         self.kv_trans_timeout_s = kv_trans_timeout_s
+        self.kv_data_address = kv_data_address
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         sampling = sampling_from_pb(request.sampling)
@@ -173,7 +180,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 await self.engine.admit(handle)
             except KvCapacityError as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            yield pb.DecodeEvent(accepted=pb.Accepted())
+            yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address))
             try:
                 await asyncio.wait_for(handle.kv_arrived.wait(), self.kv_trans_timeout_s)
             except asyncio.TimeoutError:
@@ -211,14 +218,20 @@ async def serve(options: WorkerOptions) -> None:
     if options.role == "prefill":
         engine = PrefillEngine(runner, budget, options.max_prefill_tokens, options.max_prefill_batch_size)
         engine.start()
-        sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s)
-        servicer = PrefillServicer(engine, sender, options.kv_lease_timeout_s, options.kv_chunk_bytes)
+        grpc_sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s)
+        servicer = PrefillServicer(engine, grpc_sender, TcpKvSender(options.kv_chunk_bytes), options.kv_lease_timeout_s)
         pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-        closers.append(sender.close)
+        closers.append(grpc_sender.close)
     elif options.role == "decode":
         engine = DecodeEngine(runner, budget, options.max_running)
         engine.start()
-        pb_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(engine, options.kv_trans_timeout_s), server)
+        kv_data_address = ""
+        if options.kv_data_port >= 0:
+            receiver = TcpKvReceiver(engine.on_kv, engine.fail, timeout_s=options.kv_trans_timeout_s)
+            kv_data_address = f"{options.host}:{await receiver.start(options.host, options.kv_data_port)}"
+            closers.append(receiver.stop)
+        servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address)
+        pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(engine.on_kv, engine.fail), server)
     else:
         raise ValueError(f"role must be 'prefill' or 'decode', got {options.role!r}")

@@ -131,18 +131,21 @@ async def test_checksum_failure_frees_the_decode_workers_budget(bc, hf_model):
     wait_for_idle(bc.decode.address, "decode")
 
 
-async def prefill_into_stopped_decode_worker(bc, victim: ServerProcess, prompt_len: int = 300):
+async def prefill_into_stopped_decode_worker(bc, victim: ServerProcess, transport: str, prompt_len: int = 300):
     """Register a request on `victim`, freeze it, and start a prefill that streams KV into it."""
     rid = uuid.uuid4().hex
     channel = grpc.aio.insecure_channel(victim.address)
     decode_call = pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
         request_id=rid, prompt_len=prompt_len, max_seq_len=2048,
         sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=60)
-    assert (await decode_call.read()).HasField("accepted")
+    accepted = await decode_call.read()
+    kv_data_address = accepted.accepted.kv_data_address if transport == "tcp" else ""
+    assert kv_data_address or transport == "grpc"
     victim.proc.send_signal(signal.SIGSTOP)
     pchannel = grpc.aio.insecure_channel(bc.prefill.address)
     prefill = asyncio.ensure_future(pb_grpc.PrefillServiceStub(pchannel).Prefill(pb.PrefillRequest(
         request_id=rid, prompt_token_ids=[7] * prompt_len, decode_address=victim.address,
+        kv_data_address=kv_data_address,
         sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=60))
     deadline = time.monotonic() + 10
     while health(bc.prefill.address, "prefill").num_kv_leases == 0:
@@ -151,10 +154,11 @@ async def prefill_into_stopped_decode_worker(bc, victim: ServerProcess, prompt_l
     return prefill, [channel, pchannel, decode_call]
 
 
-async def test_decode_worker_killed_during_transfer_frees_the_prefill_workers_kv(bc):
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+async def test_decode_worker_killed_during_transfer_frees_the_prefill_workers_kv(bc, transport):
     victim = start_worker("decode", bc.model_dir)
     try:
-        prefill, handles = await prefill_into_stopped_decode_worker(bc, victim)
+        prefill, handles = await prefill_into_stopped_decode_worker(bc, victim, transport)
         await asyncio.sleep(0.3)
         assert not prefill.done()
         victim.proc.send_signal(signal.SIGKILL)
@@ -171,10 +175,11 @@ async def test_decode_worker_killed_during_transfer_frees_the_prefill_workers_kv
             await ch.close()
 
 
-async def test_expired_kv_lease_frees_the_prefill_workers_kv(bc):
+@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+async def test_expired_kv_lease_frees_the_prefill_workers_kv(bc, transport):
     victim = start_worker("decode", bc.model_dir)
     try:
-        prefill, handles = await prefill_into_stopped_decode_worker(bc, victim)
+        prefill, handles = await prefill_into_stopped_decode_worker(bc, victim, transport)
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await prefill

@@ -1,0 +1,157 @@
+"""Decode throughput of the worker engine vs sequential and static-batch `model.generate`, one run.
+
+    .venv/bin/python bench/engine.py [--requests 64] [--new-tokens 64] [--concurrency 1 4 16 64]
+
+Builds (once, offline) a model big enough that the forward pass dominates: hidden 512, 8 layers.
+The engine path is the real PrefillEngine + DecodeEngine of a worker, in one process, with the
+KV cache handed from one to the other directly (the transfer has its own benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from embedded_model import ModelSpec, build_model, default_model_dir  # noqa: E402
+from kv_transfer.base import TransferredKv  # noqa: E402
+from worker.engine import DecodeEngine, PrefillEngine  # noqa: E402
+from worker.model_runner import ModelRunner  # noqa: E402
+from worker.sequence import SamplingParams  # noqa: E402
+
+BENCH_SPEC = ModelSpec(name="pdserve-bench-512x8", hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                       num_attention_heads=8, num_key_value_heads=4)
+
+
+def bench_model_dir() -> Path:
+    out = default_model_dir().with_name(BENCH_SPEC.name)
+    if not (out / "config.json").exists():
+        print(f"building {BENCH_SPEC.name} into {out} ...", file=sys.stderr)
+        build_model(out, BENCH_SPEC)
+    return out
+
+
+def make_prompts(n: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(16, 129))] for _ in range(n)]
+
+
+def run_sequential(model, prompts, new_tokens) -> tuple[int, float]:
+    start, total = time.perf_counter(), 0
+    with torch.inference_mode():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False)
+            total += out.shape[1] - len(p)
+    return total, time.perf_counter() - start
+
+
+def run_static_batch(model, prompts, new_tokens, pad_id) -> tuple[int, float]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = (ids != pad_id).long()
+    for row, p in enumerate(prompts):
+        mask[row, width - len(p):] = 1
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=pad_id)
+    return (out.shape[1] - width) * len(prompts), time.perf_counter() - start
+
+
+async def run_engine(prefill_runner, decode_runner, prompts, new_tokens, concurrency) -> tuple[int, float]:
+    # Two runners, as in a deployment where prefill and decode are separate workers.
+    prefill = PrefillEngine(prefill_runner, budget_tokens=10**7, max_batch_tokens=8192, max_batch_size=16)
+    decode = DecodeEngine(decode_runner, budget_tokens=10**7, max_running=256)
+    prefill.start()
+    decode.start()
+    # EOS would end sequences early and flatter no one: every request generates exactly new_tokens.
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    decode_runner.eos_token_ids = frozenset()
+    pending = list(prompts)
+    total = 0
+
+    async def client():
+        nonlocal total
+        while pending:
+            prompt = pending.pop()
+            rid = uuid.uuid4().hex
+            handle = decode.register(rid, len(prompt), params, 4096)
+            await decode.admit(handle)
+            job = await prefill.submit(rid, prompt, params)
+            layers = {}
+            while True:
+                item = await job.events.get()
+                if item[0] == "layer":
+                    layers[item[1]] = (item[2].clone(), item[3].clone())
+                else:
+                    break
+            prefill.release(job)
+            decode.on_kv(TransferredKv(rid, [layers[i] for i in range(len(layers))], item[1], item[2]))
+            while True:
+                out = await handle.events.get()
+                if isinstance(out, Exception):
+                    raise out
+                total += 1
+                if out.finish_reason is not None:
+                    break
+            decode.release(rid)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    prefill.shutdown()
+    decode.shutdown()
+    return total, elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--baseline-requests", type=int, default=16, help="prompts timed for the generate baselines")
+    args = parser.parse_args()
+
+    model_dir = bench_model_dir()
+    runner = ModelRunner(model_dir)
+    decode_runner = ModelRunner(model_dir)
+    model, vocab = runner.model, runner.config.vocab_size
+    prompts = make_prompts(args.requests, vocab)
+    base = prompts[: args.baseline_requests]
+    pad_id = runner.tokenizer.pad_token_id
+
+    run_sequential(model, base[:2], 4)  # warm up
+    seq_tokens, seq_time = run_sequential(model, base, args.new_tokens)
+    seq_tps = seq_tokens / seq_time
+    print(f"sequential generate: {seq_tps:.0f} tok/s", file=sys.stderr)
+    static_tokens, static_time = run_static_batch(model, base, args.new_tokens, pad_id)
+    static_tps = static_tokens / static_time
+    print(f"static batch generate: {static_tps:.0f} tok/s", file=sys.stderr)
+
+    rows = [("sequential `model.generate` (baseline)", 1, seq_tps),
+            (f"one static `model.generate` batch of {len(base)} (ceiling)", len(base), static_tps)]
+    for c in args.concurrency:
+        tokens, elapsed = asyncio.run(run_engine(runner, decode_runner, prompts, args.new_tokens, c))
+        rows.append(("pdserve worker engine", c, tokens / elapsed))
+        print(f"engine concurrency {c}: {tokens / elapsed:.0f} tok/s", file=sys.stderr)
+
+    print(f"\nModel {BENCH_SPEC.name} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
+          f"{args.requests} requests of 16-128 prompt tokens, {args.new_tokens} new tokens each, "
+          f"torch threads {torch.get_num_threads()}.\n")
+    print("| path | concurrency | tokens/s | vs sequential | vs static batch |")
+    print("|---|---:|---:|---:|---:|")
+    for name, c, tps in rows:
+        print(f"| {name} | {c} | {tps:.0f} | {tps / seq_tps:.2f}x | {tps / static_tps:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

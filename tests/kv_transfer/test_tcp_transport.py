@@ -1,0 +1,127 @@
+"""The raw-TCP KV path: exact for every dtype; corrupt, truncated and foreign streams refused."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import torch
+
+from kv_transfer.base import KvTransferError
+from kv_transfer.codec import KvLayer, checksum, kv_items, tensor_bytes
+from kv_transfer.tcp_transport import ACK, BLOCK, LENGTH, PREAMBLE, TcpKvReceiver, TcpKvSender
+from tests.kv_transfer.test_codec import bits, make_kv
+
+
+@pytest.fixture
+async def receiver():
+    received, failures = [], []
+    rx = TcpKvReceiver(received.append, lambda rid, msg: failures.append((rid, msg)), timeout_s=5)
+    port = await rx.start("127.0.0.1", 0)
+    yield f"127.0.0.1:{port}", received, failures
+    await rx.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+async def test_kv_sent_over_tcp_arrives_bit_exact(receiver, dtype):
+    address, received, _ = receiver
+    kv = make_kv(dtype, layers=4, seq=300)
+    assert await TcpKvSender(chunk_bytes=8192).send(address, kv) == kv.num_bytes
+    (out,) = received
+    assert out.first_token_id == 42 and out.prefill_time_ms == 1.5
+    for (k0, v0), (k1, v1) in zip(kv.layers, out.layers):
+        assert torch.equal(bits(k0), bits(k1)) and torch.equal(bits(v0), bits(v1))
+
+
+async def send_raw(address: str, frames: list[bytes]) -> tuple[int, str]:
+    """Send hand-made frames; return the receiver's status and message."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    for frame in frames:
+        writer.write(frame)
+    await writer.drain()
+    writer.write_eof()
+    status, _, length = ACK.unpack(await reader.readexactly(ACK.size))
+    message = (await reader.readexactly(length)).decode()
+    writer.close()
+    return status, message
+
+
+def frames_for(kv, corrupt_block: int | None = None, drop_last_blocks: int = 0, chunk: int = 1024) -> list[bytes]:
+    frames = [PREAMBLE]
+    for item in kv_items(kv):
+        if isinstance(item, KvLayer):
+            for is_value, tensor in ((False, item.key), (True, item.value)):
+                raw = tensor_bytes(tensor)
+                for offset in range(0, len(raw), chunk):
+                    data = bytes(raw[offset: offset + chunk])
+                    digest = checksum(data)
+                    if corrupt_block is not None and len(frames) == corrupt_block:
+                        data = bytes([data[0] ^ 0xFF]) + data[1:]
+                    frames.append(b"B" + BLOCK.pack(item.index, int(is_value), offset, len(data), digest) + data)
+        else:
+            body = item.SerializeToString()
+            kind = b"H" if len(frames) == 1 else b"T"
+            frames.append(kind + LENGTH.pack(len(body)) + body)
+    if drop_last_blocks:
+        frames = frames[: -1 - drop_last_blocks] + frames[-1:]
+    return frames
+
+
+async def test_flipped_byte_over_tcp_is_refused_and_reported(receiver):
+    address, received, failures = receiver
+    status, message = await send_raw(address, frames_for(make_kv(torch.float32), corrupt_block=5))
+    assert status == 1 and "checksum mismatch" in message
+    assert received == [] and failures == [("req-1", message)]
+
+
+async def test_truncated_tcp_stream_is_refused(receiver):
+    address, received, failures = receiver
+    status, message = await send_raw(address, frames_for(make_kv(torch.float16), drop_last_blocks=2))
+    assert status == 1 and "truncated" in message and received == []
+
+
+async def test_foreign_bytes_are_refused(receiver):
+    address, *_ = receiver
+    status, message = await send_raw(address, [b"GET / HTTP/1.1\r\n\r\n"])
+    assert status == 1 and "bad preamble" in message
+
+
+async def test_refusal_by_the_engine_reaches_the_sender():
+    def on_kv(kv):
+        raise KvTransferError("no decode request 'req-1' is waiting for a KV cache")
+
+    rx = TcpKvReceiver(on_kv, lambda *a: None)
+    port = await rx.start("127.0.0.1", 0)
+    try:
+        with pytest.raises(KvTransferError, match="refused: no decode request"):
+            await TcpKvSender().send(f"127.0.0.1:{port}", make_kv(torch.float32))
+    finally:
+        await rx.stop()
+
+
+async def test_sender_to_a_closed_port_fails_clearly():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(KvTransferError, match=f"KV transfer to 127.0.0.1:{port} failed"):
+        await TcpKvSender().send(f"127.0.0.1:{port}", make_kv(torch.float32))
+
+
+async def test_stalled_sender_times_out_on_the_receiver():
+    failures = []
+    rx = TcpKvReceiver(lambda kv: None, lambda rid, msg: failures.append(rid), timeout_s=0.5)
+    port = await rx.start("127.0.0.1", 0)
+    try:
+        frames = frames_for(make_kv(torch.float32))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"".join(frames[:3]))  # header and one block, then silence
+        await writer.drain()
+        status, _, length = ACK.unpack(await asyncio.wait_for(reader.readexactly(ACK.size), 5))
+        assert status == 1 and failures == ["req-1"]
+        writer.close()
+    finally:
+        await rx.stop()
+
+
