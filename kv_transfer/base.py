@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +30,14 @@ class TransferredKv:
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     first_token_id: int
     prefill_time_ms: float
+    # Set by a receiver that lent the tensors' memory; call `release` once they have been copied.
+    on_release: Callable[[], None] | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Give the tensors' memory back to whoever lent it; the tensors must not be used after."""
+        if self.on_release is not None:
+            callback, self.on_release = self.on_release, None
+            callback()
 
     @property
     def seq_len(self) -> int:

@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 from kv_transfer.base import KvTransferError, TransferredKv
+from kv_transfer.buffer_pool import KvBufferPool
 from proto import worker_pb2 as pb
 
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
@@ -102,7 +103,7 @@ async def messages_from_items(items: AsyncIterator[KvItem], chunk_bytes: int) ->
 class KvAssembler:
     """Rebuilds a TransferredKv from a header, blocks and a trailer, refusing anything inconsistent."""
 
-    def __init__(self, header: pb.KvHeader, max_bytes: int | None = None):
+    def __init__(self, header: pb.KvHeader, max_bytes: int | None = None, pool: KvBufferPool | None = None):
         if header.dtype not in DTYPES:
             raise KvTransferError(f"KV header dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
         if header.num_layers <= 0 or len(header.shape) != 4 or any(d <= 0 for d in header.shape):
@@ -118,8 +119,12 @@ class KvAssembler:
             raise KvTransferError(f"KV cache of {total} bytes exceeds the receive limit of {max_bytes} bytes")
         self.tensor_bytes = expected
         self.trailer: pb.KvTrailer | None = None
-        self._buffers = [torch.empty(expected, dtype=torch.uint8) for _ in range(2 * header.num_layers)]
+        # One allocation for the whole cache, from the pool when there is one.
+        self._pool = pool
+        self._storage = pool.take(total) if pool else torch.empty(total, dtype=torch.uint8)
+        self._buffers = [self._storage[i * expected : (i + 1) * expected] for i in range(2 * header.num_layers)]
         self._views = [memoryview(b.numpy()) for b in self._buffers]  # writable: blocks land in place
+        self._reserved = [0] * (2 * header.num_layers)
         self._received = [0] * (2 * header.num_layers)
         self.bytes_received = 0
 
@@ -140,7 +145,11 @@ class KvAssembler:
         self.trailer = trailer
 
     def reserve(self, layer: int, is_value: bool, offset: int, length: int) -> memoryview:
-        """The buffer slice a block will be written into, after checking it belongs there."""
+        """The buffer slice a block will be written into, after checking it belongs there.
+
+        Reserving advances the expected offset, so the next block can be received while this
+        one is still being verified; `finish` only trusts bytes that `commit` verified.
+        """
         where = f"layer {layer} {'value' if is_value else 'key'} offset {offset}"
         if self.trailer is not None:
             raise KvTransferError("KV stream continues after its trailer")
@@ -149,8 +158,9 @@ class KvAssembler:
         if offset + length > self.tensor_bytes:
             raise KvTransferError(f"KV block for {where}: {length} bytes overrun a {self.tensor_bytes}-byte tensor")
         index = 2 * layer + int(is_value)
-        if offset != self._received[index]:
-            raise KvTransferError(f"KV block for {where}: expected offset {self._received[index]}")
+        if offset != self._reserved[index]:
+            raise KvTransferError(f"KV block for {where}: expected offset {self._reserved[index]}")
+        self._reserved[index] = offset + length
         return self._views[index][offset : offset + length]
 
     def commit(self, layer: int, is_value: bool, offset: int, length: int, expected_checksum: int) -> None:
@@ -159,7 +169,7 @@ class KvAssembler:
         if checksum(self._views[index][offset : offset + length]) != expected_checksum:
             where = f"layer {layer} {'value' if is_value else 'key'} offset {offset}"
             raise KvTransferError(f"KV block for {where}: checksum mismatch")
-        self._received[index] = offset + length
+        self._received[index] += length
         self.bytes_received += length
 
     def finish(self) -> TransferredKv:
@@ -180,5 +190,12 @@ class KvAssembler:
             layers=layers,
             first_token_id=self.trailer.first_token_id,
             prefill_time_ms=self.trailer.prefill_time_ms,
+            on_release=self.discard if self._pool else None,
         )
+
+    def discard(self) -> None:
+        """Return the buffer to the pool (after a failure, or once the cache has been copied out)."""
+        if self._pool is not None and self._storage is not None:
+            self._pool.give(self._storage)
+        self._storage = None
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import grpc
 
 from kv_transfer.base import KvTransferError, TransferredKv
+from kv_transfer.buffer_pool import KvBufferPool
 from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, KvItem, encode_kv, messages_from_items
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
@@ -75,21 +76,23 @@ class KvReceiverServicer(pb_grpc.KvReceiverServicer):
         on_kv: Callable[[TransferredKv], None],
         on_failure: Callable[[str, str], None],
         max_bytes: int | None = None,
+        pool: KvBufferPool | None = None,
     ):
+        self._pool = pool
         self._on_kv = on_kv
         self._on_failure = on_failure
         self._max_bytes = max_bytes
 
     async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.KvAck:
         request_id = ""
+        assembler = None
         try:
-            assembler = None
             async for message in request_iterator:
                 if assembler is not None:
                     assembler.add_message(message)
                 elif message.HasField("header"):
                     request_id = message.header.request_id
-                    assembler = KvAssembler(message.header, self._max_bytes)
+                    assembler = KvAssembler(message.header, self._max_bytes, self._pool)
                 else:
                     raise KvTransferError("KV stream does not start with a header")
             if assembler is None:
@@ -98,6 +101,8 @@ class KvReceiverServicer(pb_grpc.KvReceiverServicer):
             self._on_kv(kv)
             return pb.KvAck(bytes_received=assembler.bytes_received)
         except KvTransferError as exc:
+            if assembler is not None:
+                assembler.discard()
             logger.warning("rejected KV stream for request %s: %s", request_id or "?", exc)
             if request_id:
                 self._on_failure(request_id, str(exc))

@@ -3,8 +3,10 @@ framed by hand so tensor bytes go from the sender's tensors straight into the re
 preallocated buffers (gRPC's HTTP/2 framing caps at a quarter of a socket's speed here).
 
 Frames, after the 6-byte preamble b"PDKV1\\n":
-  b"H" u32 length, KvHeader      b"B" layer u32, is_value u8, offset u64, length u64, xxh3 u64, bytes
+  b"H" u32 length, KvHeader      b"B" layer u32, is_value u8, offset u64, length u64, bytes, xxh3 u64
   b"T" u32 length, KvTrailer
+A block's checksum follows its bytes, so both sides hash on a helper thread (xxhash releases the
+GIL) while the socket moves the bytes, instead of hashing and copying one after the other.
 The receiver answers once: status u8 (0 ok, 1 refused), bytes received u64, u32 length, message.
 """
 
@@ -14,32 +16,21 @@ import asyncio
 import logging
 import socket
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
 
 from kv_transfer.base import KvTransferError, TransferredKv
-from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, KvItem, KvLayer, blocks, checksum
+from kv_transfer.buffer_pool import KvBufferPool
+from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, KvItem, blocks, checksum
 from proto import worker_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 PREAMBLE = b"PDKV1\n"
 LENGTH = struct.Struct("<I")
-BLOCK = struct.Struct("<IBQQQ")
+BLOCK = struct.Struct("<IBQQ")
+DIGEST = struct.Struct("<Q")
 ACK = struct.Struct("<BQI")
-
-
-async def _recv_exactly(loop, sock: socket.socket, view: memoryview) -> None:
-    while view:
-        n = await loop.sock_recv_into(sock, view)
-        if n == 0:
-            raise KvTransferError("KV connection closed mid-stream")
-        view = view[n:]
-
-
-async def _recv_bytes(loop, sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    await _recv_exactly(loop, sock, memoryview(buf))
-    return bytes(buf)
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -48,48 +39,61 @@ def _split(address: str) -> tuple[str, int]:
 
 
 class TcpKvSender:
-    """Streams KV items to a decode worker's TCP receiver; one connection per transfer."""
+    """Streams KV items to a decode worker's TCP receiver; one connection per transfer.
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    The socket is blocking and each item is written from a worker thread: `sendall` of a whole
+    tensor then runs in C without the GIL, instead of one event-loop wakeup per socket buffer.
+    """
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, io_timeout_s: float = 30.0):
         self.chunk_bytes = chunk_bytes
+        self.io_timeout_s = io_timeout_s
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
 
     async def send_items(self, address: str, items: AsyncIterator[KvItem]) -> int:
         """Send header, layers and trailer as they come; return the bytes the receiver verified."""
-        loop = asyncio.get_running_loop()
         host, port = _split(address)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
+        sock: socket.socket | None = None
         try:
             try:
-                await loop.sock_connect(sock, (host, port))
+                sock = await asyncio.to_thread(socket.create_connection, (host, port), self.io_timeout_s)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                await loop.sock_sendall(sock, PREAMBLE)
+                sock.sendall(PREAMBLE)
                 async for item in items:
-                    await self._send_item(loop, sock, item)
-                sock.shutdown(socket.SHUT_WR)
-                status, received, length = ACK.unpack(await _recv_bytes(loop, sock, ACK.size))
-                message = (await _recv_bytes(loop, sock, length)).decode() if length else ""
+                    await asyncio.to_thread(self._send_item, sock, item)
+                status, received, message = await asyncio.to_thread(self._read_ack, sock)
             except OSError as exc:
                 raise KvTransferError(f"KV transfer to {address} failed: {exc.strerror or exc}") from exc
-            except KvTransferError as exc:
-                raise KvTransferError(f"KV transfer to {address} failed: {exc}") from exc
             if status != 0:
                 raise KvTransferError(f"KV transfer to {address} refused: {message}")
             return received
         finally:
-            sock.close()
+            if sock is not None:
+                # Unblocks a worker thread still writing when the transfer is cancelled.
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
 
-    async def _send_item(self, loop, sock: socket.socket, item: KvItem) -> None:
+    def _send_item(self, sock: socket.socket, item: KvItem) -> None:
         if isinstance(item, (pb.KvHeader, pb.KvTrailer)):
             body = item.SerializeToString()
-            await loop.sock_sendall(sock, (b"H" if isinstance(item, pb.KvHeader) else b"T") + LENGTH.pack(len(body)) + body)
+            sock.sendall((b"H" if isinstance(item, pb.KvHeader) else b"T") + LENGTH.pack(len(body)) + body)
             return
-        assert isinstance(item, KvLayer)
         for is_value, tensor in ((False, item.key), (True, item.value)):
             for offset, data in blocks(item.index, is_value, tensor, self.chunk_bytes):
-                frame = b"B" + BLOCK.pack(item.index, int(is_value), offset, len(data), checksum(data))
-                await loop.sock_sendall(sock, frame)
-                await loop.sock_sendall(sock, data)
+                digest = self._hasher.submit(checksum, data)
+                sock.sendall(b"B" + BLOCK.pack(item.index, int(is_value), offset, len(data)))
+                sock.sendall(data)
+                sock.sendall(DIGEST.pack(digest.result()))
+
+    @staticmethod
+    def _read_ack(sock: socket.socket) -> tuple[int, int, str]:
+        sock.shutdown(socket.SHUT_WR)
+        status, received, length = ACK.unpack(_recv_exactly_blocking(sock, ACK.size))
+        message = _recv_exactly_blocking(sock, length).decode() if length else ""
+        return status, received, message
 
     async def send(self, address: str, kv: TransferredKv) -> int:
         from kv_transfer.codec import kv_items
@@ -101,16 +105,32 @@ class TcpKvSender:
         return await self.send_items(address, items())
 
 
+def _recv_into_blocking(sock: socket.socket, view: memoryview) -> None:
+    while view:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise KvTransferError("KV connection closed mid-stream")
+        view = view[n:]
+
+
+def _recv_exactly_blocking(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into_blocking(sock, memoryview(buf))
+    return bytes(buf)
+
+
 class TcpKvReceiver:
     """Accepts KV connections, verifies every block in place, hands whole caches on."""
 
     def __init__(self, on_kv: Callable[[TransferredKv], None], on_failure: Callable[[str, str], None],
-                 timeout_s: float = 30.0, max_bytes: int | None = None):
+                 timeout_s: float = 30.0, max_bytes: int | None = None, pool: KvBufferPool | None = None):
+        self._pool = pool
         self._on_kv = on_kv
         self._on_failure = on_failure
         self._timeout_s = timeout_s
         self._max_bytes = max_bytes
         self._server: socket.socket | None = None
+        self._verifier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-verify")
         self._accept_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
 
@@ -143,50 +163,65 @@ class TcpKvReceiver:
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        seen: dict[str, str] = {}  # the request id, once the header has named it
+        seen: dict = {}  # the request id and assembler, once the header has named them
+        conn.setblocking(True)
+        conn.settimeout(self._timeout_s)
         try:
             try:
-                received = await asyncio.wait_for(self._receive(loop, conn, seen), self._timeout_s)
-                reply = ACK.pack(0, received, 0)
-            except (KvTransferError, asyncio.TimeoutError) as exc:
-                message = str(exc) or f"KV stream did not complete within {self._timeout_s}s"
+                assembler = await asyncio.to_thread(self._receive, conn, seen, loop.time() + self._timeout_s, loop)
+                self._on_kv(assembler.finish())
+                reply = ACK.pack(0, assembler.bytes_received, 0)
+            except (KvTransferError, OSError) as exc:
+                if "assembler" in seen:
+                    seen["assembler"].discard()
+                if isinstance(exc, socket.timeout):
+                    exc = KvTransferError(f"KV stream did not complete within {self._timeout_s}s")
+                message = str(exc)
                 request_id = seen.get("request_id", "")
                 logger.warning("rejected KV stream for request %s: %s", request_id or "?", message)
                 if request_id:
                     self._on_failure(request_id, message)
                 body = message.encode()
                 reply = ACK.pack(1, 0, len(body)) + body
-            await loop.sock_sendall(conn, reply)
+            await asyncio.to_thread(conn.sendall, reply)
         except OSError:
             pass  # the sender is gone; it learns of the failure from its own side
         finally:
             conn.close()
 
-    async def _receive(self, loop, conn: socket.socket, seen: dict[str, str]) -> int:
-        if await _recv_bytes(loop, conn, len(PREAMBLE)) != PREAMBLE:
+    def _receive(self, conn: socket.socket, seen: dict, deadline: float, loop) -> KvAssembler:
+        """Read one whole stream on a worker thread, straight into the assembler's buffers."""
+        if _recv_exactly_blocking(conn, len(PREAMBLE)) != PREAMBLE:
             raise KvTransferError("not a pdserve KV stream (bad preamble)")
-        kind = await _recv_bytes(loop, conn, 1)
-        if kind != b"H":
+        if _recv_exactly_blocking(conn, 1) != b"H":
             raise KvTransferError("KV stream does not start with a header")
-        header = pb.KvHeader.FromString(await _recv_bytes(loop, conn, LENGTH.unpack(await _recv_bytes(loop, conn, 4))[0]))
+        length = LENGTH.unpack(_recv_exactly_blocking(conn, 4))[0]
+        header = pb.KvHeader.FromString(_recv_exactly_blocking(conn, length))
         seen["request_id"] = header.request_id
-        assembler = KvAssembler(header, self._max_bytes)
+        assembler = seen["assembler"] = KvAssembler(header, self._max_bytes, self._pool)
         block_head = bytearray(BLOCK.size)
+        digest = bytearray(DIGEST.size)
+        pending = None  # the previous block's verification, running while this block arrives
         while True:
-            kind = await loop.sock_recv(conn, 1)
+            if loop.time() > deadline:
+                raise KvTransferError(f"KV stream did not complete within {self._timeout_s}s")
+            kind = conn.recv(1)
+            if kind != b"B" and pending is not None:
+                pending.result()
+                pending = None
             if not kind:
-                break
+                return assembler
             if kind == b"B":
-                await _recv_exactly(loop, conn, memoryview(block_head))
-                layer, is_value, offset, length, digest = BLOCK.unpack(block_head)
-                view = assembler.reserve(layer, bool(is_value), offset, length)
-                await _recv_exactly(loop, conn, view)
-                assembler.commit(layer, bool(is_value), offset, length, digest)
+                _recv_into_blocking(conn, memoryview(block_head))
+                layer, is_value, offset, length = BLOCK.unpack(block_head)
+                _recv_into_blocking(conn, assembler.reserve(layer, bool(is_value), offset, length))
+                _recv_into_blocking(conn, memoryview(digest))
+                if pending is not None:
+                    pending.result()
+                pending = self._verifier.submit(assembler.commit, layer, bool(is_value), offset, length,
+                                                DIGEST.unpack(digest)[0])
             elif kind == b"T":
-                n = LENGTH.unpack(await _recv_bytes(loop, conn, 4))[0]
-                assembler.set_trailer(pb.KvTrailer.FromString(await _recv_bytes(loop, conn, n)))
+                length = LENGTH.unpack(_recv_exactly_blocking(conn, 4))[0]
+                assembler.set_trailer(pb.KvTrailer.FromString(_recv_exactly_blocking(conn, length)))
             else:
                 raise KvTransferError(f"unknown KV frame {kind!r}")
-        kv = assembler.finish()
-        self._on_kv(kv)
-        return assembler.bytes_received

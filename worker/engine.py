@@ -202,7 +202,7 @@ class DecodeEngine:
         if kv.seq_len != handle.prompt_len:
             raise KvTransferError(f"KV cache holds {kv.seq_len} positions but the prompt has {handle.prompt_len} tokens")
         seq = Sequence(kv.request_id, handle.prompt_len, handle.sampling, handle.max_seq_len)
-        seq.pending_kv = kv.layers
+        seq.pending_kv = kv
         handle.kv_arrived.set()
         self._inbox.put(("add", seq, kv))
 
@@ -254,11 +254,16 @@ class DecodeEngine:
         if output.finish_reason is None:
             self._processors[seq.request_id] = processor
             self.scheduler.add(seq)
+        else:
+            kv.release()
+            seq.pending_kv = None
 
     def _retire(self, seq: Sequence, status: SequenceStatus) -> None:
         self.scheduler.finish(seq, status)
         self.runner.leave(seq.request_id)
-        seq.pending_kv = None
+        if seq.pending_kv is not None:
+            seq.pending_kv.release()
+            seq.pending_kv = None
         self._processors.pop(seq.request_id, None)
 
     def _run(self) -> None:
@@ -269,7 +274,9 @@ class DecodeEngine:
                 continue
             try:
                 for seq in joined:
-                    self.runner.join(seq, seq.pending_kv)
+                    # The batch copies the rows in; the transferred buffers go back to the pool.
+                    self.runner.join(seq, seq.pending_kv.layers)
+                    seq.pending_kv.release()
                     seq.pending_kv = None
                 self._step(batch)
             except Exception:  # a model failure must end the affected streams, not hang them

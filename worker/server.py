@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from kv_transfer.base import KvTransferError
+from kv_transfer.buffer_pool import KvBufferPool
 from kv_transfer.codec import KvLayer, make_header, make_trailer
 from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverServicer
 from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
@@ -226,13 +227,14 @@ async def serve(options: WorkerOptions) -> None:
         engine = DecodeEngine(runner, budget, options.max_running)
         engine.start()
         kv_data_address = ""
+        pool = KvBufferPool()
         if options.kv_data_port >= 0:
-            receiver = TcpKvReceiver(engine.on_kv, engine.fail, timeout_s=options.kv_trans_timeout_s)
+            receiver = TcpKvReceiver(engine.on_kv, engine.fail, timeout_s=options.kv_trans_timeout_s, pool=pool)
             kv_data_address = f"{options.host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
         servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-        pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(engine.on_kv, engine.fail), server)
+        pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(engine.on_kv, engine.fail, pool=pool), server)
     else:
         raise ValueError(f"role must be 'prefill' or 'decode', got {options.role!r}")
 

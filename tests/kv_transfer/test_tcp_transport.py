@@ -10,7 +10,7 @@ import torch
 
 from kv_transfer.base import KvTransferError
 from kv_transfer.codec import KvLayer, checksum, kv_items, tensor_bytes
-from kv_transfer.tcp_transport import ACK, BLOCK, LENGTH, PREAMBLE, TcpKvReceiver, TcpKvSender
+from kv_transfer.tcp_transport import ACK, BLOCK, DIGEST, LENGTH, PREAMBLE, TcpKvReceiver, TcpKvSender
 from tests.kv_transfer.test_codec import bits, make_kv
 
 
@@ -59,7 +59,8 @@ def frames_for(kv, corrupt_block: int | None = None, drop_last_blocks: int = 0, 
                     digest = checksum(data)
                     if corrupt_block is not None and len(frames) == corrupt_block:
                         data = bytes([data[0] ^ 0xFF]) + data[1:]
-                    frames.append(b"B" + BLOCK.pack(item.index, int(is_value), offset, len(data), digest) + data)
+                    frames.append(b"B" + BLOCK.pack(item.index, int(is_value), offset, len(data)) + data
+                                  + DIGEST.pack(digest))
         else:
             body = item.SerializeToString()
             kind = b"H" if len(frames) == 1 else b"T"
