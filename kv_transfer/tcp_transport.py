@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import queue
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +31,7 @@ PREAMBLE = b"PDKV1\n"
 LENGTH = struct.Struct("<I")
 BLOCK = struct.Struct("<IBQQ")
 DIGEST = struct.Struct("<Q")
+OVERLAP_MIN_BYTES = 256 * 1024  # blocks at least this big are hashed on a helper thread
 ACK = struct.Struct("<BQI")
 
 
@@ -52,29 +54,40 @@ class TcpKvSender:
 
     async def send_items(self, address: str, items: AsyncIterator[KvItem]) -> int:
         """Send header, layers and trailer as they come; return the bytes the receiver verified."""
-        host, port = _split(address)
-        sock: socket.socket | None = None
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        holder: dict[str, socket.socket] = {}
+        writer = asyncio.get_running_loop().run_in_executor(None, self._write_all, address, outbox, holder)
         try:
-            try:
-                sock = await asyncio.to_thread(socket.create_connection, (host, port), self.io_timeout_s)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(PREAMBLE)
-                async for item in items:
-                    await asyncio.to_thread(self._send_item, sock, item)
-                status, received, message = await asyncio.to_thread(self._read_ack, sock)
-            except OSError as exc:
-                raise KvTransferError(f"KV transfer to {address} failed: {exc.strerror or exc}") from exc
-            if status != 0:
-                raise KvTransferError(f"KV transfer to {address} refused: {message}")
-            return received
+            async for item in items:
+                if writer.done():
+                    break
+                outbox.put(item)
+            outbox.put(None)
+            status, received, message = await writer
+        except OSError as exc:
+            raise KvTransferError(f"KV transfer to {address} failed: {exc.strerror or exc}") from exc
         finally:
-            if sock is not None:
-                # Unblocks a worker thread still writing when the transfer is cancelled.
+            outbox.put(None)
+            sock = holder.get("sock")
+            if sock is not None and not writer.done():
+                # Unblocks the writer thread when the transfer is cancelled.
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-                sock.close()
+        if status != 0:
+            raise KvTransferError(f"KV transfer to {address} refused: {message}")
+        return received
+
+    def _write_all(self, address: str, outbox: queue.SimpleQueue, holder: dict) -> tuple[int, int, str]:
+        """On a worker thread: connect, write every queued item, read the receiver's answer."""
+        with socket.create_connection(_split(address), self.io_timeout_s) as sock:
+            holder["sock"] = sock
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(PREAMBLE)
+            while (item := outbox.get()) is not None:
+                self._send_item(sock, item)
+            return self._read_ack(sock)
 
     def _send_item(self, sock: socket.socket, item: KvItem) -> None:
         if isinstance(item, (pb.KvHeader, pb.KvTrailer)):
@@ -83,6 +96,10 @@ class TcpKvSender:
             return
         for is_value, tensor in ((False, item.key), (True, item.value)):
             for offset, data in blocks(item.index, is_value, tensor, self.chunk_bytes):
+                if len(data) < OVERLAP_MIN_BYTES:  # a thread hand-off costs more than hashing it here
+                    frame = b"B" + BLOCK.pack(item.index, int(is_value), offset, len(data))
+                    sock.sendall(frame + data + DIGEST.pack(checksum(data)))
+                    continue
                 digest = self._hasher.submit(checksum, data)
                 sock.sendall(b"B" + BLOCK.pack(item.index, int(is_value), offset, len(data)))
                 sock.sendall(data)
@@ -218,8 +235,12 @@ class TcpKvReceiver:
                 _recv_into_blocking(conn, memoryview(digest))
                 if pending is not None:
                     pending.result()
-                pending = self._verifier.submit(assembler.commit, layer, bool(is_value), offset, length,
-                                                DIGEST.unpack(digest)[0])
+                    pending = None
+                args = (layer, bool(is_value), offset, length, DIGEST.unpack(digest)[0])
+                if length < OVERLAP_MIN_BYTES:
+                    assembler.commit(*args)
+                else:
+                    pending = self._verifier.submit(assembler.commit, *args)
             elif kind == b"T":
                 length = LENGTH.unpack(_recv_exactly_blocking(conn, 4))[0]
                 assembler.set_trailer(pb.KvTrailer.FromString(_recv_exactly_blocking(conn, length)))
