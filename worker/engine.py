@@ -268,22 +268,32 @@ class DecodeEngine:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            self._drain_inbox(block=not self.scheduler.running and not self.scheduler.waiting)
-            joined, batch = self.scheduler.schedule()
-            if not batch:
-                continue
+            batch: list[Sequence] = []
             try:
+                self._drain_inbox(block=not self.scheduler.running and not self.scheduler.waiting)
+                joined, batch = self.scheduler.schedule()
+                if not batch:
+                    continue
                 for seq in joined:
                     # The batch copies the rows in; the transferred buffers go back to the pool.
                     self.runner.join(seq, seq.pending_kv.layers)
                     seq.pending_kv.release()
                     seq.pending_kv = None
                 self._step(batch)
-            except Exception:  # a model failure must end the affected streams, not hang them
-                logger.exception("decode step failed")
-                for seq in batch:
-                    self._retire(seq, SequenceStatus.CANCELLED)
-                    self._loop.call_soon_threadsafe(self.fail, seq.request_id, "decode step failed on the worker")
+            except Exception:  # a failure must end the affected streams, never the engine thread
+                logger.exception("decode step failed; failing its %d sequences", len(batch))
+                self._fail_all(batch)
+
+    def _fail_all(self, batch: list[Sequence]) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + batch:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.CANCELLED)
+                self._processors.pop(seq.request_id, None)
+                if seq.pending_kv is not None:
+                    seq.pending_kv.release()
+                    seq.pending_kv = None
+                self._loop.call_soon_threadsafe(self.fail, seq.request_id, "decode step failed on the worker")
+        self.runner.reset_batch()
 
     def _step(self, batch: list[Sequence]) -> None:
         all_logits = self.runner.decode(batch)

@@ -88,14 +88,22 @@ class ModelRunner:
                 for r, n in enumerate(lengths)]
         return logits, rows
 
+    # Batch buffers may be (re)allocated during a decode forward, so every batch operation runs in
+    # inference mode too: in-place writes to inference tensors are refused outside it.
+    @torch.inference_mode()
     def join(self, seq: Sequence, layers: KvLayers) -> None:
         """Put a sequence's transferred cache into the decode batch."""
         self.batch.add(seq.request_id, layers)
 
+    @torch.inference_mode()
     def leave(self, request_id: str) -> None:
         """Take a sequence out of the decode batch and drop its cache."""
         if request_id in self.batch.request_ids:
             self.batch.remove(request_id)
+
+    def reset_batch(self) -> None:
+        """Drop the whole decode batch (after a failed step left it in an unknown state)."""
+        self.batch = BatchedKvCache(self.config)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:

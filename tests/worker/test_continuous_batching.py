@@ -108,3 +108,18 @@ def test_prefill_hands_out_every_layer_during_the_forward(runner, prompts):
     seen = []
     runner.prefill(prompts[:3], on_layer=lambda i, k, v: seen.append((i, k.shape[0])))
     assert seen == [(i, 3) for i in range(runner.num_layers)]
+
+
+def test_long_decodes_that_regrow_the_buffers_still_leave_cleanly(runner, prompts):
+    harness = Harness(runner)
+    for i in range(3):
+        harness.join(str(i), prompts[i])
+    for _ in range(150):  # past the buffers' first right-hand slack: reallocated mid-decode
+        harness.step()
+    harness.join("late", prompts[5])
+    harness.leave("1")
+    harness.step()
+    harness.leave("0")
+    harness.leave("2")
+    harness.leave("late")
+    assert runner.batch.cache is None
