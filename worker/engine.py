@@ -107,6 +107,8 @@ class PrefillEngine:
         with self._cond:
             self._stopped = True
             self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
     def _emit(self, job: PrefillJob, item: tuple) -> None:
         if not job.cancelled:
@@ -221,6 +223,8 @@ class DecodeEngine:
     def shutdown(self) -> None:
         self._stopped.set()
         self._inbox.put(("stop", None, None))
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
     # engine thread -----------------------------------------------------------------------
     def _post(self, request_id: str, output: TokenOutput) -> None:
