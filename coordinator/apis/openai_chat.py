@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from coordinator.apis.openai_common import (
+    OpenAIFormatter,
     OpenAIRequest,
     error_body,
     finish_reason,
@@ -53,19 +54,8 @@ class ChatCompletionRequest(OpenAIRequest):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-class ChatFormatter:
+class ChatFormatter(OpenAIFormatter):
     """Chunks as in seed 000/003: delta{role, content} per token, a final chunk with usage."""
-
-    done_marker = "[DONE]"
-
-    def __init__(self, request_id: str, created: int, model: str, full_text: bool, return_token_ids: bool,
-                 prompt_token_ids: list[int]):
-        self.request_id = request_id
-        self.created = created
-        self.model = model
-        self.full_text = full_text
-        self.return_token_ids = return_token_ids
-        self.prompt_token_ids = prompt_token_ids
 
     def _chunk(self, content: str, finish: str | None, **extra) -> dict:
         choice = {"index": 0, "delta": {"role": "assistant", "content": content}, "logprobs": None,

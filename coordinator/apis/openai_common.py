@@ -185,3 +185,18 @@ def usage(finished: Finished) -> dict:
 
 def error_body(error: ApiError) -> dict:
     return {"error": {"message": error.message, "type": error.error_type, "param": error.param, "code": error.status}}
+
+
+class OpenAIFormatter:
+    """What chat and completion formatters share: the response's identity and output options."""
+
+    done_marker = "[DONE]"
+
+    def __init__(self, request_id: str, created: int, model: str, full_text: bool, return_token_ids: bool,
+                 prompt_token_ids: list[int]):
+        self.request_id = request_id
+        self.created = created
+        self.model = model
+        self.full_text = full_text
+        self.return_token_ids = return_token_ids
+        self.prompt_token_ids = prompt_token_ids

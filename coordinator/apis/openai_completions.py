@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coordinator.apis.openai_common import OpenAIRequest, error_body, finish_reason, new_id, usage
+from coordinator.apis.openai_common import OpenAIFormatter, OpenAIRequest, error_body, finish_reason, new_id, usage
 from coordinator.errors import ApiError
 from coordinator.request import Finished, TokenDelta
 from coordinator.serving import Transcript
@@ -14,19 +14,8 @@ class CompletionRequest(OpenAIRequest):
     prompt: str
 
 
-class CompletionFormatter:
+class CompletionFormatter(OpenAIFormatter):
     """`text_completion` objects, one per token when streaming, usage on the last."""
-
-    done_marker = "[DONE]"
-
-    def __init__(self, request_id: str, created: int, model: str, full_text: bool, return_token_ids: bool,
-                 prompt_token_ids: list[int]):
-        self.request_id = request_id
-        self.created = created
-        self.model = model
-        self.full_text = full_text
-        self.return_token_ids = return_token_ids
-        self.prompt_token_ids = prompt_token_ids
 
     def _body(self, choice: dict, **extra) -> dict:
         return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
