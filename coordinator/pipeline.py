@@ -54,7 +54,8 @@ class RequestPipeline:
                     kv_data_address=accepted.accepted.kv_data_address,
                 ))
                 first = await self._first_token(call, prefill_task, route.prefill)
-                async for event in self._relay(call, first, len(request.prompt_token_ids), route.decode):
+                async for event in self._relay(call, first, len(request.prompt_token_ids), route.decode,
+                                               request.sampling.logprobs):
                     yield event
             except grpc.aio.AioRpcError as exc:
                 # A failed prefill explains a failed decode better than the decode error does.
@@ -95,7 +96,8 @@ class RequestPipeline:
             raise asyncio.TimeoutError
         return await asyncio.wait_for(read, self.first_token_timeout)
 
-    async def _relay(self, call, msg, prompt_len: int, decode_address: str) -> AsyncIterator[GenerationEvent]:
+    async def _relay(self, call, msg, prompt_len: int, decode_address: str,
+                     request_logprobs: int | None) -> AsyncIterator[GenerationEvent]:
         decode_times: list[float] = []
         prefill_ms = 0.0
         while True:
@@ -106,7 +108,12 @@ class RequestPipeline:
                 prefill_ms = token.time_ms
             else:
                 decode_times.append(token.time_ms)
-            yield TokenDelta(token_id=token.token_id, text=token.text, index=token.index, time_ms=token.time_ms)
+            wants_logprobs = request_logprobs is not None
+            yield TokenDelta(
+                token_id=token.token_id, text=token.text, index=token.index, time_ms=token.time_ms,
+                logprob=token.logprob if wants_logprobs else None,
+                top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs),
+            )
             if token.finish_reason:
                 yield Finished(
                     reason=FINISH_FROM_PB[token.finish_reason],

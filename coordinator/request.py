@@ -17,6 +17,14 @@ class SamplingOptions:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: no logprobs; N: the chosen token's and N alternatives
 
 
 @dataclass
@@ -35,6 +43,7 @@ class FinishReason(enum.Enum):
 
     EOS = "eos"
     STOP_STRING = "stop_string"
+    STOP_TOKEN = "stop_token"
     LENGTH = "length"
 
 
@@ -46,6 +55,8 @@ class TokenDelta:
     text: str
     index: int
     time_ms: float
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

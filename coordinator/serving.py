@@ -26,6 +26,7 @@ class Transcript:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    deltas: list[TokenDelta] = field(default_factory=list)
     finished: Finished | None = None
 
 
@@ -92,6 +93,7 @@ def _record(transcript: Transcript, event) -> None:
     if isinstance(event, TokenDelta):
         transcript.text += event.text
         transcript.token_ids.append(event.token_id)
+        transcript.deltas.append(event)
     else:
         transcript.finished = event
 

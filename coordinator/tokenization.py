@@ -16,6 +16,10 @@ class PromptTokenizer:
         config = AutoConfig.from_pretrained(model_dir)
         self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 1 << 30))
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs report it."""
+        return self.tokenizer.decode([token_id])
+
     async def encode_text(self, text: str) -> list[int]:
         return await asyncio.to_thread(lambda: self.tokenizer(text)["input_ids"])
 

@@ -13,6 +13,7 @@ FINISH_FROM_PB = {
     pb.FINISH_REASON_EOS: FinishReason.EOS,
     pb.FINISH_REASON_STOP_STRING: FinishReason.STOP_STRING,
     pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_STOP_TOKEN: FinishReason.STOP_TOKEN,
 }
 
 
@@ -27,6 +28,15 @@ def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingPa
         max_tokens=max_tokens,
         stop=list(s.stop),
         skip_special_tokens=s.skip_special_tokens,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        min_tokens=s.min_tokens,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        return_logprobs=s.logprobs is not None,
+        top_logprobs=s.logprobs or 0,
     )
 
 
@@ -52,6 +62,7 @@ class WorkerClient:
                 prompt_len=len(request.prompt_token_ids),
                 sampling=sampling_to_pb(request, max_tokens),
                 max_seq_len=max_seq_len,
+                prompt_token_ids=request.prompt_token_ids if request.sampling.repetition_penalty != 1.0 else [],
             ),
             timeout=timeout,
         )

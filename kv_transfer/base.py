@@ -30,6 +30,8 @@ class TransferredKv:
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     first_token_id: int
     prefill_time_ms: float
+    # (logprob, ((token_id, logprob), ...)) of the first token, when the request asked for logprobs.
+    first_logprobs: tuple | None = None
     # Set by a receiver that lent the tensors' memory; call `release` once they have been copied.
     on_release: Callable[[], None] | None = field(default=None, repr=False)
 

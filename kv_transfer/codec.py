@@ -53,8 +53,12 @@ def make_header(request_id: str, dtype: torch.dtype, num_layers: int, shape: tup
                        tensor_bytes=nbytes)
 
 
-def make_trailer(first_token_id: int, prefill_time_ms: float) -> pb.KvTrailer:
-    return pb.KvTrailer(first_token_id=first_token_id, prefill_time_ms=prefill_time_ms)
+def make_trailer(first_token_id: int, prefill_time_ms: float, first_logprobs: tuple | None = None) -> pb.KvTrailer:
+    trailer = pb.KvTrailer(first_token_id=first_token_id, prefill_time_ms=prefill_time_ms)
+    if first_logprobs is not None:
+        trailer.first_logprob = first_logprobs[0]
+        trailer.first_top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in first_logprobs[1])
+    return trailer
 
 
 def kv_items(kv: TransferredKv) -> Iterator[KvItem]:
@@ -65,7 +69,7 @@ def kv_items(kv: TransferredKv) -> Iterator[KvItem]:
     yield make_header(kv.request_id, key0.dtype, len(kv.layers), tuple(key0.shape))
     for i, (key, value) in enumerate(kv.layers):
         yield KvLayer(i, key, value)
-    yield make_trailer(kv.first_token_id, kv.prefill_time_ms)
+    yield make_trailer(kv.first_token_id, kv.prefill_time_ms, kv.first_logprobs)
 
 
 def blocks(layer: int, is_value: bool, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
@@ -190,6 +194,8 @@ class KvAssembler:
             layers=layers,
             first_token_id=self.trailer.first_token_id,
             prefill_time_ms=self.trailer.prefill_time_ms,
+            first_logprobs=(self.trailer.first_logprob,
+                            tuple((t.token_id, t.logprob) for t in self.trailer.first_top_logprobs)),
             on_release=self.discard if self._pool else None,
         )
 

@@ -34,9 +34,9 @@ from kv_transfer.base import KvTransferError, TransferredKv
 from worker.kv_budget import KvAdmission, KvBudget
 from worker.model_runner import ModelRunner
 from worker.output import OutputProcessor
-from worker.sampling import sample_token
+from worker.sampling import choose
 from worker.scheduler import DecodeScheduler, PrefillScheduler
-from worker.sequence import SamplingParams, Sequence, SequenceStatus, TokenOutput
+from worker.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprobs, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class PrefillJob:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     submitted_at: float
-    # ("layer", i, key, value) | ("done", first_token_id, prefill_ms) | ("error", message)
+    # ("layer", i, key, value) | ("done", first_token_id, prefill_ms, logprobs) | ("error", message)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
 
@@ -137,8 +137,9 @@ class PrefillEngine:
         try:
             logits, _ = self.runner.prefill([job.prompt_token_ids for job in batch], on_layer)
             for row, job in enumerate(batch):
-                first = sample_token(logits[row], job.sampling, index=0)
-                self._emit(job, ("done", first, (time.perf_counter() - job.submitted_at) * 1000))
+                first, logprobs = choose(logits[row], job.sampling, job.prompt_token_ids, [],
+                                         self.runner.eos_token_ids)
+                self._emit(job, ("done", first, (time.perf_counter() - job.submitted_at) * 1000, logprobs))
         except Exception as exc:  # a failed forward must fail its requests, not hang them
             logger.exception("prefill of %d prompts failed", len(batch))
             for job in batch:
@@ -153,6 +154,7 @@ class DecodeHandle:
     prompt_len: int
     sampling: SamplingParams
     max_seq_len: int
+    prompt_token_ids: list[int] = field(default_factory=list)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     kv_arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -185,10 +187,11 @@ class DecodeEngine:
     def num_pending_kv(self) -> int:
         return sum(1 for h in self._handles.values() if not h.kv_arrived.is_set())
 
-    def register(self, request_id: str, prompt_len: int, sampling: SamplingParams, max_seq_len: int) -> DecodeHandle:
+    def register(self, request_id: str, prompt_len: int, sampling: SamplingParams, max_seq_len: int,
+                 prompt_token_ids: list[int] | None = None) -> DecodeHandle:
         if request_id in self._handles:
             raise ValueError(f"request {request_id!r} is already registered on this decode worker")
-        handle = DecodeHandle(request_id, prompt_len, sampling, max_seq_len)
+        handle = DecodeHandle(request_id, prompt_len, sampling, max_seq_len, list(prompt_token_ids or []))
         self._handles[request_id] = handle
         return handle
 
@@ -203,7 +206,8 @@ class DecodeEngine:
             raise KvTransferError(f"no decode request {kv.request_id!r} is waiting for a KV cache")
         if kv.seq_len != handle.prompt_len:
             raise KvTransferError(f"KV cache holds {kv.seq_len} positions but the prompt has {handle.prompt_len} tokens")
-        seq = Sequence(kv.request_id, handle.prompt_len, handle.sampling, handle.max_seq_len)
+        seq = Sequence(kv.request_id, handle.prompt_len, handle.sampling, handle.max_seq_len,
+                       prompt_token_ids=handle.prompt_token_ids)
         seq.pending_kv = kv
         handle.kv_arrived.set()
         self._inbox.put(("add", seq, kv))
@@ -252,7 +256,10 @@ class DecodeEngine:
 
     def _admit(self, seq: Sequence, kv: TransferredKv) -> None:
         processor = OutputProcessor(seq, self.runner.tokenizer, self.runner.eos_token_ids)
-        output = processor.append(kv.first_token_id, kv.prefill_time_ms)
+        first_logprobs = None
+        if seq.sampling.return_logprobs and kv.first_logprobs is not None:
+            first_logprobs = TokenLogprobs(kv.first_logprobs[0], tuple(kv.first_logprobs[1]))
+        output = processor.append(kv.first_token_id, kv.prefill_time_ms, first_logprobs)
         seq.last_step_at = time.perf_counter()
         self._emit(seq.request_id, output)
         if output.finish_reason is None:
@@ -303,8 +310,9 @@ class DecodeEngine:
         all_logits = self.runner.decode(batch)
         now = time.perf_counter()
         for seq in batch:
-            token = sample_token(all_logits[seq.request_id], seq.sampling, index=seq.num_generated)
-            output = self._processors[seq.request_id].append(token, (now - seq.last_step_at) * 1000)
+            token, logprobs = choose(all_logits[seq.request_id], seq.sampling, seq.prompt_token_ids,
+                                     seq.output_token_ids, self.runner.eos_token_ids)
+            output = self._processors[seq.request_id].append(token, (now - seq.last_step_at) * 1000, logprobs)
             seq.last_step_at = now
             self._emit(seq.request_id, output)
             if output.finish_reason is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from worker.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from worker.sequence import FinishReason, Sequence, TokenOutput
+from worker.sequence import FinishReason, Sequence, TokenLogprobs, TokenOutput
 
 
 class OutputProcessor:
@@ -15,16 +15,27 @@ class OutputProcessor:
         self._detok = IncrementalDetokenizer(tokenizer, seq.sampling.skip_special_tokens)
         self._stops = StopStringMatcher(seq.sampling.stop)
 
-    def append(self, token_id: int, time_ms: float) -> TokenOutput:
+    def append(self, token_id: int, time_ms: float, logprobs: TokenLogprobs | None = None) -> TokenOutput:
         seq = self._seq
+        params = seq.sampling
         seq.output_token_ids.append(token_id)
-        text = self._stops.feed(self._detok.push(token_id))
+        delta = self._detok.push(token_id)
+        stop_token = token_id in params.stop_token_ids
+        eos = token_id in self._eos and not params.ignore_eos
+        if (stop_token or eos) and not params.include_stop_str_in_output:
+            delta = ""
+        text = self._stops.feed(delta)
         finish = None
+        matched = None
         if self._stops.stopped:
-            finish = FinishReason.STOP_STRING
-        elif token_id in self._eos:
+            finish, matched = FinishReason.STOP_STRING, self._stops.matched
+            if params.include_stop_str_in_output:
+                text += matched
+        elif stop_token:
+            finish, matched = FinishReason.STOP_TOKEN, str(token_id)
+        elif eos:
             finish = FinishReason.EOS
-        elif seq.num_generated >= seq.sampling.max_tokens or seq.total_len >= seq.max_seq_len:
+        elif seq.num_generated >= params.max_tokens or seq.total_len >= seq.max_seq_len:
             finish = FinishReason.LENGTH
         if finish is not None and finish is not FinishReason.STOP_STRING:
             text += self._stops.flush()
@@ -34,5 +45,6 @@ class OutputProcessor:
             time_ms=time_ms,
             index=seq.num_generated - 1,
             finish_reason=finish,
-            matched_stop=self._stops.matched,
+            matched_stop=matched,
+            logprobs=logprobs,
         )

@@ -12,6 +12,7 @@ class FinishReason(enum.Enum):
 
     EOS = "eos"
     STOP_STRING = "stop_string"
+    STOP_TOKEN = "stop_token"
     LENGTH = "length"
 
 
@@ -35,6 +36,27 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    return_logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The chosen token's log-probability and the most likely alternatives, from the raw logits."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -47,6 +69,7 @@ class TokenOutput:
     index: int
     finish_reason: FinishReason | None = None
     matched_stop: str | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass
@@ -57,6 +80,7 @@ class Sequence:
     prompt_len: int
     sampling: SamplingParams
     max_seq_len: int
+    prompt_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING_FOR_KV
     output_token_ids: list[int] = field(default_factory=list)
     # The transferred KV cache until the sequence joins the decode batch; opaque to the scheduler.

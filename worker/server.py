@@ -29,6 +29,7 @@ _FINISH_TO_PB = {
     FinishReason.EOS: pb.FINISH_REASON_EOS,
     FinishReason.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
 }
 
 
@@ -60,20 +61,31 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         max_tokens=msg.max_tokens,
         stop=tuple(msg.stop),
         skip_special_tokens=msg.skip_special_tokens,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        return_logprobs=msg.return_logprobs,
+        top_logprobs=msg.top_logprobs,
     )
 
 
 def token_to_pb(output: TokenOutput) -> pb.DecodeEvent:
-    return pb.DecodeEvent(
-        token=pb.TokenEvent(
-            token_id=output.token_id,
-            text=output.text,
-            time_ms=output.time_ms,
-            finish_reason=_FINISH_TO_PB[output.finish_reason],
-            index=output.index,
-            matched_stop=output.matched_stop or "",
-        )
+    event = pb.TokenEvent(
+        token_id=output.token_id,
+        text=output.text,
+        time_ms=output.time_ms,
+        finish_reason=_FINISH_TO_PB[output.finish_reason],
+        index=output.index,
+        matched_stop=output.matched_stop or "",
     )
+    if output.logprobs is not None:
+        event.logprob = output.logprobs.logprob
+        event.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in output.logprobs.top)
+    return pb.DecodeEvent(token=event)
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
@@ -149,7 +161,8 @@ class PrefillKvStream:
                 yield KvLayer(item[1], item[2], item[3])
             elif item[0] == "done":
                 self.first_token_id, self.prefill_time_ms = item[1], item[2]
-                yield make_trailer(item[1], item[2])
+                logprobs = item[3]
+                yield make_trailer(item[1], item[2], (logprobs.logprob, logprobs.top) if logprobs else None)
                 return
             else:
                 # Ending without a trailer makes the decode worker reject the stream as truncated.
@@ -173,7 +186,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 f"prompt_len={request.prompt_len} must be in [1, max_seq_len={request.max_seq_len})",
             )
         try:
-            handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len)
+            handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
+                                          list(request.prompt_token_ids))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
@@ -42,6 +42,17 @@ class ChatCompletionRequest(OpenAIRequest):
     """The body of a chat completion request."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -57,8 +68,19 @@ class ChatCompletionRequest(OpenAIRequest):
 class ChatFormatter(OpenAIFormatter):
     """Chunks as in seed 000/003: delta{role, content} per token, a final chunk with usage."""
 
-    def _chunk(self, content: str, finish: str | None, **extra) -> dict:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": content}, "logprobs": None,
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _logprobs(self, deltas: list[TokenDelta]) -> dict | None:
+        """OpenAI chat logprobs: per token, its logprob and the top alternatives."""
+        if not deltas or deltas[0].logprob is None:
+            return None
+        return {"content": [{**self._entry(d.token_id, d.logprob),
+                             "top_logprobs": [self._entry(t, lp) for t, lp in d.top_logprobs]} for d in deltas]}
+
+    def _chunk(self, content: str, finish: str | None, logprobs: dict | None = None, **extra) -> dict:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": content}, "logprobs": logprobs,
                   "finish_reason": finish}
         if "token_ids" in extra:
             choice["token_ids"] = extra.pop("token_ids")
@@ -69,7 +91,7 @@ class ChatFormatter(OpenAIFormatter):
         extra = {"token_ids": [delta.token_id]} if self.return_token_ids else {}
         if self.return_token_ids and delta.index == 0:
             extra["prompt_token_ids"] = self.prompt_token_ids
-        return [self._chunk(transcript.text if self.full_text else delta.text, None, **extra)]
+        return [self._chunk(transcript.text if self.full_text else delta.text, None, self._logprobs([delta]), **extra)]
 
     def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
         extra = {"full_text": transcript.text} if self.full_text else {}
@@ -81,8 +103,8 @@ class ChatFormatter(OpenAIFormatter):
 
     def response(self, transcript: Transcript) -> dict:
         finished = transcript.finished
-        choice = {"index": 0, "message": {"role": "assistant", "content": transcript.text}, "logprobs": None,
-                  "finish_reason": finish_reason(finished)}
+        choice = {"index": 0, "message": {"role": "assistant", "content": transcript.text},
+                  "logprobs": self._logprobs(transcript.deltas), "finish_reason": finish_reason(finished)}
         if self.return_token_ids:
             choice["token_ids"] = transcript.token_ids
         body = {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,

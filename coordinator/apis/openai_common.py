@@ -6,6 +6,7 @@ import math
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from aiohttp import web
@@ -63,7 +64,36 @@ def _stop(v: str | list[str] | None) -> str | list[str] | None:
     return v
 
 
+def _repetition_penalty(v: float) -> float:
+    if not 0.0 < v <= 2.0:
+        raise ValueError(f"must be in (0.0, 2.0], got {v}")
+    return v
+
+
+def _penalty(v: float) -> float:
+    if not -2.0 <= v <= 2.0:
+        raise ValueError(f"must be in [-2.0, 2.0], got {v}")
+    return v
+
+
+def _token_ids(v: list[int] | None) -> list[int] | None:
+    bad = [t for t in v or () if not 0 <= t <= UINT32_MAX]
+    if bad:
+        raise ValueError(f"token ids must be in [0, {UINT32_MAX}], got {bad[0]}")
+    return v
+
+
+def _min_tokens(v: int) -> int:
+    if not 0 <= v <= UINT32_MAX:
+        raise ValueError(f"must be in [0, {UINT32_MAX}], got {v}")
+    return v
+
+
 Temperature = Annotated[float, AfterValidator(_temperature)]
+RepetitionPenalty = Annotated[float, AfterValidator(_repetition_penalty)]
+Penalty = Annotated[float, AfterValidator(_penalty)]
+TokenIds = Annotated[list[int] | None, AfterValidator(_token_ids)]
+MinTokens = Annotated[int, AfterValidator(_min_tokens)]
 TopP = Annotated[float, AfterValidator(_top_p)]
 TopK = Annotated[int, AfterValidator(_top_k)]
 Seed = Annotated[int, AfterValidator(_seed)]
@@ -75,21 +105,12 @@ Stop = Annotated[str | list[str] | None, AfterValidator(_stop)]
 NOT_YET_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "n": (1, None),
     "best_of": (1, None),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (False, None),
-    "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None),
-    "repetition_penalty": (1, 1.0, None),
     "logit_bias": (None, {}),
     "stream_options": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
-    "stop_token_ids": (None, []),
-    "include_stop_str_in_output": (False, None),
-    "ignore_eos": (False, None),
-    "min_tokens": (0, None),
     "suffix": (None,),
 }
 
@@ -108,6 +129,13 @@ class OpenAIRequest(BaseModel):
     seed: Seed | None = None
     stop: Stop = None
     skip_special_tokens: bool = True
+    repetition_penalty: RepetitionPenalty = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    stop_token_ids: TokenIds = None
+    ignore_eos: bool = False
+    min_tokens: MinTokens = 0
+    include_stop_str_in_output: bool = False
     return_token_ids: bool = False
     user: str | None = None  # end-user id for the operator's logs; does not affect generation
 
@@ -123,6 +151,16 @@ class OpenAIRequest(BaseModel):
                     raise ValueError(f"{name} is not supported by this server yet")
         return {k: v for k, v in data.items() if k not in NOT_YET_SUPPORTED}
 
+    @model_validator(mode="after")
+    def _min_tokens_within_max_tokens(self):
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}")
+        return self
+
+    def logprobs_count(self) -> int | None:
+        """How many alternatives per token the client asked for; None for no logprobs."""
+        return None
+
     def sampling(self) -> SamplingOptions:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingOptions(
@@ -133,6 +171,14 @@ class OpenAIRequest(BaseModel):
             seed=self.seed if self.seed is not None else secrets.randbits(63) + 1,
             stop=stop,
             skip_special_tokens=self.skip_special_tokens,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=self.logprobs_count(),
         )
 
 
@@ -175,6 +221,15 @@ def finish_reason(finished: Finished) -> str:
     return "length" if finished.reason is FinishReason.LENGTH else "stop"
 
 
+def stop_reason(finished: Finished | None) -> str | int | None:
+    """vLLM's `stop_reason`: the stop string, or the stop token id, that ended the output."""
+    if finished is None or finished.matched_stop is None:
+        return None
+    if finished.reason is FinishReason.STOP_TOKEN:
+        return int(finished.matched_stop)
+    return finished.matched_stop
+
+
 def usage(finished: Finished) -> dict:
     return {
         "prompt_tokens": finished.prompt_tokens,
@@ -193,10 +248,11 @@ class OpenAIFormatter:
     done_marker = "[DONE]"
 
     def __init__(self, request_id: str, created: int, model: str, full_text: bool, return_token_ids: bool,
-                 prompt_token_ids: list[int]):
+                 prompt_token_ids: list[int], token_text: Callable[[int], str] = str):
         self.request_id = request_id
         self.created = created
         self.model = model
         self.full_text = full_text
         self.return_token_ids = return_token_ids
         self.prompt_token_ids = prompt_token_ids
+        self.token_text = token_text  # token id -> its text, for logprobs

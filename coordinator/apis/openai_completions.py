@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
-from coordinator.apis.openai_common import OpenAIFormatter, OpenAIRequest, error_body, finish_reason, new_id, usage
+from typing import Annotated
+
+from pydantic import AfterValidator
+
+from coordinator.apis.openai_common import (
+    OpenAIFormatter,
+    OpenAIRequest,
+    error_body,
+    finish_reason,
+    new_id,
+    stop_reason,
+    usage,
+)
 from coordinator.errors import ApiError
 from coordinator.request import Finished, TokenDelta
 from coordinator.serving import Transcript
+
+
+def _logprobs(v: int | None) -> int | None:
+    if v is not None and not 0 <= v <= 5:
+        raise ValueError(f"must be in [0, 5], got {v}")
+    return v
 
 
 class CompletionRequest(OpenAIRequest):
     """The body of a completion request."""
 
     prompt: str
+    logprobs: Annotated[int | None, AfterValidator(_logprobs)] = None
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
 
 class CompletionFormatter(OpenAIFormatter):
@@ -21,13 +43,27 @@ class CompletionFormatter(OpenAIFormatter):
         return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [choice], **extra}
 
-    def _choice(self, text: str, finished: Finished | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None,
+    def _choice(self, text: str, finished: Finished | None, logprobs: dict | None = None) -> dict:
+        return {"index": 0, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason(finished) if finished else None,
-                "stop_reason": finished.matched_stop if finished else None}
+                "stop_reason": stop_reason(finished)}
+
+    def _logprobs(self, deltas: list[TokenDelta], offset: int) -> dict | None:
+        """vLLM's completion logprobs: tokens, their logprobs, the top alternatives, text offsets."""
+        if not deltas or deltas[0].logprob is None:
+            return None
+        block = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for d in deltas:
+            block["text_offset"].append(offset)
+            block["tokens"].append(self.token_text(d.token_id))
+            block["token_logprobs"].append(d.logprob)
+            block["top_logprobs"].append({self.token_text(t): lp for t, lp in d.top_logprobs})
+            offset += len(d.text)
+        return block
 
     def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]:
-        choice = self._choice(transcript.text if self.full_text else delta.text, None)
+        logprobs = self._logprobs([delta], len(transcript.text) - len(delta.text))
+        choice = self._choice(transcript.text if self.full_text else delta.text, None, logprobs)
         if self.return_token_ids:
             choice["token_ids"] = [delta.token_id]
             if delta.index == 0:
@@ -45,7 +81,7 @@ class CompletionFormatter(OpenAIFormatter):
 
     def response(self, transcript: Transcript) -> dict:
         finished = transcript.finished
-        choice = self._choice(transcript.text, finished)
+        choice = self._choice(transcript.text, finished, self._logprobs(transcript.deltas, 0))
         if self.return_token_ids:
             choice["token_ids"] = transcript.token_ids
             choice["prompt_token_ids"] = self.prompt_token_ids

@@ -22,6 +22,12 @@ OUT_OF_RANGE = [
     ("stop", "", "1 to 32768 characters"),
     ("stop", ["ok", ""], "at least 1 character"),
     ("stop", ["x" * 20000, "y" * 20000], "at most 32768 characters in total"),
+    ("repetition_penalty", 0, "(0.0, 2.0]"),
+    ("repetition_penalty", 2.5, "(0.0, 2.0]"),
+    ("presence_penalty", -2.5, "[-2.0, 2.0]"),
+    ("frequency_penalty", 2.01, "[-2.0, 2.0]"),
+    ("stop_token_ids", [-1], "token ids must be in [0, 2147483647]"),
+    ("min_tokens", -1, "[0, 2147483647]"),
 ]
 
 
@@ -36,8 +42,8 @@ def test_out_of_range_value_is_400_naming_field_and_range(http, path, base, fiel
     assert error["param"] == field and error["code"] == 400 and error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("field,value", [("n", 2), ("logprobs", True), ("presence_penalty", 0.5),
-                                         ("stream_options", {"include_usage": True}), ("ignore_eos", True)])
+@pytest.mark.parametrize("field,value", [("n", 2), ("best_of", 2), ("logit_bias", {"5": 1.0}),
+                                         ("stream_options", {"include_usage": True}), ("echo", True)])
 def test_not_yet_supported_field_is_400_not_ignored(http, field, value):
     resp = http.post("/v1/chat/completions", json={**CHAT, field: value})
     assert resp.status_code == 400
@@ -45,7 +51,7 @@ def test_not_yet_supported_field_is_400_not_ignored(http, field, value):
 
 
 def test_not_yet_supported_field_at_its_default_is_accepted(http):
-    resp = http.post("/v1/chat/completions", json={**CHAT, "n": 1, "presence_penalty": 0, "max_tokens": 2})
+    resp = http.post("/v1/chat/completions", json={**CHAT, "n": 1, "echo": False, "max_tokens": 2})
     assert resp.status_code == 200, resp.text
 
 
@@ -100,3 +106,15 @@ def test_unknown_path_and_wrong_method_answer_in_openai_format(http):
 def test_server_keeps_serving_after_bad_requests(http):
     resp = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("path,body,needle", [
+    ("/v1/completions", {**COMPLETION, "logprobs": 6}, "logprobs: must be in [0, 5]"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs requires logprobs=true"),
+    ("/v1/completions", {**COMPLETION, "min_tokens": 5, "max_tokens": 2}, "min_tokens=5 exceeds max_tokens=2"),
+])
+def test_inconsistent_or_out_of_range_logprobs_and_min_tokens_are_400(http, path, body, needle):
+    resp = http.post(path, json=body)
+    assert resp.status_code == 400
+    assert needle in resp.json()["error"]["message"]
