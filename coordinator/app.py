@@ -24,25 +24,35 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a 4 MB prompt as JSON, with escapes and the other fields
 
 
+OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/models")
+
+
+def api_error_body(path: str, error: ApiError) -> dict:
+    """OpenAI's error object on OpenAI paths; TGI's `{error, error_type}` everywhere else."""
+    if path.startswith(OPENAI_PATHS):
+        return error_body(error)
+    return {"error": error.message, "error_type": error.error_type}
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     """Every failure leaves as the API's own error body; nothing escapes as a bare 500 page."""
     try:
         return await handler(request)
     except ApiError as exc:
-        return web.json_response(error_body(exc), status=exc.status)
+        return web.json_response(api_error_body(request.path, exc), status=exc.status)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         error = ApiError(exc.status, exc.reason if exc.status != 413 else f"request body exceeds {MAX_BODY_BYTES} bytes")
-        return web.json_response(error_body(error), status=exc.status, headers={
+        return web.json_response(api_error_body(request.path, error), status=exc.status, headers={
             k: v for k, v in exc.headers.items() if k.lower() == "allow"
         })
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
-        return web.json_response(error_body(ApiError(500, "internal server error")), status=500)
+        return web.json_response(api_error_body(request.path, ApiError(500, "internal server error")), status=500)
 
 
 def create_app(config: CoordinatorConfig) -> web.Application:

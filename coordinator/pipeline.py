@@ -113,6 +113,7 @@ class RequestPipeline:
                 token_id=token.token_id, text=token.text, index=token.index, time_ms=token.time_ms,
                 logprob=token.logprob if wants_logprobs else None,
                 top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs),
+                final=bool(token.finish_reason),
             )
             if token.finish_reason:
                 yield Finished(

@@ -57,6 +57,7 @@ class TokenDelta:
     time_ms: float
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    final: bool = False  # the last token; a Finished event follows at once
 
 
 @dataclass(frozen=True)

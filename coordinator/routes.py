@@ -6,8 +6,10 @@ import asyncio
 
 from aiohttp import web
 
-from coordinator.apis import openai_chat, openai_completions
-from coordinator.apis.openai_common import check_model, parse_request, read_json
+from coordinator.apis import openai_chat, openai_completions, tgi, tokenizer, vllm_native
+from coordinator.apis.fields import new_id, parse_request, read_json
+from coordinator.apis.openai_common import check_model
+from coordinator.errors import ApiError
 from coordinator.apis.operations import health_body, models_body
 from coordinator.request import GenerationRequest
 from coordinator.serving import serve_generation
@@ -42,6 +44,70 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await serve_generation(request, state.pipeline, gen, formatter, body.stream)
 
 
+async def generate(request: web.Request) -> web.StreamResponse:
+    """/generate serves two APIs: a body with `inputs` is TGI, one with `prompt` is vLLM."""
+    body = await read_json(request)
+    if not isinstance(body, dict) or ("inputs" in body) == ("prompt" in body):
+        raise ApiError(400, "a /generate body needs exactly one of `inputs` (TGI) or `prompt` (vLLM)")
+    if "inputs" in body:
+        if body.get("stream"):
+            raise ApiError(400, "stream: use /generate_stream (or POST /) to stream a TGI request", param="stream")
+        return await _tgi(request, body, stream=False, native_shapes=False)
+    return await _vllm(request, body)
+
+
+async def generate_stream(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    if isinstance(body, dict) and body.get("stream") is False:
+        raise ApiError(400, "stream: /generate_stream always streams; omit stream or send true", param="stream")
+    return await _tgi(request, body, stream=True, native_shapes=False)
+
+
+async def tgi_compat(request: web.Request) -> web.StreamResponse:
+    """POST /: what TGI clients (huggingface_hub.InferenceClient) call; `stream` picks the mode."""
+    body = await read_json(request)
+    stream = bool(body.get("stream")) if isinstance(body, dict) else False
+    return await _tgi(request, body, stream=stream, native_shapes=True)
+
+
+async def _tgi(request: web.Request, body, stream: bool, native_shapes: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    if isinstance(body, dict):
+        body = {**body, "stream": stream}
+    req = parse_request(tgi.TgiRequest, body)
+    state.limits.check_text(req.inputs, "inputs")
+    prompt_ids = await state.tokenizer.encode_text(req.inputs)
+    if req.parameters.truncate is not None:
+        prompt_ids = prompt_ids[-req.parameters.truncate:]
+    state.limits.check_prompt(len(prompt_ids), "inputs")
+    sampling = req.parameters.sampling()
+    gen = GenerationRequest(tgi.new_request_id(), prompt_ids, sampling, req.parameters.max_new_tokens)
+    formatter = tgi.TgiFormatter(req, req.inputs, prompt_ids, sampling.seed, state.full_text,
+                                 state.tokenizer.token_text, state.tokenizer.special_ids,
+                                 list_ids=not native_shapes, wrap_in_list=native_shapes)
+    return await serve_generation(request, state.pipeline, gen, formatter, stream)
+
+
+async def _vllm(request: web.Request, body: dict) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_request(vllm_native.VllmGenerateRequest, body)
+    vllm_native.check_lora(req.model, state.model_name)
+    state.limits.check_text(req.prompt, "prompt")
+    prompt_ids = await state.tokenizer.encode_text(req.prompt)
+    state.limits.check_prompt(len(prompt_ids), "prompt")
+    gen = GenerationRequest(new_id("vllm"), prompt_ids, req.sampling(), req.max_tokens)
+    formatter = vllm_native.VllmFormatter(req.prompt, state.full_text)
+    return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = parse_request(tokenizer.TokenizeRequest, await read_json(request))
+    state.limits.check_text(req.inputs, "inputs")
+    ids = await state.tokenizer.encode_text(req.inputs)
+    return web.json_response(tokenizer.tokenize_body([state.tokenizer.token_text(i) for i in ids]))
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.json_response(models_body(state.model_name, state.started_at, state.limits.max_seq_len))
@@ -71,3 +137,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/generate_stream", generate_stream)
+    app.router.add_post("/", tgi_compat)
+    app.router.add_post("/v1/tokenizer", tokenize)

@@ -15,7 +15,7 @@ from aiohttp import web
 from coordinator.errors import ApiError
 from coordinator.pipeline import RequestPipeline
 from coordinator.request import Finished, GenerationRequest, TokenDelta
-from coordinator.sse import encode_event, open_sse
+from coordinator.sse import encode_event, open_stream
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,9 @@ class ResponseFormatter(Protocol):
     """Per-API wire format of a generation."""
 
     done_marker: str | None
+    stream_content_type: str
+
+    def encode(self, frame: dict | str) -> bytes: ...
 
     def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]: ...
 
@@ -66,7 +69,7 @@ async def serve_generation(
         async for event in events:
             if response is None:
                 # Opened on the first event, so a failure before it is a plain HTTP error.
-                response = await open_sse(http_request)
+                response = await open_stream(http_request, formatter.stream_content_type)
             _record(transcript, event)
             frames = (
                 formatter.token_frames(event, transcript)
@@ -74,19 +77,29 @@ async def serve_generation(
                 else formatter.final_frames(event, transcript)
             )
             for frame in frames:
-                await response.write(encode_event(frame))
+                await response.write(formatter.encode(frame))
     except ApiError as error:
         if response is None:
             raise
         logger.warning("request %s failed mid-stream: %s", request.request_id, error.message)
         for frame in formatter.error_frames(error, transcript):
-            await response.write(encode_event(frame))
+            await response.write(formatter.encode(frame))
     finally:
         await events.aclose()
     if formatter.done_marker is not None:
-        await response.write(encode_event(formatter.done_marker))
+        await response.write(formatter.encode(formatter.done_marker))
     await response.write_eof()
     return response
+
+
+class SseFormatter:
+    """Default framing: server-sent `data:` events."""
+
+    done_marker: str | None = None
+    stream_content_type = "text/event-stream; charset=utf-8"
+
+    def encode(self, frame: dict | str) -> bytes:
+        return encode_event(frame)
 
 
 def _record(transcript: Transcript, event) -> None:

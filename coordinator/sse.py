@@ -12,9 +12,7 @@ def encode_event(payload: dict | str) -> bytes:
     return f"data: {body}\n\n".encode("utf-8")
 
 
-async def open_sse(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-    )
+async def open_stream(request: web.Request, content_type: str = "text/event-stream; charset=utf-8") -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
     await response.prepare(request)
     return response

@@ -15,6 +15,7 @@ class PromptTokenizer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
         self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as logprobs report it."""
