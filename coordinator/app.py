@@ -24,12 +24,12 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024  # a 4 MB prompt as JSON, with escapes and the other fields
 
 
-OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/models")
+NON_OPENAI_V1_PATHS = ("/v1/tokenizer",)
 
 
 def api_error_body(path: str, error: ApiError) -> dict:
-    """OpenAI's error object on OpenAI paths; TGI's `{error, error_type}` everywhere else."""
-    if path.startswith(OPENAI_PATHS):
+    """OpenAI's error object on OpenAI paths (/v1/...); TGI's `{error, error_type}` everywhere else."""
+    if path.startswith("/v1/") and path not in NON_OPENAI_V1_PATHS:
         return error_body(error)
     return {"error": error.message, "error_type": error.error_type}
 
