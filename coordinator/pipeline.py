@@ -41,7 +41,9 @@ class RequestPipeline:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         route = self.router.route()
         max_tokens = self.limits.generation_cap(request.max_tokens, len(request.prompt_token_ids))
-        call = self.client.open_decode(route.decode, request, max_tokens, self.limits.max_seq_len, self.infer_timeout)
+        deadline = min(self.infer_timeout, request.timeout_s or self.infer_timeout)
+        # The Decode call's deadline ends the request everywhere: the decode worker cancels and frees it.
+        call = self.client.open_decode(route.decode, request, max_tokens, self.limits.max_seq_len, deadline)
         prefill_task: asyncio.Task | None = None
         try:
             try:
@@ -58,6 +60,9 @@ class RequestPipeline:
                                                request.sampling.logprobs):
                     yield event
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "Deadline Exceeded" in (exc.details() or ""):
+                    raise WorkerError(f"request exceeded its deadline of {deadline}s and was cancelled",
+                                      status=504) from None
                 # A failed prefill explains a failed decode better than the decode error does.
                 if prefill_task is not None and prefill_task.done() and not prefill_task.cancelled():
                     pexc = prefill_task.exception()

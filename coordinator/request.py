@@ -35,6 +35,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingOptions
     max_tokens: int | None = None
+    timeout_s: float | None = None  # the client's own deadline, on top of the configured ones
     created: int = field(default_factory=lambda: int(time.time()))
 
 

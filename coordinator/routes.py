@@ -6,7 +6,9 @@ import asyncio
 
 from aiohttp import web
 
-from coordinator.apis import openai_chat, openai_completions, tgi, tokenizer, vllm_native
+import secrets
+
+from coordinator.apis import mindie, openai_chat, openai_completions, tgi, tokenizer, vllm_native
 from coordinator.apis.fields import new_id, parse_request, read_json
 from coordinator.apis.openai_common import check_model
 from coordinator.errors import ApiError
@@ -100,6 +102,21 @@ async def _vllm(request: web.Request, body: dict) -> web.StreamResponse:
     return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
 
 
+async def infer(request: web.Request) -> web.StreamResponse:
+    """MindIE's native /infer."""
+    state = request.app[STATE]
+    req = parse_request(mindie.MindieRequest, await read_json(request))
+    state.limits.check_text(req.inputs, "inputs")
+    prompt_ids = await state.tokenizer.encode_text(req.inputs)
+    state.limits.check_prompt(len(prompt_ids), "inputs")
+    params = req.parameters
+    seed = params.seed if params.seed is not None else secrets.randbits(63) + 1
+    gen = GenerationRequest(new_id("infer"), prompt_ids, params.sampling(seed), params.max_new_tokens,
+                            timeout_s=params.timeout)
+    formatter = mindie.MindieFormatter(params, seed, state.full_text)
+    return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
+
+
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse_request(tokenizer.TokenizeRequest, await read_json(request))
@@ -141,3 +158,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/generate_stream", generate_stream)
     app.router.add_post("/", tgi_compat)
     app.router.add_post("/v1/tokenizer", tokenize)
+    app.router.add_post("/infer", infer)

@@ -1,0 +1,95 @@
+"""MindIE native POST /infer: stream and non-stream, `prefill_time` / `decode_time` per event (seed 002)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from coordinator.apis.fields import MaxTokens, Seed
+from coordinator.apis.tgi import FINISH_REASONS, _positive, _temperature, _top_p, _typical_p, _uint32
+from coordinator.errors import ApiError
+from coordinator.request import Finished, SamplingOptions, TokenDelta
+from coordinator.serving import SseFormatter, Transcript
+
+
+class MindieParameters(BaseModel):
+    """`parameters` of a MindIE /infer request, with the seed's ranges."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: Annotated[float, AfterValidator(_temperature)] | None = None
+    top_k: Annotated[int, AfterValidator(_uint32)] | None = None
+    top_p: Annotated[float, AfterValidator(_top_p)] | None = None
+    max_new_tokens: MaxTokens = 20
+    do_sample: bool | None = None
+    seed: Seed | None = None
+    repetition_penalty: Annotated[float, AfterValidator(_positive)] = 1.0
+    details: bool = False
+    typical_p: Annotated[float, AfterValidator(_typical_p)] = 1.0
+    watermark: bool = False
+    priority: int = Field(5, ge=1, le=5, description="1 highest ... 5 lowest")
+    timeout: float = Field(600, gt=0, le=3600, description="seconds until the request is ended")
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.watermark:
+            raise ValueError("watermark is not supported: only false is accepted")
+        return self
+
+    def sampling(self, seed: int) -> SamplingOptions:
+        wants_sampling = self.do_sample if self.do_sample is not None else any(
+            v is not None for v in (self.temperature, self.top_k, self.top_p))
+        return SamplingOptions(
+            temperature=(self.temperature or 1.0) if wants_sampling else 0.0,
+            top_p=self.top_p or 1.0, top_k=self.top_k or 0, seed=seed,
+            repetition_penalty=self.repetition_penalty,
+        )
+
+
+class MindieRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    inputs: str = Field(min_length=1)
+    stream: bool = False
+    parameters: MindieParameters = MindieParameters()
+
+
+class MindieFormatter(SseFormatter):
+    """Per token `{prefill_time, decode_time, token: {id: [id], text}}`; the last adds the result."""
+
+    def __init__(self, params: MindieParameters, seed: int, full_text: bool):
+        self.params = params
+        self.seed = seed
+        self.full_text = full_text
+
+    def _details(self, finished: Finished) -> dict:
+        return {"finish_reason": FINISH_REASONS[finished.reason], "generated_tokens": finished.completion_tokens,
+                "seed": self.seed}
+
+    def _event(self, delta: TokenDelta, text: str | None) -> dict:
+        first = delta.index == 0
+        return {"prefill_time": round(delta.time_ms, 3) if first else None,
+                "decode_time": None if first else round(delta.time_ms, 3),
+                "token": {"id": [delta.token_id], "text": text}}
+
+    def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]:
+        if delta.final:
+            return []  # written with the result by final_frames
+        return [self._event(delta, transcript.text if self.full_text else delta.text)]
+
+    def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
+        # As in the seed, the last event's token has no text: generated_text carries all of it.
+        event = self._event(transcript.deltas[-1], None)
+        event["generated_text"] = transcript.text
+        event["details"] = self._details(finished)
+        return [event]
+
+    def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
+        return [{"error": error.message, "error_type": error.error_type}]
+
+    def response(self, transcript: Transcript) -> dict:
+        body = {"generated_text": transcript.text}
+        if self.params.details:
+            body["details"] = self._details(transcript.finished)
+        return body
