@@ -28,7 +28,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.limits.check_prompt(len(prompt_ids), "messages")
     gen = GenerationRequest(openai_chat.new_request_id(), prompt_ids, body.sampling(), body.max_tokens)
     formatter = openai_chat.ChatFormatter(gen.request_id, gen.created, state.model_name, state.full_text,
-                                          body.return_token_ids, prompt_ids, state.tokenizer.token_text)
+                                          body.return_token_ids, prompt_ids, state.tokenizer.token_text,
+                                          body.stream_options)
     return await serve_generation(request, state.pipeline, gen, formatter, body.stream)
 
 
@@ -42,7 +43,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     gen = GenerationRequest(openai_completions.new_request_id(), prompt_ids, body.sampling(), body.max_tokens)
     formatter = openai_completions.CompletionFormatter(gen.request_id, gen.created, state.model_name,
                                                        state.full_text, body.return_token_ids, prompt_ids,
-                                                       state.tokenizer.token_text)
+                                                       state.tokenizer.token_text, body.stream_options)
     return await serve_generation(request, state.pipeline, gen, formatter, body.stream)
 
 

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from coordinator.apis.fields import MaxTokens
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
     OpenAIRequest,
@@ -42,8 +43,18 @@ class ChatCompletionRequest(OpenAIRequest):
     """The body of a chat completion request."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _one_token_limit(self):
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError(f"max_tokens={self.max_tokens} and max_completion_tokens="
+                                 f"{self.max_completion_tokens} disagree; send one of them")
+            self.max_tokens = self.max_completion_tokens
+        return self
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -91,12 +102,14 @@ class ChatFormatter(OpenAIFormatter):
         extra = {"token_ids": [delta.token_id]} if self.return_token_ids else {}
         if self.return_token_ids and delta.index == 0:
             extra["prompt_token_ids"] = self.prompt_token_ids
+        if self.continuous_usage:
+            extra["usage"] = self.running_usage(delta)
         return [self._chunk(transcript.text if self.full_text else delta.text, None, self._logprobs([delta]), **extra)]
 
     def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
         extra = {"full_text": transcript.text} if self.full_text else {}
         return [self._chunk(transcript.text if self.full_text else "", finish_reason(finished),
-                            **extra, usage=usage(finished))]
+                            **extra, usage=usage(finished))] + self.usage_chunks(finished)
 
     def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
         return [self._chunk("", "stop", **error_body(error))]

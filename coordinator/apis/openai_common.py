@@ -25,7 +25,7 @@ from coordinator.apis.fields import (
     read_json,
 )
 from coordinator.errors import ApiError
-from coordinator.request import Finished, FinishReason, SamplingOptions
+from coordinator.request import Finished, FinishReason, SamplingOptions, TokenDelta
 from coordinator.serving import SseFormatter
 
 __all__ = ["new_id", "now", "parse_request", "read_json"]
@@ -37,12 +37,20 @@ NOT_YET_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1, None),
     "echo": (False, None),
     "logit_bias": (None, {}),
-    "stream_options": (None,),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
     "suffix": (None,),
 }
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's `stream_options`, with vLLM's `continuous_usage_stats`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class OpenAIRequest(BaseModel):
@@ -66,6 +74,7 @@ class OpenAIRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: MinTokens = 0
     include_stop_str_in_output: bool = False
+    stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None  # end-user id for the operator's logs; does not affect generation
 
@@ -80,6 +89,12 @@ class OpenAIRequest(BaseModel):
                 if not any(value == d and type(value) is type(d) for d in defaults):
                     raise ValueError(f"{name} is not supported by this server yet")
         return {k: v for k, v in data.items() if k not in NOT_YET_SUPPORTED}
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     @model_validator(mode="after")
     def _min_tokens_within_max_tokens(self):
@@ -148,7 +163,8 @@ class OpenAIFormatter(SseFormatter):
     done_marker = "[DONE]"
 
     def __init__(self, request_id: str, created: int, model: str, full_text: bool, return_token_ids: bool,
-                 prompt_token_ids: list[int], token_text: Callable[[int], str] = str):
+                 prompt_token_ids: list[int], token_text: Callable[[int], str] = str,
+                 stream_options: StreamOptions | None = None):
         self.request_id = request_id
         self.created = created
         self.model = model
@@ -156,3 +172,20 @@ class OpenAIFormatter(SseFormatter):
         self.return_token_ids = return_token_ids
         self.prompt_token_ids = prompt_token_ids
         self.token_text = token_text  # token id -> its text, for logprobs
+        self.include_usage = bool(stream_options and stream_options.include_usage)
+        self.continuous_usage = bool(stream_options and stream_options.continuous_usage_stats)
+
+    chunk_object = "chat.completion.chunk"
+
+    def running_usage(self, delta: TokenDelta) -> dict:
+        """Usage so far, for `continuous_usage_stats` (seed 001 puts it on every chunk)."""
+        prompt = len(self.prompt_token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": delta.index + 1,
+                "total_tokens": prompt + delta.index + 1}
+
+    def usage_chunks(self, finished: Finished) -> list[dict]:
+        """With `include_usage`, OpenAI's last chunk: no choices, only usage."""
+        if not self.include_usage:
+            return []
+        return [{"id": self.request_id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                 "choices": [], "usage": usage(finished)}]

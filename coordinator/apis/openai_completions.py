@@ -39,6 +39,8 @@ class CompletionRequest(OpenAIRequest):
 class CompletionFormatter(OpenAIFormatter):
     """`text_completion` objects, one per token when streaming, usage on the last."""
 
+    chunk_object = "text_completion"
+
     def _body(self, choice: dict, **extra) -> dict:
         return {"id": self.request_id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [choice], **extra}
@@ -68,12 +70,12 @@ class CompletionFormatter(OpenAIFormatter):
             choice["token_ids"] = [delta.token_id]
             if delta.index == 0:
                 choice["prompt_token_ids"] = self.prompt_token_ids
-        return [self._body(choice)]
+        return [self._body(choice, **({"usage": self.running_usage(delta)} if self.continuous_usage else {}))]
 
     def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
         extra = {"full_text": transcript.text} if self.full_text else {}
         text = transcript.text if self.full_text else ""
-        return [self._body(self._choice(text, finished), **extra, usage=usage(finished))]
+        return [self._body(self._choice(text, finished), **extra, usage=usage(finished))] + self.usage_chunks(finished)
 
     def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
         choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop", "stop_reason": None}

@@ -43,7 +43,7 @@ def test_out_of_range_value_is_400_naming_field_and_range(http, path, base, fiel
 
 
 @pytest.mark.parametrize("field,value", [("n", 2), ("best_of", 2), ("logit_bias", {"5": 1.0}),
-                                         ("stream_options", {"include_usage": True}), ("echo", True)])
+                                         ("tools", [{"type": "function", "function": {"name": "f"}}]), ("echo", True)])
 def test_not_yet_supported_field_is_400_not_ignored(http, field, value):
     resp = http.post("/v1/chat/completions", json={**CHAT, field: value})
     assert resp.status_code == 400
@@ -118,3 +118,13 @@ def test_inconsistent_or_out_of_range_logprobs_and_min_tokens_are_400(http, path
     resp = http.post(path, json=body)
     assert resp.status_code == 400
     assert needle in resp.json()["error"]["message"]
+
+
+def test_stream_options_without_stream_is_400(http):
+    resp = http.post("/v1/chat/completions", json={**CHAT, "stream_options": {"include_usage": True}})
+    assert resp.status_code == 400 and "only allowed when stream is true" in resp.json()["error"]["message"]
+
+
+def test_disagreeing_max_tokens_and_max_completion_tokens_is_400(http):
+    resp = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3, "max_completion_tokens": 4})
+    assert resp.status_code == 400 and "disagree" in resp.json()["error"]["message"]
