@@ -47,7 +47,9 @@ class RequestPipeline:
         prefill_task: asyncio.Task | None = None
         try:
             try:
+                started = asyncio.get_running_loop().time()
                 accepted = await asyncio.wait_for(call.read(), self.first_token_timeout)
+                admission_ms = (asyncio.get_running_loop().time() - started) * 1000
                 if accepted is grpc.aio.EOF:
                     raise WorkerError(f"decode worker {route.decode} closed the stream before accepting")
                 # The decode worker now holds KV budget for this request and waits for its cache.
@@ -57,7 +59,7 @@ class RequestPipeline:
                 ))
                 first = await self._first_token(call, prefill_task, route.prefill)
                 async for event in self._relay(call, first, len(request.prompt_token_ids), route.decode,
-                                               request.sampling.logprobs):
+                                               request.sampling.logprobs, admission_ms):
                     yield event
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "Deadline Exceeded" in (exc.details() or ""):
@@ -102,7 +104,7 @@ class RequestPipeline:
         return await asyncio.wait_for(read, self.first_token_timeout)
 
     async def _relay(self, call, msg, prompt_len: int, decode_address: str,
-                     request_logprobs: int | None) -> AsyncIterator[GenerationEvent]:
+                     request_logprobs: int | None, admission_ms: float) -> AsyncIterator[GenerationEvent]:
         decode_times: list[float] = []
         prefill_ms = 0.0
         while True:
@@ -119,6 +121,8 @@ class RequestPipeline:
                 logprob=token.logprob if wants_logprobs else None,
                 top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs),
                 final=bool(token.finish_reason),
+                batch_size=token.batch_size or 1,
+                queue_wait_ms=admission_ms if token.index == 0 else token.queue_wait_ms,
             )
             if token.finish_reason:
                 yield Finished(

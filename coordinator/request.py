@@ -59,6 +59,8 @@ class TokenDelta:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     final: bool = False  # the last token; a Finished event follows at once
+    batch_size: int = 1  # decode batch that produced it
+    queue_wait_ms: float = 0.0  # first token: admission wait; later: wait for the decode step
 
 
 @dataclass(frozen=True)

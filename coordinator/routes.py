@@ -8,7 +8,7 @@ from aiohttp import web
 
 import secrets
 
-from coordinator.apis import mindie, openai_chat, openai_completions, tgi, tokenizer, vllm_native
+from coordinator.apis import mindie, openai_chat, openai_completions, tgi, tokenizer, triton, vllm_native
 from coordinator.apis.fields import new_id, parse_request, read_json
 from coordinator.apis.openai_common import check_model
 from coordinator.errors import ApiError
@@ -118,6 +118,41 @@ async def infer(request: web.Request) -> web.StreamResponse:
     return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
 
 
+async def triton_generate(request: web.Request) -> web.StreamResponse:
+    """Triton text generation; `/generate_stream` streams."""
+    state = request.app[STATE]
+    triton.check_model(request.match_info["model"], state.model_name)
+    req = parse_request(triton.TritonGenerateRequest, await read_json(request))
+    state.limits.check_text(req.text_input, "text_input")
+    prompt_ids = await state.tokenizer.encode_text(req.text_input)
+    state.limits.check_prompt(len(prompt_ids), "text_input")
+    params = req.parameters
+    request_id = req.id or new_id("triton")
+    gen = GenerationRequest(request_id, prompt_ids, params.sampling(triton.new_seed(params)), params.max_new_tokens,
+                            timeout_s=params.timeout)
+    formatter = triton.TritonFormatter(request_id, state.model_name, params, state.full_text)
+    stream = request.path.endswith("/generate_stream")
+    return await serve_generation(request, state.pipeline, gen, formatter, stream)
+
+
+async def triton_infer(request: web.Request) -> web.Response:
+    """Triton token inference: token ids in, token ids out."""
+    state = request.app[STATE]
+    triton.check_model(request.match_info["model"], state.model_name)
+    req = parse_request(triton.TritonInferRequest, await read_json(request))
+    prompt_ids = req.inputs[0].data
+    vocab = len(state.tokenizer.tokenizer)
+    if max(prompt_ids) >= vocab:
+        raise ApiError(400, f"inputs.0.data: token id {max(prompt_ids)} is outside the vocabulary [0, {vocab})",
+                       param="inputs")
+    state.limits.check_prompt(len(prompt_ids), "inputs.0.data")
+    params = req.parameters
+    request_id = req.id or new_id("triton")
+    gen = GenerationRequest(request_id, list(prompt_ids), params.sampling(triton.new_seed(params)),
+                            params.max_new_tokens, timeout_s=params.timeout)
+    return await serve_generation(request, state.pipeline, gen, triton.TritonTokenFormatter(request_id, req), False)
+
+
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = parse_request(tokenizer.TokenizeRequest, await read_json(request))
@@ -160,3 +195,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/", tgi_compat)
     app.router.add_post("/v1/tokenizer", tokenize)
     app.router.add_post("/infer", infer)
+    app.router.add_post("/v2/models/{model}/generate", triton_generate)
+    app.router.add_post("/v2/models/{model}/generate_stream", triton_generate)
+    app.router.add_post("/v2/models/{model}/infer", triton_infer)

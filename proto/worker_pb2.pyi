@@ -121,7 +121,7 @@ class Accepted(_message.Message):
     def __init__(self, kv_data_address: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("token_id", "text", "time_ms", "finish_reason", "index", "matched_stop", "logprob", "top_logprobs")
+    __slots__ = ("token_id", "text", "time_ms", "finish_reason", "index", "matched_stop", "logprob", "top_logprobs", "batch_size", "queue_wait_ms")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TIME_MS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,8 @@ class TokenEvent(_message.Message):
     MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
     time_ms: float
@@ -138,7 +140,9 @@ class TokenEvent(_message.Message):
     matched_stop: str
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., time_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., index: _Optional[int] = ..., matched_stop: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+    batch_size: int
+    queue_wait_ms: float
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., time_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., index: _Optional[int] = ..., matched_stop: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., batch_size: _Optional[int] = ..., queue_wait_ms: _Optional[float] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -307,12 +307,15 @@ class DecodeEngine:
         self.runner.reset_batch()
 
     def _step(self, batch: list[Sequence]) -> None:
+        started = time.perf_counter()
         all_logits = self.runner.decode(batch)
         now = time.perf_counter()
         for seq in batch:
             token, logprobs = choose(all_logits[seq.request_id], seq.sampling, seq.prompt_token_ids,
                                      seq.output_token_ids, self.runner.eos_token_ids)
-            output = self._processors[seq.request_id].append(token, (now - seq.last_step_at) * 1000, logprobs)
+            output = self._processors[seq.request_id].append(
+                token, (now - seq.last_step_at) * 1000, logprobs, batch_size=len(batch),
+                queue_wait_ms=max(0.0, started - seq.last_step_at) * 1000)
             seq.last_step_at = now
             self._emit(seq.request_id, output)
             if output.finish_reason is not None:

@@ -15,7 +15,8 @@ class OutputProcessor:
         self._detok = IncrementalDetokenizer(tokenizer, seq.sampling.skip_special_tokens)
         self._stops = StopStringMatcher(seq.sampling.stop)
 
-    def append(self, token_id: int, time_ms: float, logprobs: TokenLogprobs | None = None) -> TokenOutput:
+    def append(self, token_id: int, time_ms: float, logprobs: TokenLogprobs | None = None, batch_size: int = 1,
+               queue_wait_ms: float = 0.0) -> TokenOutput:
         seq = self._seq
         params = seq.sampling
         seq.output_token_ids.append(token_id)
@@ -47,4 +48,6 @@ class OutputProcessor:
             finish_reason=finish,
             matched_stop=matched,
             logprobs=logprobs,
+            batch_size=batch_size,
+            queue_wait_ms=queue_wait_ms,
         )

@@ -70,6 +70,8 @@ class TokenOutput:
     finish_reason: FinishReason | None = None
     matched_stop: str | None = None
     logprobs: TokenLogprobs | None = None
+    batch_size: int = 1
+    queue_wait_ms: float = 0.0
 
 
 @dataclass

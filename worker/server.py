@@ -81,6 +81,8 @@ def token_to_pb(output: TokenOutput) -> pb.DecodeEvent:
         finish_reason=_FINISH_TO_PB[output.finish_reason],
         index=output.index,
         matched_stop=output.matched_stop or "",
+        batch_size=output.batch_size,
+        queue_wait_ms=output.queue_wait_ms,
     )
     if output.logprobs is not None:
         event.logprob = output.logprobs.logprob
