@@ -83,3 +83,35 @@ def test_full_text_enabled_streams_cumulative_text_and_full_text_at_the_end(http
         assert longer.startswith(shorter)
     assert contents[-1] == whole
     assert chunks[-1]["full_text"] == whole
+
+
+@pytest.mark.parametrize("path,body,text_of", [
+    ("/generate_stream", {"inputs": "Hello", "parameters": {"max_new_tokens": 5, "do_sample": False}},
+     lambda e: e["token"]["text"] if e["generated_text"] is None else e["generated_text"]),
+    ("/infer", {"inputs": "Hello", "stream": True, "parameters": {"max_new_tokens": 5, "do_sample": False}},
+     lambda e: e["token"]["text"] if e.get("generated_text") is None else e["generated_text"]),
+    ("/v2/models/pdserve-tiny/generate_stream",
+     {"text_input": "Hello", "parameters": {"max_new_tokens": 5, "do_sample": False}}, lambda e: e["text_output"]),
+    ("/v1/completions", {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": 5, "temperature": 0,
+                         "stream": True}, lambda e: e["choices"][0]["text"]),
+])
+def test_full_text_enabled_makes_every_streaming_api_cumulative(full_text_url, path, body, text_of):
+    import httpx
+
+    with httpx.Client(base_url=full_text_url, timeout=60) as client:
+        with client.stream("POST", path, json=body) as r:
+            payloads = [p for p in sse_events(r.read()) if p != "[DONE]"]
+    texts = [text_of(json.loads(p)) for p in payloads]
+    for shorter, longer in zip(texts, texts[1:]):
+        assert longer.startswith(shorter)
+    assert len(texts[-1]) >= len(texts[0])
+
+
+def test_full_text_enabled_makes_the_vllm_stream_cumulative(full_text_url):
+    import httpx
+
+    raw = httpx.post(f"{full_text_url}/generate", timeout=60, json={
+        "prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": True}).content
+    texts = [json.loads(p)["text"][0] for p in raw[:-1].split(b"\0")]
+    for shorter, longer in zip(texts, texts[1:]):
+        assert longer.startswith(shorter)
