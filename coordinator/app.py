@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from pathlib import Path
 
 from aiohttp import web
 
@@ -74,7 +75,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
                                config.exception_config.infer_timeout)
 
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-    app[STATE] = CoordinatorState(model.modelName, model.fullTextEnabled, tokenizer, limits, client, router, pipeline)
+    app[STATE] = CoordinatorState(model.modelName, model.fullTextEnabled, tokenizer, limits, client, router, pipeline,
+                                  media_dir=Path(model.multimodalInputsDir))
 
     async def close_channels(app: web.Application):
         yield

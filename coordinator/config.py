@@ -30,6 +30,7 @@ class ModelConfig(_Section):
     maxInputTokenLen: int = Field(2048, ge=1, description="Prompt tokens, at most.")
     maxIterTimes: int = Field(512, ge=1, description="Decode steps after the first token, at most.")
     fullTextEnabled: bool = Field(False, description="Stream cumulative text instead of deltas.")
+    multimodalInputsDir: str = Field("/data/multimodal_inputs", description="Only local media files under this folder are accepted.")
 
 
 class InstanceConfig(_Section):

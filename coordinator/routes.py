@@ -8,7 +8,7 @@ from aiohttp import web
 
 import secrets
 
-from coordinator.apis import mindie, openai_chat, openai_completions, tgi, tokenizer, triton, vllm_native
+from coordinator.apis import mindie, multimodal, openai_chat, openai_completions, tgi, tokenizer, triton, vllm_native
 from coordinator.apis.fields import new_id, parse_request, read_json
 from coordinator.apis.openai_common import check_model
 from coordinator.errors import ApiError
@@ -18,11 +18,18 @@ from coordinator.serving import serve_generation
 from coordinator.state import STATE
 
 
+def input_text(state, value: str | list, param: str) -> str:
+    """A text input, or a list of typed items validated by the multimodal rules."""
+    text = value if isinstance(value, str) else multimodal.text_of_items(value, param, state.media_dir)
+    state.limits.check_text(text, param)
+    return text
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = parse_request(openai_chat.ChatCompletionRequest, await read_json(request))
     check_model(body.model, state.model_name)
-    messages = body.template_messages()
+    messages = body.template_messages(lambda parts, param: multimodal.text_of_items(parts, param, state.media_dir))
     state.limits.check_text("".join(m["content"] for m in messages), "messages")
     prompt_ids = await state.tokenizer.encode_chat(messages)
     state.limits.check_prompt(len(prompt_ids), "messages")
@@ -78,14 +85,14 @@ async def _tgi(request: web.Request, body, stream: bool, native_shapes: bool) ->
     if isinstance(body, dict):
         body = {**body, "stream": stream}
     req = parse_request(tgi.TgiRequest, body)
-    state.limits.check_text(req.inputs, "inputs")
-    prompt_ids = await state.tokenizer.encode_text(req.inputs)
+    text = input_text(state, req.inputs, "inputs")
+    prompt_ids = await state.tokenizer.encode_text(text)
     if req.parameters.truncate is not None:
         prompt_ids = prompt_ids[-req.parameters.truncate:]
     state.limits.check_prompt(len(prompt_ids), "inputs")
     sampling = req.parameters.sampling()
     gen = GenerationRequest(tgi.new_request_id(), prompt_ids, sampling, req.parameters.max_new_tokens)
-    formatter = tgi.TgiFormatter(req, req.inputs, prompt_ids, sampling.seed, state.full_text,
+    formatter = tgi.TgiFormatter(req, text, prompt_ids, sampling.seed, state.full_text,
                                  state.tokenizer.token_text, state.tokenizer.special_ids,
                                  list_ids=not native_shapes, wrap_in_list=native_shapes)
     return await serve_generation(request, state.pipeline, gen, formatter, stream)
@@ -95,11 +102,11 @@ async def _vllm(request: web.Request, body: dict) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_request(vllm_native.VllmGenerateRequest, body)
     vllm_native.check_lora(req.model, state.model_name)
-    state.limits.check_text(req.prompt, "prompt")
-    prompt_ids = await state.tokenizer.encode_text(req.prompt)
+    text = input_text(state, req.prompt, "prompt")
+    prompt_ids = await state.tokenizer.encode_text(text)
     state.limits.check_prompt(len(prompt_ids), "prompt")
     gen = GenerationRequest(new_id("vllm"), prompt_ids, req.sampling(), req.max_tokens)
-    formatter = vllm_native.VllmFormatter(req.prompt, state.full_text)
+    formatter = vllm_native.VllmFormatter(text, state.full_text)
     return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
 
 
@@ -107,8 +114,7 @@ async def infer(request: web.Request) -> web.StreamResponse:
     """MindIE's native /infer."""
     state = request.app[STATE]
     req = parse_request(mindie.MindieRequest, await read_json(request))
-    state.limits.check_text(req.inputs, "inputs")
-    prompt_ids = await state.tokenizer.encode_text(req.inputs)
+    prompt_ids = await state.tokenizer.encode_text(input_text(state, req.inputs, "inputs"))
     state.limits.check_prompt(len(prompt_ids), "inputs")
     params = req.parameters
     seed = params.seed if params.seed is not None else secrets.randbits(63) + 1
@@ -123,8 +129,7 @@ async def triton_generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     triton.check_model(request.match_info["model"], state.model_name)
     req = parse_request(triton.TritonGenerateRequest, await read_json(request))
-    state.limits.check_text(req.text_input, "text_input")
-    prompt_ids = await state.tokenizer.encode_text(req.text_input)
+    prompt_ids = await state.tokenizer.encode_text(input_text(state, req.text_input, "text_input"))
     state.limits.check_prompt(len(prompt_ids), "text_input")
     params = req.parameters
     request_id = req.id or new_id("triton")

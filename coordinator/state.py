@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -25,6 +26,7 @@ class CoordinatorState:
     client: WorkerClient
     router: RoundRobinRouter
     pipeline: RequestPipeline
+    media_dir: Path = Path("/data/multimodal_inputs")
     started_at: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -50,7 +50,7 @@ class MindieParameters(BaseModel):
 class MindieRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    inputs: str = Field(min_length=1)
+    inputs: str | list = Field(min_length=1)
     stream: bool = False
     parameters: MindieParameters = MindieParameters()
 

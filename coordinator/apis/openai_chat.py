@@ -20,23 +20,18 @@ from coordinator.request import Finished, TokenDelta
 from coordinator.serving import Transcript
 
 
-class TextPart(BaseModel):
-    """A text item of a message's content list."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    # A string, or a list of typed parts ({"type": "text", ...}; media parts follow the multimodal rules).
+    content: str | list[dict]
     name: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -72,8 +67,10 @@ class ChatCompletionRequest(OpenAIRequest):
             raise ValueError("at least one message must have non-empty content")
         return messages
 
-    def template_messages(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self, content_text=None) -> list[dict]:
+        """Messages for the chat template; `content_text(parts, param)` turns a part list into text."""
+        return [{"role": m.role, "content": m.text() if isinstance(m.content, str) or content_text is None
+                 else content_text(m.content, f"messages.{i}.content")} for i, m in enumerate(self.messages)]
 
 
 class ChatFormatter(OpenAIFormatter):

@@ -117,7 +117,7 @@ class TgiRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    inputs: str = Field(min_length=1)
+    inputs: str | list = Field(min_length=1)
     parameters: TgiParameters = TgiParameters()
     stream: bool = False
 

@@ -84,7 +84,7 @@ class TritonGenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: Annotated[str | None, AfterValidator(_request_id)] = None
-    text_input: str = Field(min_length=1)
+    text_input: str | list = Field(min_length=1)
     parameters: TritonParameters = TritonParameters()
 
 

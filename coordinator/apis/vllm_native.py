@@ -28,7 +28,7 @@ class VllmGenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    prompt: str = Field(min_length=1)
+    prompt: str | list = Field(min_length=1)
     max_tokens: MaxTokens | None = None
     repetition_penalty: RepetitionPenalty = 1.0
     presence_penalty: Penalty = 0.0
