@@ -44,13 +44,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = parse_request(openai_completions.CompletionRequest, await read_json(request))
     check_model(body.model, state.model_name)
-    state.limits.check_text(body.prompt, "prompt")
-    prompt_ids = await state.tokenizer.encode_text(body.prompt)
+    prompt = input_text(state, body.prompt, "prompt")
+    prompt_ids = await state.tokenizer.encode_text(prompt)
     state.limits.check_prompt(len(prompt_ids), "prompt")
     gen = GenerationRequest(openai_completions.new_request_id(), prompt_ids, body.sampling(), body.max_tokens)
     formatter = openai_completions.CompletionFormatter(gen.request_id, gen.created, state.model_name,
                                                        state.full_text, body.return_token_ids, prompt_ids,
                                                        state.tokenizer.token_text, body.stream_options)
+    if body.echo:
+        formatter.echo_text = prompt
     return await serve_generation(request, state.pipeline, gen, formatter, body.stream)
 
 

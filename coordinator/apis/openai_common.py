@@ -84,11 +84,11 @@ class OpenAIRequest(BaseModel):
         if not isinstance(data, dict):
             return data
         for name, defaults in NOT_YET_SUPPORTED.items():
-            if name in data:
+            if name in data and name not in cls.model_fields:
                 value = data[name]
                 if not any(value == d and type(value) is type(d) for d in defaults):
                     raise ValueError(f"{name} is not supported by this server yet")
-        return {k: v for k, v in data.items() if k not in NOT_YET_SUPPORTED}
+        return {k: v for k, v in data.items() if k not in NOT_YET_SUPPORTED or k in cls.model_fields}
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, Field, model_validator
 
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
@@ -29,8 +29,15 @@ def _logprobs(v: int | None) -> int | None:
 class CompletionRequest(OpenAIRequest):
     """The body of a completion request."""
 
-    prompt: str
+    prompt: str | list = Field(min_length=1)
     logprobs: Annotated[int | None, AfterValidator(_logprobs)] = None
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _echo_without_prompt_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported: prompt logprobs are not computed")
+        return self
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
@@ -63,9 +70,14 @@ class CompletionFormatter(OpenAIFormatter):
             offset += len(d.text)
         return block
 
+    echo_text = ""  # the prompt, when the request asked for echo
+
     def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]:
         logprobs = self._logprobs([delta], len(transcript.text) - len(delta.text))
-        choice = self._choice(transcript.text if self.full_text else delta.text, None, logprobs)
+        text = transcript.text if self.full_text else delta.text
+        if self.full_text or delta.index == 0:
+            text = self.echo_text + text
+        choice = self._choice(text, None, logprobs)
         if self.return_token_ids:
             choice["token_ids"] = [delta.token_id]
             if delta.index == 0:
@@ -73,8 +85,8 @@ class CompletionFormatter(OpenAIFormatter):
         return [self._body(choice, **({"usage": self.running_usage(delta)} if self.continuous_usage else {}))]
 
     def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
-        extra = {"full_text": transcript.text} if self.full_text else {}
-        text = transcript.text if self.full_text else ""
+        extra = {"full_text": self.echo_text + transcript.text} if self.full_text else {}
+        text = self.echo_text + transcript.text if self.full_text else ""
         return [self._body(self._choice(text, finished), **extra, usage=usage(finished))] + self.usage_chunks(finished)
 
     def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
@@ -83,7 +95,7 @@ class CompletionFormatter(OpenAIFormatter):
 
     def response(self, transcript: Transcript) -> dict:
         finished = transcript.finished
-        choice = self._choice(transcript.text, finished, self._logprobs(transcript.deltas, 0))
+        choice = self._choice(self.echo_text + transcript.text, finished, self._logprobs(transcript.deltas, 0))
         if self.return_token_ids:
             choice["token_ids"] = transcript.token_ids
             choice["prompt_token_ids"] = self.prompt_token_ids

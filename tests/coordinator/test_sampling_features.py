@@ -87,3 +87,19 @@ def test_penalties_change_the_greedy_output(http):
     plain = greedy(http, max_tokens=12)["token_ids"]
     penalised = greedy(http, max_tokens=12, repetition_penalty=2.0, presence_penalty=2.0)["token_ids"]
     assert penalised != plain
+
+
+def test_echo_puts_the_prompt_before_the_completion(http):
+    plain = greedy(http)["text"]
+    assert greedy(http, echo=True)["text"] == PROMPT + plain
+    body = {"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "echo": True,
+            "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(p) for p in sse_events(r.read())[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + plain
+
+
+def test_echo_with_logprobs_is_refused_clearly(http):
+    resp = http.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": PROMPT, "echo": True,
+                                              "logprobs": 1})
+    assert resp.status_code == 400 and "echo with logprobs is not supported" in resp.json()["error"]["message"]
