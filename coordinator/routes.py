@@ -31,12 +31,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_model(body.model, state.model_name)
     messages = body.template_messages(lambda parts, param: multimodal.text_of_items(parts, param, state.media_dir))
     state.limits.check_text("".join(m["content"] for m in messages), "messages")
-    prompt_ids = await state.tokenizer.encode_chat(messages)
+    prompt_ids = await state.tokenizer.encode_chat(messages, body.template_tools())
     state.limits.check_prompt(len(prompt_ids), "messages")
     gen = GenerationRequest(openai_chat.new_request_id(), prompt_ids, body.sampling(), body.max_tokens)
     formatter = openai_chat.ChatFormatter(gen.request_id, gen.created, state.model_name, state.full_text,
                                           body.return_token_ids, prompt_ids, state.tokenizer.token_text,
                                           body.stream_options)
+    formatter.parse_tools = body.parse_tools
     return await serve_generation(request, state.pipeline, gen, formatter, body.stream)
 
 

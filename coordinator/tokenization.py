@@ -24,9 +24,10 @@ class PromptTokenizer:
     async def encode_text(self, text: str) -> list[int]:
         return await asyncio.to_thread(lambda: self.tokenizer(text)["input_ids"])
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         def run() -> list[int]:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                        tokenize=False)
             return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
         return await asyncio.to_thread(run)

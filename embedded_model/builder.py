@@ -17,13 +17,21 @@ logger = logging.getLogger(__name__)
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 # Bump when the build recipe changes so cached copies are rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 STAMP_FILE = "pdserve_build.json"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Tools follow the Hermes/Qwen convention: listed in a system block, called as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, answered by role "tool".
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools. To call one, answer with "
+    "<tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call>.\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools><|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": {{ call['function']['arguments'] }}}"
+    "</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

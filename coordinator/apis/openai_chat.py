@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from coordinator.apis.chat_output import ChatOutputParser, ChatPiece, split_whole
 from coordinator.apis.fields import MaxTokens
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
@@ -20,15 +21,45 @@ from coordinator.request import Finished, TokenDelta
 from coordinator.serving import Transcript
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    """A tool the model may call (OpenAI `tools[]`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     # A string, or a list of typed parts ({"type": "text", ...}; media parts follow the multimodal rules).
-    content: str | list[dict]
+    content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an earlier assistant turn's calls
+    tool_call_id: str | None = None  # a tool message answers this call
+
+    @model_validator(mode="after")
+    def _content_rules(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only for an assistant message with tool_calls)")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
@@ -41,6 +72,21 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | dict | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_rules(self):
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "auto", "none"):
+            # Forcing a call ("required" or a named function) needs guided decoding, which this server lacks.
+            raise ValueError(f"tool_choice={self.tool_choice!r}: only \"auto\" and \"none\" are supported")
+        return self
+
+    @property
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
     @model_validator(mode="after")
     def _one_token_limit(self):
@@ -69,8 +115,20 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def template_messages(self, content_text=None) -> list[dict]:
         """Messages for the chat template; `content_text(parts, param)` turns a part list into text."""
-        return [{"role": m.role, "content": m.text() if isinstance(m.content, str) or content_text is None
-                 else content_text(m.content, f"messages.{i}.content")} for i, m in enumerate(self.messages)]
+        out = []
+        for i, m in enumerate(self.messages):
+            text = m.text() if not isinstance(m.content, list) or content_text is None \
+                else content_text(m.content, f"messages.{i}.content")
+            message = {"role": m.role, "content": text}
+            if m.tool_calls:
+                message["tool_calls"] = m.tool_calls
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class ChatFormatter(OpenAIFormatter):
@@ -87,9 +145,24 @@ class ChatFormatter(OpenAIFormatter):
         return {"content": [{**self._entry(d.token_id, d.logprob),
                              "top_logprobs": [self._entry(t, lp) for t, lp in d.top_logprobs]} for d in deltas]}
 
-    def _chunk(self, content: str, finish: str | None, logprobs: dict | None = None, **extra) -> dict:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": content}, "logprobs": logprobs,
-                  "finish_reason": finish}
+    parse_tools = False
+
+    def _piece(self, text: str, final: bool = False) -> ChatPiece:
+        if not hasattr(self, "_parser"):
+            self._parser = ChatOutputParser(self.parse_tools)
+            self._content = ""
+        piece = self._parser.feed(text, final)
+        self._content += piece.content
+        return piece
+
+    def _chunk(self, content: str, finish: str | None, logprobs: dict | None = None, reasoning: str = "",
+               **extra) -> dict:
+        delta = {"role": "assistant", "content": content}
+        if reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning
+        if "tool_calls" in extra:
+            delta["tool_calls"] = extra.pop("tool_calls")
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if "token_ids" in extra:
             choice["token_ids"] = extra.pop("token_ids")
         return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
@@ -101,20 +174,36 @@ class ChatFormatter(OpenAIFormatter):
             extra["prompt_token_ids"] = self.prompt_token_ids
         if self.continuous_usage:
             extra["usage"] = self.running_usage(delta)
-        return [self._chunk(transcript.text if self.full_text else delta.text, None, self._logprobs([delta]), **extra)]
+        piece = self._piece(delta.text)
+        content = self._content if self.full_text else piece.content
+        return [self._chunk(content, None, self._logprobs([delta]), piece.reasoning, **extra)]
 
     def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
+        piece = self._piece("", final=True)
+        calls, invalid = self._parser.tool_calls()
+        self._content += invalid
         extra = {"full_text": transcript.text} if self.full_text else {}
-        return [self._chunk(transcript.text if self.full_text else "", finish_reason(finished),
-                            **extra, usage=usage(finished))] + self.usage_chunks(finished)
+        reason = finish_reason(finished)
+        if calls:
+            extra["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+            reason = "tool_calls"
+        content = self._content if self.full_text else piece.content + invalid
+        return [self._chunk(content, reason, None, piece.reasoning, **extra, usage=usage(finished))] \
+            + self.usage_chunks(finished)
 
     def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
         return [self._chunk("", "stop", **error_body(error))]
 
     def response(self, transcript: Transcript) -> dict:
         finished = transcript.finished
-        choice = {"index": 0, "message": {"role": "assistant", "content": transcript.text},
-                  "logprobs": self._logprobs(transcript.deltas), "finish_reason": finish_reason(finished)}
+        content, reasoning, calls = split_whole(transcript.text, self.parse_tools)
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if reasoning:
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(transcript.deltas),
+                  "finish_reason": "tool_calls" if calls else finish_reason(finished)}
         if self.return_token_ids:
             choice["token_ids"] = transcript.token_ids
         body = {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,

@@ -37,8 +37,6 @@ NOT_YET_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (1, None),
     "echo": (False, None),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
     "suffix": (None,),
 }

@@ -1,0 +1,50 @@
+"""Tools through the running cluster: rendered by the chat template, validated, multi-turn accepted."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+CHAT = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": "Weather in Berlin?"}], "max_tokens": 3}
+
+
+def test_tools_are_rendered_into_the_prompt(http):
+    plain = http.post("/v1/chat/completions", json=CHAT).json()["usage"]["prompt_tokens"]
+    resp = http.post("/v1/chat/completions", json={**CHAT, "tools": TOOLS, "tool_choice": "auto"})
+    assert resp.status_code == 200
+    assert resp.json()["usage"]["prompt_tokens"] > plain + 20
+
+
+def test_multi_turn_with_a_tool_result_is_accepted(http):
+    messages = [
+        {"role": "user", "content": "Weather in Berlin?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": "{\"city\": \"Berlin\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C, cloudy"},
+    ]
+    resp = http.post("/v1/chat/completions", json={**CHAT, "messages": messages, "tools": TOOLS})
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({**CHAT, "tool_choice": "auto"}, "tool_choice needs tools"),
+    ({**CHAT, "tools": TOOLS, "tool_choice": "required"}, "only \"auto\" and \"none\""),
+    ({**CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "only \"auto\" and \"none\""),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+])
+def test_bad_tool_requests_are_400(http, body, needle):
+    resp = http.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400 and needle in resp.json()["error"]["message"]
+
+
+def test_openai_sdk_sends_tools(cluster):
+    sdk = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    resp = sdk.chat.completions.create(model="pdserve-tiny", messages=[{"role": "user", "content": "Hi"}],
+                                       tools=TOOLS, max_tokens=3, temperature=0)
+    assert resp.choices[0].finish_reason in ("length", "stop", "tool_calls")
