@@ -6,6 +6,7 @@ import asyncio
 
 from aiohttp import web
 
+import dataclasses
 import secrets
 
 from coordinator.apis import mindie, multimodal, openai_chat, openai_completions, tgi, tokenizer, triton, vllm_native
@@ -13,6 +14,7 @@ from coordinator.apis.fields import new_id, parse_request, read_json
 from coordinator.apis.openai_common import check_model
 from coordinator.errors import ApiError
 from coordinator.apis.operations import health_body, models_body
+from coordinator.choices import fan_out, serve_choices
 from coordinator.request import GenerationRequest
 from coordinator.serving import serve_generation
 from coordinator.state import STATE
@@ -33,12 +35,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.limits.check_text("".join(m["content"] for m in messages), "messages")
     prompt_ids = await state.tokenizer.encode_chat(messages, body.template_tools())
     state.limits.check_prompt(len(prompt_ids), "messages")
-    gen = GenerationRequest(openai_chat.new_request_id(), prompt_ids, body.sampling(), body.max_tokens)
-    formatter = openai_chat.ChatFormatter(gen.request_id, gen.created, state.model_name, state.full_text,
-                                          body.return_token_ids, prompt_ids, state.tokenizer.token_text,
-                                          body.stream_options)
-    formatter.parse_tools = body.parse_tools
-    return await serve_generation(request, state.pipeline, gen, formatter, body.stream)
+    gen = GenerationRequest(openai_chat.new_request_id(), prompt_ids, ranked_sampling(body), body.max_tokens)
+
+    def formatter():
+        f = openai_chat.ChatFormatter(gen.request_id, gen.created, state.model_name, state.full_text,
+                                      body.return_token_ids, prompt_ids, state.tokenizer.token_text,
+                                      body.stream_options)
+        f.parse_tools = body.parse_tools
+        f.show_logprobs = body.logprobs_count() is not None
+        return f
+
+    return await _serve_openai(request, state, body, gen, formatter)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -48,13 +55,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt = input_text(state, body.prompt, "prompt")
     prompt_ids = await state.tokenizer.encode_text(prompt)
     state.limits.check_prompt(len(prompt_ids), "prompt")
-    gen = GenerationRequest(openai_completions.new_request_id(), prompt_ids, body.sampling(), body.max_tokens)
-    formatter = openai_completions.CompletionFormatter(gen.request_id, gen.created, state.model_name,
-                                                       state.full_text, body.return_token_ids, prompt_ids,
-                                                       state.tokenizer.token_text, body.stream_options)
-    if body.echo:
-        formatter.echo_text = prompt
-    return await serve_generation(request, state.pipeline, gen, formatter, body.stream)
+    gen = GenerationRequest(openai_completions.new_request_id(), prompt_ids, ranked_sampling(body), body.max_tokens)
+
+    def formatter():
+        f = openai_completions.CompletionFormatter(gen.request_id, gen.created, state.model_name, state.full_text,
+                                                   body.return_token_ids, prompt_ids, state.tokenizer.token_text,
+                                                   body.stream_options)
+        f.echo_text = prompt if body.echo else ""
+        f.show_logprobs = body.logprobs_count() is not None
+        return f
+
+    return await _serve_openai(request, state, body, gen, formatter)
+
+
+def ranked_sampling(body):
+    """The request's sampling; with best_of > n, logprobs are computed to rank the candidates."""
+    sampling = body.sampling()
+    if body.num_generations > body.n and sampling.logprobs is None:
+        sampling = dataclasses.replace(sampling, logprobs=0)
+    return sampling
+
+
+async def _serve_openai(request, state, body, gen, make_formatter) -> web.StreamResponse:
+    requests = fan_out(gen, body.num_generations)
+    formatters = [make_formatter() for _ in requests]
+    return await serve_choices(request, state.pipeline, requests, formatters, body.n, body.stream)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

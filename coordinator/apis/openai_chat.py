@@ -140,7 +140,7 @@ class ChatFormatter(OpenAIFormatter):
 
     def _logprobs(self, deltas: list[TokenDelta]) -> dict | None:
         """OpenAI chat logprobs: per token, its logprob and the top alternatives."""
-        if not deltas or deltas[0].logprob is None:
+        if not deltas or deltas[0].logprob is None or not self.show_logprobs:
             return None
         return {"content": [{**self._entry(d.token_id, d.logprob),
                              "top_logprobs": [self._entry(t, lp) for t, lp in d.top_logprobs]} for d in deltas]}

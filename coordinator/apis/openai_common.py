@@ -33,8 +33,6 @@ __all__ = ["new_id", "now", "parse_request", "read_json"]
 # Fields real clients send that later work will honour; until then a non-default value is a
 # clear 400, never silently ignored. Values listed are the defaults that change nothing.
 NOT_YET_SUPPORTED: dict[str, tuple[Any, ...]] = {
-    "n": (1, None),
-    "best_of": (1, None),
     "echo": (False, None),
     "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
@@ -72,6 +70,8 @@ class OpenAIRequest(BaseModel):
     ignore_eos: bool = False
     min_tokens: MinTokens = 0
     include_stop_str_in_output: bool = False
+    n: int = Field(1, ge=1, le=128)
+    best_of: int | None = Field(None, ge=1, le=128)
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None  # end-user id for the operator's logs; does not affect generation
@@ -87,6 +87,18 @@ class OpenAIRequest(BaseModel):
                 if not any(value == d and type(value) is type(d) for d in defaults):
                     raise ValueError(f"{name} is not supported by this server yet")
         return {k: v for k, v in data.items() if k not in NOT_YET_SUPPORTED or k in cls.model_fields}
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of={self.best_of} must be >= n={self.n}")
+        if self.stream and self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"when streaming, best_of ({self.best_of}) must equal n ({self.n})")
+        return self
+
+    @property
+    def num_generations(self) -> int:
+        return self.best_of or self.n
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -170,6 +182,7 @@ class OpenAIFormatter(SseFormatter):
         self.return_token_ids = return_token_ids
         self.prompt_token_ids = prompt_token_ids
         self.token_text = token_text  # token id -> its text, for logprobs
+        self.show_logprobs = True  # False when logprobs were only asked for to rank best_of
         self.include_usage = bool(stream_options and stream_options.include_usage)
         self.continuous_usage = bool(stream_options and stream_options.continuous_usage_stats)
 

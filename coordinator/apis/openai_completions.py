@@ -59,7 +59,7 @@ class CompletionFormatter(OpenAIFormatter):
 
     def _logprobs(self, deltas: list[TokenDelta], offset: int) -> dict | None:
         """vLLM's completion logprobs: tokens, their logprobs, the top alternatives, text offsets."""
-        if not deltas or deltas[0].logprob is None:
+        if not deltas or deltas[0].logprob is None or not self.show_logprobs:
             return None
         block = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
         for d in deltas:

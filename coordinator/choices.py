@@ -1,0 +1,119 @@
+"""`n` / `best_of`: several generations of one request, answered as one response with n choices.
+
+Each choice is its own generation with its own seed (the request's seed + i), so choices differ
+when sampling and stay reproducible. With best_of > n, the n with the highest cumulative logprob
+are returned. Streams interleave the choices' chunks, each tagged with its choice index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+from aiohttp import web
+
+from coordinator.errors import ApiError
+from coordinator.pipeline import RequestPipeline
+from coordinator.request import GenerationRequest, TokenDelta
+from coordinator.serving import Transcript, _record, serve_generation
+from coordinator.sse import open_stream
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def fan_out(request: GenerationRequest, count: int) -> list[GenerationRequest]:
+    """`count` copies of a request, each with its own id and seed."""
+    if count == 1:
+        return [request]
+    base = request.sampling.seed or 1
+    return [dataclasses.replace(request, request_id=f"{request.request_id}-{i}",
+                                sampling=dataclasses.replace(request.sampling, seed=(base + i) & _SEED_MASK or 1))
+            for i in range(count)]
+
+
+def _with_index(frame, index: int):
+    if isinstance(frame, dict):
+        for choice in frame.get("choices", []):
+            choice["index"] = index
+    return frame
+
+
+async def _collect(pipeline: RequestPipeline, request: GenerationRequest) -> Transcript:
+    transcript = Transcript()
+    events = pipeline.generate(request)
+    try:
+        async for event in events:
+            _record(transcript, event)
+    finally:
+        await events.aclose()
+    return transcript
+
+
+def _score(transcript: Transcript) -> float:
+    return sum(d.logprob or 0.0 for d in transcript.deltas)
+
+
+async def serve_choices(http_request: web.Request, pipeline: RequestPipeline, requests: list[GenerationRequest],
+                        formatters: list, n: int, stream: bool) -> web.StreamResponse:
+    if len(requests) == 1:
+        return await serve_generation(http_request, pipeline, requests[0], formatters[0], stream)
+    if not stream:
+        transcripts = await asyncio.gather(*(_collect(pipeline, r) for r in requests))
+        order = list(range(len(requests)))
+        if len(requests) > n:
+            order = sorted(order, key=lambda i: _score(transcripts[i]), reverse=True)[:n]
+        bodies = [formatters[i].response(transcripts[i]) for i in order]
+        body = bodies[0]
+        body["choices"] = [_with_index(b, j)["choices"][0] for j, b in enumerate(bodies)]
+        completion = sum(b["usage"]["completion_tokens"] for b in bodies)
+        prompt = body["usage"]["prompt_tokens"]
+        body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return web.json_response(body, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+    return await _stream_choices(http_request, pipeline, requests, formatters)
+
+
+async def _stream_choices(http_request, pipeline, requests, formatters) -> web.StreamResponse:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, request: GenerationRequest) -> None:
+        events = pipeline.generate(request)
+        try:
+            async for event in events:
+                await queue.put((i, event))
+        except ApiError as error:
+            await queue.put((i, error))
+        finally:
+            await events.aclose()
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    transcripts = [Transcript() for _ in requests]
+    response: web.StreamResponse | None = None
+    remaining = len(requests)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, ApiError):
+                if response is None:
+                    raise item
+                frames = formatters[i].error_frames(item, transcripts[i])
+            else:
+                if response is None:
+                    response = await open_stream(http_request, formatters[0].stream_content_type)
+                _record(transcripts[i], item)
+                frames = (formatters[i].token_frames(item, transcripts[i]) if isinstance(item, TokenDelta)
+                          else formatters[i].final_frames(item, transcripts[i]))
+            for frame in frames:
+                await response.write(formatters[i].encode(_with_index(frame, i)))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if formatters[0].done_marker is not None:
+        await response.write(formatters[0].encode(formatters[0].done_marker))
+    await response.write_eof()
+    return response
