@@ -9,7 +9,7 @@ import grpc
 
 from kv_transfer.base import KvTransferError, TransferredKv
 from kv_transfer.buffer_pool import KvBufferPool
-from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, KvItem, encode_kv, messages_from_items
+from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, encode_kv, messages_from_items
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 

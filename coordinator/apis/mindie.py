@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from coordinator.apis.fields import MaxTokens, Seed
-from coordinator.apis.tgi import FINISH_REASONS, _positive, _temperature, _top_p, _typical_p, _uint32
+from coordinator.apis.tgi import FINISH_REASONS, textgen_sampling, _positive, _temperature, _top_p, _typical_p, _uint32
 from coordinator.errors import ApiError
 from coordinator.request import Finished, SamplingOptions, TokenDelta
 from coordinator.serving import SseFormatter, Transcript
@@ -38,13 +38,7 @@ class MindieParameters(BaseModel):
         return self
 
     def sampling(self, seed: int) -> SamplingOptions:
-        wants_sampling = self.do_sample if self.do_sample is not None else any(
-            v is not None for v in (self.temperature, self.top_k, self.top_p))
-        return SamplingOptions(
-            temperature=(self.temperature or 1.0) if wants_sampling else 0.0,
-            top_p=self.top_p or 1.0, top_k=self.top_k or 0, seed=seed,
-            repetition_penalty=self.repetition_penalty,
-        )
+        return textgen_sampling(self, seed)
 
 
 class MindieRequest(BaseModel):

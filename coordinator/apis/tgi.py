@@ -67,6 +67,18 @@ def _stop(v: str | list[str] | None) -> str | list[str] | None:
     return v
 
 
+def textgen_sampling(params, seed: int, **extra) -> SamplingOptions:
+    """TGI-family sampling (TGI, MindIE, Triton): greedy unless do_sample, or a sampling
+    parameter, asks for sampling; `do_sample: false` is greedy whatever else is set."""
+    wants_sampling = params.do_sample if params.do_sample is not None else any(
+        v is not None for v in (params.temperature, params.top_k, params.top_p))
+    return SamplingOptions(
+        temperature=(params.temperature or 1.0) if wants_sampling else 0.0,
+        top_p=params.top_p or 1.0, top_k=params.top_k or 0, seed=seed,
+        repetition_penalty=params.repetition_penalty, **extra,
+    )
+
+
 class TgiParameters(BaseModel):
     """`parameters` of a TGI request, with the seed's ranges."""
 
@@ -97,19 +109,10 @@ class TgiParameters(BaseModel):
         return self
 
     def sampling(self) -> SamplingOptions:
-        # TGI: greedy unless do_sample, or a sampling parameter, asks for sampling.
-        wants_sampling = self.do_sample if self.do_sample is not None else any(
-            v is not None for v in (self.temperature, self.top_k, self.top_p))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingOptions(
-            temperature=(self.temperature or 1.0) if wants_sampling else 0.0,
-            top_p=self.top_p or 1.0,
-            top_k=self.top_k or 0,
-            seed=self.seed if self.seed is not None else secrets.randbits(63) + 1,
-            stop=stop,
-            repetition_penalty=self.repetition_penalty,
-            logprobs=0,  # TGI reports each token's logprob
-        )
+        seed = self.seed if self.seed is not None else secrets.randbits(63) + 1
+        # logprobs=0: TGI reports each token's logprob.
+        return textgen_sampling(self, seed, stop=stop, logprobs=0)
 
 
 class TgiRequest(BaseModel):

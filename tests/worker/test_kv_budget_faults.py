@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import threading
 import time
@@ -184,7 +183,7 @@ async def test_expired_kv_lease_frees_the_prefill_workers_kv(bc, transport):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await prefill
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert f"KV lease" in err.value.details() and f"{LEASE_S}s" in err.value.details()
+        assert "KV lease" in err.value.details() and f"{LEASE_S}s" in err.value.details()
         assert time.monotonic() - started < LEASE_S + 5
         wait_for_idle(bc.prefill.address, "prefill")
     finally:
