@@ -22,7 +22,7 @@ from coordinator.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 * 1024 * 1024  # a 4 MB prompt as JSON, with escapes and the other fields
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/generate_stream", "/infer", "/v2/")
 
 
 NON_OPENAI_V1_PATHS = ("/v1/tokenizer",)
@@ -45,7 +45,10 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        error = ApiError(exc.status, exc.reason if exc.status != 413 else f"request body exceeds {MAX_BODY_BYTES} bytes")
+        reason = exc.reason
+        if exc.status == 413:
+            reason = f"request body exceeds request_limit.body_limit={request.app[STATE].body_limit_mb} MB"
+        error = ApiError(exc.status, reason)
         return web.json_response(api_error_body(request.path, error), status=exc.status, headers={
             k: v for k, v in exc.headers.items() if k.lower() == "allow"
         })
@@ -54,6 +57,27 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return web.json_response(api_error_body(request.path, ApiError(500, "internal server error")), status=500)
+
+
+class InFlightLimit:
+    """Counts generation requests in flight; past the limit, new ones get 429 at once."""
+
+    def __init__(self, max_requests: int):
+        self.max_requests = max_requests
+        self.in_flight = 0
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        if request.method != "POST" or not (request.path == "/" or request.path.startswith(GENERATION_PATHS)):
+            return await handler(request)
+        if self.in_flight >= self.max_requests:
+            error = ApiError(429, f"too many requests in flight: request_limit.max_requests={self.max_requests}")
+            return web.json_response(api_error_body(request.path, error), status=429, headers={"Retry-After": "1"})
+        self.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1
 
 
 def create_app(config: CoordinatorConfig) -> web.Application:
@@ -74,9 +98,12 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     pipeline = RequestPipeline(client, router, limits, config.exception_config.first_token_timeout,
                                config.exception_config.infer_timeout)
 
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    limit = InFlightLimit(config.request_limit.max_requests)
+    app = web.Application(middlewares=[error_middleware, limit.middleware],
+                          client_max_size=config.request_limit.body_limit * 1024 * 1024)
     app[STATE] = CoordinatorState(model.modelName, model.fullTextEnabled, tokenizer, limits, client, router, pipeline,
-                                  media_dir=Path(model.multimodalInputsDir))
+                                  media_dir=Path(model.multimodalInputsDir),
+                                  body_limit_mb=config.request_limit.body_limit)
 
     async def close_channels(app: web.Application):
         yield

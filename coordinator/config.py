@@ -60,6 +60,13 @@ class SchedulerConfig(_Section):
     algorithm_type: Literal["round_robin"] = Field("round_robin", description="Instance selection policy.")
 
 
+class RequestLimitConfig(_Section):
+    """How much the coordinator takes on at once."""
+
+    max_requests: int = Field(10000, ge=1, description="Generation requests in flight; past it, 429 at once.")
+    body_limit: int = Field(8, ge=1, le=1024, description="Largest request body, in MB; past it, 413.")
+
+
 class ExceptionConfig(_Section):
     """Deadlines that keep any request from hanging."""
 
@@ -74,6 +81,7 @@ class CoordinatorConfig(_Section):
     model_settings: ModelConfig = Field(ModelConfig(), alias="model_config")
     instances: InstancesConfig
     digs_scheduler_config: SchedulerConfig = SchedulerConfig()
+    request_limit: RequestLimitConfig = RequestLimitConfig()
     exception_config: ExceptionConfig = ExceptionConfig()
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)

@@ -27,6 +27,7 @@ class CoordinatorState:
     router: RoundRobinRouter
     pipeline: RequestPipeline
     media_dir: Path = Path("/data/multimodal_inputs")
+    body_limit_mb: int = 8
     started_at: int = field(default_factory=lambda: int(time.time()))
 
 
