@@ -13,6 +13,7 @@ from coordinator.apis.openai_common import error_body
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import ApiError
 from coordinator.limits import ModelLimits
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.pipeline import RequestPipeline
 from coordinator.routes import add_routes
 from coordinator.routing import RoundRobinRouter
@@ -95,11 +96,12 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     )
     client = WorkerClient()
     router = RoundRobinRouter([i.address for i in config.instances.prefill], [i.address for i in config.instances.decode])
+    metrics = CoordinatorMetrics()
     pipeline = RequestPipeline(client, router, limits, config.exception_config.first_token_timeout,
-                               config.exception_config.infer_timeout)
+                               config.exception_config.infer_timeout, metrics)
 
     limit = InFlightLimit(config.request_limit.max_requests)
-    app = web.Application(middlewares=[error_middleware, limit.middleware],
+    app = web.Application(middlewares=[metrics.middleware, error_middleware, limit.middleware],
                           client_max_size=config.request_limit.body_limit * 1024 * 1024)
     app[STATE] = CoordinatorState(model.modelName, model.fullTextEnabled, tokenizer, limits, client, router, pipeline,
                                   media_dir=Path(model.multimodalInputsDir),
@@ -110,7 +112,23 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         await client.close()
 
     app.cleanup_ctx.append(close_channels)
+    app[METRICS] = metrics
     add_routes(app)
+    app.router.add_get("/metrics", metrics.handle_metrics)
+    return app
+
+
+METRICS = web.AppKey("metrics", CoordinatorMetrics)
+
+
+def create_management_app(main_app: web.Application) -> web.Application:
+    """The management port: health and Prometheus metrics, apart from client traffic."""
+    from coordinator.routes import health
+
+    app = web.Application(middlewares=[error_middleware])
+    app[STATE] = main_app[STATE]
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", main_app[METRICS].handle_metrics)
     return app
 
 
@@ -123,6 +141,12 @@ async def run_coordinator(config: CoordinatorConfig) -> None:
     site = web.TCPSite(runner, http.predict_ip, http.predict_port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
+    manage_runner = web.AppRunner(create_management_app(app), access_log=None)
+    await manage_runner.setup()
+    manage_site = web.TCPSite(manage_runner, http.manage_ip, http.manage_port)
+    await manage_site.start()
+    manage_port = manage_site._server.sockets[0].getsockname()[1]
+    print(f"pdserve coordinator management: http://{http.manage_ip}:{manage_port}", flush=True)
     print(f"pdserve coordinator ready: http://{http.predict_ip}:{port}", flush=True)
 
     stop = asyncio.Event()
@@ -131,4 +155,5 @@ async def run_coordinator(config: CoordinatorConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logger.info("coordinator stopping")
+    await manage_runner.cleanup()
     await runner.cleanup()

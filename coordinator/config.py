@@ -19,6 +19,8 @@ class HttpConfig(_Section):
 
     predict_ip: str = Field("127.0.0.1", description="Address the client APIs listen on.")
     predict_port: int = Field(1025, ge=0, le=65535, description="Port of the client APIs; 0 picks a free one.")
+    manage_ip: str = Field("127.0.0.1", description="Address of the management API (health, metrics).")
+    manage_port: int = Field(1026, ge=0, le=65535, description="Port of the management API; 0 picks a free one.")
 
 
 class ModelConfig(_Section):

@@ -31,7 +31,8 @@ class RequestPipeline:
     """Opens the decode stream, starts the prefill, then relays decode tokens as events."""
 
     def __init__(self, client: WorkerClient, router: RoundRobinRouter, limits: ModelLimits,
-                 first_token_timeout: float, infer_timeout: float):
+                 first_token_timeout: float, infer_timeout: float, metrics=None):
+        self.metrics = metrics
         self.client = client
         self.router = router
         self.limits = limits
@@ -107,6 +108,8 @@ class RequestPipeline:
                      request_logprobs: int | None, admission_ms: float) -> AsyncIterator[GenerationEvent]:
         decode_times: list[float] = []
         prefill_ms = 0.0
+        loop = asyncio.get_running_loop()
+        started = last = loop.time()
         while True:
             if msg is grpc.aio.EOF:
                 raise WorkerError(f"decode worker {decode_address} ended the stream without a final token")
@@ -115,6 +118,10 @@ class RequestPipeline:
                 prefill_ms = token.time_ms
             else:
                 decode_times.append(token.time_ms)
+            if self.metrics is not None:
+                now = loop.time()
+                self.metrics.token(token.index, now - started, now - last)
+                last = now
             wants_logprobs = request_logprobs is not None
             yield TokenDelta(
                 token_id=token.token_id, text=token.text, index=token.index, time_ms=token.time_ms,
@@ -125,6 +132,8 @@ class RequestPipeline:
                 queue_wait_ms=admission_ms if token.index == 0 else token.queue_wait_ms,
             )
             if token.finish_reason:
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(prompt_len)
                 yield Finished(
                     reason=FINISH_FROM_PB[token.finish_reason],
                     prompt_tokens=prompt_len,

@@ -96,6 +96,8 @@ def _cluster_config(options: ClusterOptions, prefill: list[str], decode: list[st
     base["http_config"]["predict_ip"] = HOST
     if options.predict_port is not None:
         base["http_config"]["predict_port"] = options.predict_port
+        if not options.config:
+            base["http_config"]["manage_port"] = 0  # beside a chosen port, let the system pick one
     base.setdefault("model_config", {})
     base["model_config"]["modelWeightPath"] = model_dir
     base["instances"] = {"prefill": [{"address": a} for a in prefill], "decode": [{"address": a} for a in decode]}

@@ -76,7 +76,7 @@ def start_worker(role: str, model_dir: Path, *extra: str) -> ServerProcess:
 
 def write_config(path: Path, prefill: list[str], decode: list[str], model_dir: Path, **model_overrides) -> Path:
     config = {
-        "http_config": {"predict_ip": "127.0.0.1", "predict_port": 0},
+        "http_config": {"predict_ip": "127.0.0.1", "predict_port": 0, "manage_port": 0},
         "model_config": {"modelName": "pdserve-tiny", "modelWeightPath": str(model_dir),
                          "maxSeqLen": CLUSTER_MAX_SEQ_LEN, "maxInputTokenLen": CLUSTER_MAX_SEQ_LEN,
                          "maxIterTimes": CLUSTER_MAX_ITER_TIMES, **model_overrides},

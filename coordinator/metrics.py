@@ -1,0 +1,80 @@
+"""Prometheus metrics of the coordinator, in one registry per app (no module globals)."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+API_BY_PREFIX = (
+    ("/v1/chat/completions", "openai_chat"), ("/v1/completions", "openai_completions"),
+    ("/generate_stream", "tgi"), ("/generate", "generate"), ("/infer", "mindie"), ("/v2/", "triton"),
+    ("/v1/tokenizer", "tokenizer"),
+)
+
+
+def api_of(path: str) -> str:
+    if path == "/":
+        return "tgi"
+    for prefix, api in API_BY_PREFIX:
+        if path.startswith(prefix):
+            return api
+    return "other"
+
+
+class CoordinatorMetrics:
+    """Request counts and latencies, by client API and outcome."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.received = Counter("pdserve_requests_received_total", "Generation requests received.", ["api"],
+                                registry=r)
+        self.finished = Counter("pdserve_requests_finished_total",
+                                "Generation requests finished, by HTTP status ('200' = success).",
+                                ["api", "status"], registry=r)
+        self.running = Gauge("pdserve_requests_running", "Generation requests in flight.", registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Request latency, arrival to last byte.",
+                             ["api"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Gap between generated tokens.",
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens_total", "Tokens generated.", registry=r)
+
+    def token(self, index: int, since_start_s: float, since_last_s: float) -> None:
+        if index == 0:
+            self.ttft.observe(since_start_s)
+        else:
+            self.tpot.observe(since_last_s)
+        self.generation_tokens.inc()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        if request.method != "POST":
+            return await handler(request)
+        api = api_of(request.path)
+        self.received.labels(api).inc()
+        self.running.inc()
+        started = time.perf_counter()
+        status = "500"
+        try:
+            response = await handler(request)
+            status = str(response.status)
+            return response
+        except web.HTTPException as exc:
+            status = str(exc.status)
+            raise
+        finally:
+            self.running.dec()
+            self.finished.labels(api, status).inc()
+            self.e2e.labels(api).observe(time.perf_counter() - started)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

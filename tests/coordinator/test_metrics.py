@@ -1,0 +1,49 @@
+"""Prometheus metrics: scraped from the coordinator's predict and management ports, moving as requests run."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+def management_url(cluster) -> str:
+    line = next(l for l in cluster.coordinator.output if l.startswith("pdserve coordinator management:"))
+    return line.strip().rsplit(" ", 1)[-1]
+
+
+def test_request_metrics_move_as_requests_run(http, cluster):
+    before = scrape(cluster.url)
+    assert http.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": "Hi", "max_tokens": 5}).status_code == 200
+    assert http.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": "Hi", "top_p": 0}).status_code == 400
+    after = scrape(cluster.url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("pdserve_requests_received_total", api="openai_completions") == 2
+    assert delta("pdserve_requests_finished_total", api="openai_completions", status="200") == 1
+    assert delta("pdserve_requests_finished_total", api="openai_completions", status="400") == 1
+    assert delta("pdserve_generation_tokens_total") == 5
+    assert delta("pdserve_prompt_tokens_total") >= 1
+    assert delta("pdserve_time_to_first_token_seconds_count") == 1
+    assert delta("pdserve_time_per_output_token_seconds_count") == 4
+    assert delta("pdserve_e2e_request_latency_seconds_count", api="openai_completions") == 2
+    assert after[("pdserve_requests_running", ())] == 0
+
+
+def test_management_port_serves_health_and_the_same_metrics(cluster):
+    url = management_url(cluster)
+    assert url != cluster.url
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert ("pdserve_requests_running", ()) in scrape(url)
+    assert httpx.post(f"{url}/v1/completions", json={}, timeout=10).status_code == 404  # no client APIs here
