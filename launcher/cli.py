@@ -38,7 +38,7 @@ def _worker(args: argparse.Namespace) -> int:
                             kv_trans_timeout_s=args.kv_trans_timeout, kv_lease_timeout_s=args.kv_lease_timeout,
                             kv_budget_tokens=args.kv_budget_tokens, max_prefill_tokens=args.max_prefill_tokens,
                             max_prefill_batch_size=args.max_prefill_batch_size, max_running=args.max_running,
-                            kv_data_port=args.kv_data_port)
+                            kv_data_port=args.kv_data_port, metrics_port=args.metrics_port)
     asyncio.run(serve(options))
     return 0
 
@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded tokens per prefill forward")
     p.add_argument("--max-prefill-batch-size", type=int, default=16, help="prompts per prefill forward")
     p.add_argument("--max-running", type=int, default=64, help="sequences per decode step")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics port (0 picks one, -1 disables it)")
     p.add_argument("--kv-data-port", type=int, default=0,
                    help="decode: raw-TCP KV receiver port (0 picks one, -1 disables it: KV over gRPC only)")
     p.set_defaults(func=_worker)

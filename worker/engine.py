@@ -68,6 +68,7 @@ class PrefillEngine:
         self.scheduler = PrefillScheduler(max_batch_tokens, max_batch_size)
         self.leases: dict[str, PrefillJob] = {}
         self.num_running = 0
+        self.metrics = None  # a WorkerMetrics, when the process serves them
         self._cond = threading.Condition()
         self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -135,7 +136,10 @@ class PrefillEngine:
                 self._emit(job, ("layer", i, keys[row : row + 1, :, :n], values[row : row + 1, :, :n]))
 
         try:
+            started = time.perf_counter()
             logits, _ = self.runner.prefill([job.prompt_token_ids for job in batch], on_layer)
+            if self.metrics is not None:
+                self.metrics.observe_step("prefill", time.perf_counter() - started, len(batch))
             for row, job in enumerate(batch):
                 first, logprobs = choose(logits[row], job.sampling, job.prompt_token_ids, [],
                                          self.runner.eos_token_ids)
@@ -171,6 +175,7 @@ class DecodeEngine:
         self.runner = runner
         self.admission = KvAdmission(KvBudget(budget_tokens))
         self.scheduler = DecodeScheduler(max_running=max_running)
+        self.metrics = None  # a WorkerMetrics, when the process serves them
         self._handles: dict[str, DecodeHandle] = {}
         self._processors: dict[str, OutputProcessor] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -310,6 +315,8 @@ class DecodeEngine:
         started = time.perf_counter()
         all_logits = self.runner.decode(batch)
         now = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.observe_step("decode", now - started, len(batch))
         for seq in batch:
             token, logprobs = choose(all_logits[seq.request_id], seq.sampling, seq.prompt_token_ids,
                                      seq.output_token_ids, self.runner.eos_token_ids)

@@ -19,6 +19,7 @@ from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from worker.engine import DecodeEngine, PrefillEngine, PrefillJob
 from worker.kv_budget import KvCapacityError, default_capacity_tokens
+from worker.metrics import WorkerMetrics
 from worker.model_runner import ModelRunner
 from worker.sequence import FinishReason, SamplingParams, TokenOutput
 
@@ -50,6 +51,7 @@ class WorkerOptions:
     max_prefill_batch_size: int = 16
     max_running: int = 64
     kv_data_port: int = 0  # decode: raw-TCP KV receiver port; 0 picks one, -1 disables (gRPC PushKv only)
+    metrics_port: int = 0  # Prometheus /metrics; 0 picks one, -1 disables
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -94,7 +96,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     """Prefill, then push the KV cache to the decode worker the coordinator chose."""
 
     def __init__(self, engine: PrefillEngine, grpc_sender: GrpcKvSender, tcp_sender: TcpKvSender,
-                 lease_timeout_s: float):
+                 lease_timeout_s: float, metrics: WorkerMetrics):
+        self.metrics = metrics
         self.engine = engine
         self.grpc_sender = grpc_sender
         self.tcp_sender = tcp_sender
@@ -118,13 +121,17 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         start = time.perf_counter()
         try:
             sent = await asyncio.wait_for(send, self.lease_timeout_s)
+            self.metrics.kv_bytes.inc(sent)
+            self.metrics.kv_duration.observe(time.perf_counter() - start)
         except asyncio.TimeoutError:
+            self.metrics.kv_failures.inc()
             await context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"KV lease of request {request.request_id} expired after {self.lease_timeout_s}s before "
                 f"decode worker {request.decode_address} confirmed receipt",
             )
         except KvTransferError as exc:
+            self.metrics.kv_failures.inc()
             reason = stream.error or str(exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"sending KV to decode worker {request.decode_address}: {reason}")
@@ -234,23 +241,35 @@ async def serve(options: WorkerOptions) -> None:
     closers = []
     if options.role == "prefill":
         engine = PrefillEngine(runner, budget, options.max_prefill_tokens, options.max_prefill_batch_size)
+        metrics = engine.metrics = WorkerMetrics("prefill", engine)
         engine.start()
         grpc_sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s)
-        servicer = PrefillServicer(engine, grpc_sender, TcpKvSender(options.kv_chunk_bytes), options.kv_lease_timeout_s)
+        servicer = PrefillServicer(engine, grpc_sender, TcpKvSender(options.kv_chunk_bytes), options.kv_lease_timeout_s,
+                                   metrics)
         pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
         closers.append(grpc_sender.close)
     elif options.role == "decode":
         engine = DecodeEngine(runner, budget, options.max_running)
+        metrics = engine.metrics = WorkerMetrics("decode", engine)
         engine.start()
         kv_data_address = ""
         pool = KvBufferPool()
+
+        def on_kv(kv):
+            engine.on_kv(kv)
+            metrics.kv_bytes.inc(kv.num_bytes)
+
+        def on_failure(request_id: str, message: str):
+            metrics.kv_failures.inc()
+            engine.fail(request_id, message)
+
         if options.kv_data_port >= 0:
-            receiver = TcpKvReceiver(engine.on_kv, engine.fail, timeout_s=options.kv_trans_timeout_s, pool=pool)
+            receiver = TcpKvReceiver(on_kv, on_failure, timeout_s=options.kv_trans_timeout_s, pool=pool)
             kv_data_address = f"{options.host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
         servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-        pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(engine.on_kv, engine.fail, pool=pool), server)
+        pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(on_kv, on_failure, pool=pool), server)
     else:
         raise ValueError(f"role must be 'prefill' or 'decode', got {options.role!r}")
 
@@ -258,6 +277,9 @@ async def serve(options: WorkerOptions) -> None:
     if port == 0:
         raise OSError(f"cannot listen on {options.host}:{options.port}")
     await server.start()
+    if options.metrics_port >= 0:
+        metrics_port = metrics.serve(options.host, options.metrics_port)
+        print(f"pdserve worker metrics: http://{options.host}:{metrics_port}", flush=True)
     # One parseable line on stdout: launchers and tests read the bound port from it.
     print(f"pdserve worker ready: role={options.role} address={options.host}:{port}", flush=True)
 

@@ -1,0 +1,49 @@
+"""Prometheus metrics of one worker, served on its own port (`--metrics-port`)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class WorkerMetrics:
+    """Queue, KV budget, transfer and step metrics; gauges read the engine when scraped."""
+
+    def __init__(self, role: str, engine):
+        self.registry = r = CollectorRegistry()
+        budget = engine.admission.budget
+        Gauge("pdserve_worker_kv_budget_used_tokens", "KV budget held now, in token positions.",
+              registry=r).set_function(lambda: budget.used)
+        Gauge("pdserve_worker_kv_budget_capacity_tokens", "KV budget of this worker, in token positions.",
+              registry=r).set_function(lambda: budget.capacity)
+        Gauge("pdserve_worker_waiting_requests", "Requests waiting for KV budget.",
+              registry=r).set_function(lambda: engine.admission.num_waiting)
+        if role == "decode":
+            Gauge("pdserve_worker_running_sequences", "Sequences in the decode batch.",
+                  registry=r).set_function(lambda: engine.scheduler.num_running)
+        else:
+            Gauge("pdserve_worker_kv_leases", "KV caches held until the decode worker confirms.",
+                  registry=r).set_function(lambda: len(engine.leases))
+            Gauge("pdserve_worker_queued_prompt_tokens", "Prompt tokens waiting to be prefilled.",
+                  registry=r).set_function(lambda: engine.num_queued_tokens)
+        self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV cache bytes sent (prefill) or received "
+                                "and verified (decode).", registry=r)
+        self.kv_duration = Histogram("pdserve_kv_transfer_duration_seconds", "Prefill worker: KV send time, "
+                                     "first byte to the decode worker's ack.", buckets=TRANSFER_BUCKETS, registry=r)
+        self.kv_failures = Counter("pdserve_kv_transfer_failures_total", "KV transfers that failed.", registry=r)
+        self.step = Histogram("pdserve_worker_step_duration_seconds", "One engine forward (prefill or decode).",
+                              ["kind"], buckets=STEP_BUCKETS, registry=r)
+        self.batch = Histogram("pdserve_worker_batch_size", "Sequences per engine forward.", ["kind"],
+                               buckets=BATCH_BUCKETS, registry=r)
+
+    def observe_step(self, kind: str, seconds: float, batch_size: int) -> None:
+        self.step.labels(kind).observe(seconds)
+        self.batch.labels(kind).observe(batch_size)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP server; return the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
