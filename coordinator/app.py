@@ -138,7 +138,8 @@ async def run_coordinator(config: CoordinatorConfig) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     http = config.http_config
-    site = web.TCPSite(runner, http.predict_ip, http.predict_port)
+    # On shutdown the site stops accepting at once and gives running requests drain_seconds to finish.
+    site = web.TCPSite(runner, http.predict_ip, http.predict_port, shutdown_timeout=http.drain_seconds)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     manage_runner = web.AppRunner(create_management_app(app), access_log=None)
@@ -154,6 +155,6 @@ async def run_coordinator(config: CoordinatorConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logger.info("coordinator stopping")
+    logger.warning("coordinator draining: no new requests, up to %ss for running ones", http.drain_seconds)
     await manage_runner.cleanup()
     await runner.cleanup()

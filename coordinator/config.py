@@ -21,6 +21,7 @@ class HttpConfig(_Section):
     predict_port: int = Field(1025, ge=0, le=65535, description="Port of the client APIs; 0 picks a free one.")
     manage_ip: str = Field("127.0.0.1", description="Address of the management API (health, metrics).")
     manage_port: int = Field(1026, ge=0, le=65535, description="Port of the management API; 0 picks a free one.")
+    drain_seconds: float = Field(30, ge=0, le=3600, description="On SIGTERM, how long running requests may finish.")
 
 
 class ModelConfig(_Section):
