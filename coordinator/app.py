@@ -98,7 +98,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     router = RoundRobinRouter([i.address for i in config.instances.prefill], [i.address for i in config.instances.decode])
     metrics = CoordinatorMetrics()
     pipeline = RequestPipeline(client, router, limits, config.exception_config.first_token_timeout,
-                               config.exception_config.infer_timeout, metrics)
+                               config.exception_config.infer_timeout, metrics, config.exception_config.max_retry)
 
     limit = InFlightLimit(config.request_limit.max_requests)
     app = web.Application(middlewares=[metrics.middleware, error_middleware, limit.middleware],

@@ -73,6 +73,7 @@ class RequestLimitConfig(_Section):
 class ExceptionConfig(_Section):
     """Deadlines that keep any request from hanging."""
 
+    max_retry: int = Field(5, ge=0, le=100, description="Other prefill instances tried when one is unreachable.")
     first_token_timeout: float = Field(600, gt=0, le=3600, description="Seconds until the first token.")
     infer_timeout: float = Field(600, gt=0, le=3600, description="Seconds for the whole request.")
 

@@ -47,6 +47,7 @@ class CoordinatorMetrics:
         self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens of finished requests.",
                                      registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens_total", "Tokens generated.", registry=r)
+        self.retries = Counter("pdserve_prefill_retries_total", "Prefills retried on another instance.", registry=r)
 
     def token(self, index: int, since_start_s: float, since_last_s: float) -> None:
         if index == 0:

@@ -27,12 +27,19 @@ def _worker_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> Worker
     return WorkerError(f"{stage} worker {address} failed: {exc.code().name}: {exc.details()}", status=status)
 
 
+def _unreachable(exc: BaseException) -> bool:
+    """The prefill worker itself could not be reached (not: it ran and the KV transfer failed)."""
+    return (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+            and not (exc.details() or "").startswith("sending KV to decode worker"))
+
+
 class RequestPipeline:
     """Opens the decode stream, starts the prefill, then relays decode tokens as events."""
 
     def __init__(self, client: WorkerClient, router: RoundRobinRouter, limits: ModelLimits,
-                 first_token_timeout: float, infer_timeout: float, metrics=None):
+                 first_token_timeout: float, infer_timeout: float, metrics=None, max_retry: int = 0):
         self.metrics = metrics
+        self.max_retry = max_retry
         self.client = client
         self.router = router
         self.limits = limits
@@ -54,11 +61,14 @@ class RequestPipeline:
                 if accepted is grpc.aio.EOF:
                     raise WorkerError(f"decode worker {route.decode} closed the stream before accepting")
                 # The decode worker now holds KV budget for this request and waits for its cache.
-                prefill_task = asyncio.create_task(self.client.prefill(
-                    route.prefill, request, max_tokens, route.decode, self.first_token_timeout,
-                    kv_data_address=accepted.accepted.kv_data_address,
-                ))
-                first = await self._first_token(call, prefill_task, route.prefill)
+                def start_prefill(address: str) -> asyncio.Task:
+                    return asyncio.create_task(self.client.prefill(
+                        address, request, max_tokens, route.decode, self.first_token_timeout,
+                        kv_data_address=accepted.accepted.kv_data_address))
+
+                tried = [route.prefill]
+                prefill_task = start_prefill(route.prefill)
+                first, prefill_task = await self._first_token(call, prefill_task, tried, start_prefill)
                 async for event in self._relay(call, first, len(request.prompt_token_ids), route.decode,
                                                request.sampling.logprobs, admission_ms):
                     yield event
@@ -70,7 +80,7 @@ class RequestPipeline:
                 if prefill_task is not None and prefill_task.done() and not prefill_task.cancelled():
                     pexc = prefill_task.exception()
                     if isinstance(pexc, grpc.aio.AioRpcError):
-                        raise _worker_error("prefill", route.prefill, pexc) from None
+                        raise _worker_error("prefill", tried[-1], pexc) from None
                 raise _worker_error("decode", route.decode, exc) from None
             except asyncio.TimeoutError:
                 raise WorkerError(
@@ -86,23 +96,35 @@ class RequestPipeline:
                 # Retrieve the outcome so a failed prefill is never reported as unhandled.
                 await asyncio.gather(prefill_task, return_exceptions=True)
 
-    async def _first_token(self, call, prefill_task: asyncio.Task, prefill_address: str):
-        """Wait for the first decode event, failing at once if the prefill fails first."""
+    async def _first_token(self, call, prefill_task: asyncio.Task, tried: list[str], start_prefill):
+        """Wait for the first decode event; a prefill instance that cannot be reached is replaced by
+        another (up to max_retry), any other prefill failure fails the request at once."""
         read = asyncio.ensure_future(call.read())
-        done, _ = await asyncio.wait({read, prefill_task}, timeout=self.first_token_timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if read in done:
-            return read.result()
-        if prefill_task in done and prefill_task.exception() is not None:
-            read.cancel()
+        while True:
+            done, _ = await asyncio.wait({read, prefill_task}, timeout=self.first_token_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if read in done:
+                return read.result(), prefill_task
+            if not done:
+                read.cancel()
+                raise asyncio.TimeoutError
             exc = prefill_task.exception()
-            if isinstance(exc, grpc.aio.AioRpcError):
-                raise _worker_error("prefill", prefill_address, exc)
-            raise exc
-        if not done:
+            if exc is None:
+                return await asyncio.wait_for(read, self.first_token_timeout), prefill_task
+            if _unreachable(exc) and len(tried) <= self.max_retry:
+                other = self.router.next_prefill(exclude=tried)
+                if other is not None:
+                    logger.warning("prefill worker %s unreachable (%s); retrying on %s", tried[-1],
+                                   exc.details(), other)
+                    if self.metrics is not None:
+                        self.metrics.retries.inc()
+                    tried.append(other)
+                    prefill_task = start_prefill(other)
+                    continue
             read.cancel()
-            raise asyncio.TimeoutError
-        return await asyncio.wait_for(read, self.first_token_timeout)
+            if isinstance(exc, grpc.aio.AioRpcError):
+                raise _worker_error("prefill", tried[-1], exc)
+            raise exc
 
     async def _relay(self, call, msg, prompt_len: int, decode_address: str,
                      request_logprobs: int | None, admission_ms: float) -> AsyncIterator[GenerationEvent]:

@@ -27,3 +27,11 @@ class RoundRobinRouter:
 
     def route(self) -> Route:
         return Route(prefill=next(self._next_prefill), decode=next(self._next_decode))
+
+    def next_prefill(self, exclude: list[str]) -> str | None:
+        """Another prefill instance for a retry, or None when every one has been tried."""
+        for _ in range(len(self.prefill)):
+            candidate = next(self._next_prefill)
+            if candidate not in exclude:
+                return candidate
+        return None
