@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 
 from aiohttp import web
 
 from coordinator.errors import ApiError
 from coordinator.pipeline import RequestPipeline
 from coordinator.request import GenerationRequest, TokenDelta
-from coordinator.serving import Transcript, _record, serve_generation
+from coordinator.serving import Transcript, json_dumps, record, serve_generation
 from coordinator.sse import open_stream
 
 _SEED_MASK = (1 << 63) - 1
@@ -44,7 +43,7 @@ async def _collect(pipeline: RequestPipeline, request: GenerationRequest) -> Tra
     events = pipeline.generate(request)
     try:
         async for event in events:
-            _record(transcript, event)
+            record(transcript, event)
     finally:
         await events.aclose()
     return transcript
@@ -69,7 +68,7 @@ async def serve_choices(http_request: web.Request, pipeline: RequestPipeline, re
         completion = sum(b["usage"]["completion_tokens"] for b in bodies)
         prompt = body["usage"]["prompt_tokens"]
         body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        return web.json_response(body, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+        return web.json_response(body, dumps=json_dumps)
     return await _stream_choices(http_request, pipeline, requests, formatters)
 
 
@@ -104,7 +103,7 @@ async def _stream_choices(http_request, pipeline, requests, formatters) -> web.S
             else:
                 if response is None:
                     response = await open_stream(http_request, formatters[0].stream_content_type)
-                _record(transcripts[i], item)
+                record(transcripts[i], item)
                 frames = (formatters[i].token_frames(item, transcripts[i]) if isinstance(item, TokenDelta)
                           else formatters[i].final_frames(item, transcripts[i]))
             for frame in frames:

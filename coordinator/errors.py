@@ -27,10 +27,6 @@ _DEFAULT_TYPES = {
 }
 
 
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
-
-
 class WorkerError(ApiError):
     """A worker failed or timed out while serving a request."""
 

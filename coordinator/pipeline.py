@@ -13,6 +13,7 @@ from coordinator.limits import ModelLimits
 from coordinator.request import Finished, GenerationEvent, GenerationRequest, TokenDelta
 from coordinator.routing import RoundRobinRouter
 from coordinator.worker_client import FINISH_FROM_PB, WorkerClient
+from kv_transfer.base import KV_SEND_FAILED
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def _worker_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> Worker
 def _unreachable(exc: BaseException) -> bool:
     """The prefill worker itself could not be reached (not: it ran and the KV transfer failed)."""
     return (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
-            and not (exc.details() or "").startswith("sending KV to decode worker"))
+            and not (exc.details() or "").startswith(KV_SEND_FAILED))
 
 
 class RequestPipeline:
@@ -132,6 +133,7 @@ class RequestPipeline:
         prefill_ms = 0.0
         loop = asyncio.get_running_loop()
         started = last = loop.time()
+        wants_logprobs = request_logprobs is not None
         while True:
             if msg is grpc.aio.EOF:
                 raise WorkerError(f"decode worker {decode_address} ended the stream without a final token")
@@ -144,7 +146,6 @@ class RequestPipeline:
                 now = loop.time()
                 self.metrics.token(token.index, now - started, now - last)
                 last = now
-            wants_logprobs = request_logprobs is not None
             yield TokenDelta(
                 token_id=token.token_id, text=token.text, index=token.index, time_ms=token.time_ms,
                 logprob=token.logprob if wants_logprobs else None,

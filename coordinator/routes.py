@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from aiohttp import web
-
-import dataclasses
-import secrets
 
 from coordinator.apis import mindie, multimodal, openai_chat, openai_completions, tgi, tokenizer, triton, vllm_native
 from coordinator.apis.fields import new_id, parse_request, read_json
 from coordinator.apis.openai_common import check_model
-from coordinator.errors import ApiError
 from coordinator.apis.operations import health_body, models_body
+from coordinator.errors import ApiError
 from coordinator.choices import fan_out, serve_choices
 from coordinator.request import GenerationRequest
 from coordinator.serving import serve_generation
@@ -25,6 +23,16 @@ def input_text(state, value: str | list, param: str) -> str:
     text = value if isinstance(value, str) else multimodal.text_of_items(value, param, state.media_dir)
     state.limits.check_text(text, param)
     return text
+
+
+async def tokenize_input(state, value: str | list, param: str, keep_last: int | None = None) -> tuple[str, list[int]]:
+    """Validate, tokenize (keeping only the last `keep_last` tokens if asked) and check the prompt limit."""
+    text = input_text(state, value, param)
+    prompt_ids = await state.tokenizer.encode_text(text)
+    if keep_last is not None:
+        prompt_ids = prompt_ids[-keep_last:]
+    state.limits.check_prompt(len(prompt_ids), param)
+    return text, prompt_ids
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -40,8 +48,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     def formatter():
         f = openai_chat.ChatFormatter(gen.request_id, gen.created, state.model_name, state.full_text,
                                       body.return_token_ids, prompt_ids, state.tokenizer.token_text,
-                                      body.stream_options)
-        f.parse_tools = body.parse_tools
+                                      body.stream_options, parse_tools=body.parse_tools)
         f.show_logprobs = body.logprobs_count() is not None
         return f
 
@@ -52,9 +59,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = parse_request(openai_completions.CompletionRequest, await read_json(request))
     check_model(body.model, state.model_name)
-    prompt = input_text(state, body.prompt, "prompt")
-    prompt_ids = await state.tokenizer.encode_text(prompt)
-    state.limits.check_prompt(len(prompt_ids), "prompt")
+    prompt, prompt_ids = await tokenize_input(state, body.prompt, "prompt")
     gen = GenerationRequest(openai_completions.new_request_id(), prompt_ids, ranked_sampling(body), body.max_tokens)
 
     def formatter():
@@ -113,11 +118,7 @@ async def _tgi(request: web.Request, body, stream: bool, native_shapes: bool) ->
     if isinstance(body, dict):
         body = {**body, "stream": stream}
     req = parse_request(tgi.TgiRequest, body)
-    text = input_text(state, req.inputs, "inputs")
-    prompt_ids = await state.tokenizer.encode_text(text)
-    if req.parameters.truncate is not None:
-        prompt_ids = prompt_ids[-req.parameters.truncate:]
-    state.limits.check_prompt(len(prompt_ids), "inputs")
+    text, prompt_ids = await tokenize_input(state, req.inputs, "inputs", keep_last=req.parameters.truncate)
     sampling = req.parameters.sampling()
     gen = GenerationRequest(tgi.new_request_id(), prompt_ids, sampling, req.parameters.max_new_tokens)
     formatter = tgi.TgiFormatter(req, text, prompt_ids, sampling.seed, state.full_text,
@@ -130,9 +131,7 @@ async def _vllm(request: web.Request, body: dict) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_request(vllm_native.VllmGenerateRequest, body)
     vllm_native.check_lora(req.model, state.model_name)
-    text = input_text(state, req.prompt, "prompt")
-    prompt_ids = await state.tokenizer.encode_text(text)
-    state.limits.check_prompt(len(prompt_ids), "prompt")
+    text, prompt_ids = await tokenize_input(state, req.prompt, "prompt")
     gen = GenerationRequest(new_id("vllm"), prompt_ids, req.sampling(), req.max_tokens)
     formatter = vllm_native.VllmFormatter(text, state.full_text)
     return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
@@ -142,13 +141,11 @@ async def infer(request: web.Request) -> web.StreamResponse:
     """MindIE's native /infer."""
     state = request.app[STATE]
     req = parse_request(mindie.MindieRequest, await read_json(request))
-    prompt_ids = await state.tokenizer.encode_text(input_text(state, req.inputs, "inputs"))
-    state.limits.check_prompt(len(prompt_ids), "inputs")
+    _, prompt_ids = await tokenize_input(state, req.inputs, "inputs")
     params = req.parameters
-    seed = params.seed if params.seed is not None else secrets.randbits(63) + 1
-    gen = GenerationRequest(new_id("infer"), prompt_ids, params.sampling(seed), params.max_new_tokens,
-                            timeout_s=params.timeout)
-    formatter = mindie.MindieFormatter(params, seed, state.full_text)
+    sampling = params.sampling()
+    gen = GenerationRequest(new_id("infer"), prompt_ids, sampling, params.max_new_tokens, timeout_s=params.timeout)
+    formatter = mindie.MindieFormatter(params, sampling.seed, state.full_text)
     return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
 
 
@@ -157,12 +154,10 @@ async def triton_generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     triton.check_model(request.match_info["model"], state.model_name)
     req = parse_request(triton.TritonGenerateRequest, await read_json(request))
-    prompt_ids = await state.tokenizer.encode_text(input_text(state, req.text_input, "text_input"))
-    state.limits.check_prompt(len(prompt_ids), "text_input")
+    _, prompt_ids = await tokenize_input(state, req.text_input, "text_input")
     params = req.parameters
     request_id = req.id or new_id("triton")
-    gen = GenerationRequest(request_id, prompt_ids, params.sampling(triton.new_seed(params)), params.max_new_tokens,
-                            timeout_s=params.timeout)
+    gen = GenerationRequest(request_id, prompt_ids, params.sampling(), params.max_new_tokens, timeout_s=params.timeout)
     formatter = triton.TritonFormatter(request_id, state.model_name, params, state.full_text)
     stream = request.path.endswith("/generate_stream")
     return await serve_generation(request, state.pipeline, gen, formatter, stream)
@@ -181,8 +176,8 @@ async def triton_infer(request: web.Request) -> web.Response:
     state.limits.check_prompt(len(prompt_ids), "inputs.0.data")
     params = req.parameters
     request_id = req.id or new_id("triton")
-    gen = GenerationRequest(request_id, list(prompt_ids), params.sampling(triton.new_seed(params)),
-                            params.max_new_tokens, timeout_s=params.timeout)
+    gen = GenerationRequest(request_id, list(prompt_ids), params.sampling(), params.max_new_tokens,
+                            timeout_s=params.timeout)
     return await serve_generation(request, state.pipeline, gen, triton.TritonTokenFormatter(request_id, req), False)
 
 

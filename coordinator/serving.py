@@ -6,6 +6,7 @@ reports late errors the same way.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -59,10 +60,10 @@ async def serve_generation(
     if not stream:
         try:
             async for event in events:
-                _record(transcript, event)
+                record(transcript, event)
         finally:
             await events.aclose()
-        return web.json_response(formatter.response(transcript), dumps=_dumps)
+        return web.json_response(formatter.response(transcript), dumps=json_dumps)
 
     response: web.StreamResponse | None = None
     try:
@@ -70,7 +71,7 @@ async def serve_generation(
             if response is None:
                 # Opened on the first event, so a failure before it is a plain HTTP error.
                 response = await open_stream(http_request, formatter.stream_content_type)
-            _record(transcript, event)
+            record(transcript, event)
             frames = (
                 formatter.token_frames(event, transcript)
                 if isinstance(event, TokenDelta)
@@ -102,7 +103,8 @@ class SseFormatter:
         return encode_event(frame)
 
 
-def _record(transcript: Transcript, event) -> None:
+def record(transcript: Transcript, event) -> None:
+    """Add one event to a transcript."""
     if isinstance(event, TokenDelta):
         transcript.text += event.text
         transcript.token_ids.append(event.token_id)
@@ -111,7 +113,5 @@ def _record(transcript: Transcript, event) -> None:
         transcript.finished = event
 
 
-def _dumps(obj) -> str:
-    import json
-
+def json_dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False)

@@ -1,21 +1,16 @@
-"""The KV transfer contract: what a sender sends, what a receiver yields, how each can fail."""
+"""The KV transfer contract: what travels, and how a transfer can fail."""
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 
-class TransferState(enum.Enum):
-    """Life cycle of one request's KV transfer, on either side."""
-
-    WAITING = "waiting"
-    TRANSFERRING = "transferring"
-    SUCCESS = "success"
-    FAILED = "failed"
+# Starts the prefill worker's error when it ran but could not hand the KV cache over, so the
+# coordinator can tell that apart from a prefill worker it could not reach at all.
+KV_SEND_FAILED = "sending KV to decode worker"
 
 
 class KvTransferError(Exception):

@@ -72,7 +72,13 @@ def kv_items(kv: TransferredKv) -> Iterator[KvItem]:
     yield make_trailer(kv.first_token_id, kv.prefill_time_ms, kv.first_logprobs)
 
 
-def blocks(layer: int, is_value: bool, tensor: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
+async def kv_items_async(kv: TransferredKv) -> AsyncIterator[KvItem]:
+    """`kv_items` for the senders, which take item streams produced while a prefill runs."""
+    for item in kv_items(kv):
+        yield item
+
+
+def blocks(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
     """(offset, bytes) slices of one tensor, at most `chunk_bytes` each."""
     raw = tensor_bytes(tensor)
     for offset in range(0, len(raw), chunk_bytes):
@@ -87,7 +93,7 @@ def item_messages(item: KvItem, chunk_bytes: int) -> Iterator[pb.KvMessage]:
         yield pb.KvMessage(trailer=item)
     else:
         for is_value, tensor in ((False, item.key), (True, item.value)):
-            for offset, data in blocks(item.index, is_value, tensor, chunk_bytes):
+            for offset, data in blocks(tensor, chunk_bytes):
                 yield pb.KvMessage(block=pb.KvBlock(layer=item.index, is_value=is_value, offset=offset,
                                                     data=bytes(data), checksum=checksum(data)))
 

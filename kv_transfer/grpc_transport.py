@@ -9,7 +9,7 @@ import grpc
 
 from kv_transfer.base import KvTransferError, TransferredKv
 from kv_transfer.buffer_pool import KvBufferPool
-from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, encode_kv, messages_from_items
+from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, kv_items_async, messages_from_items
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 
@@ -43,12 +43,7 @@ class GrpcKvSender:
 
     async def send(self, address: str, kv: TransferredKv) -> int:
         """Stream a computed cache to `address`; return the bytes the receiver verified."""
-
-        async def messages():
-            for message in encode_kv(kv, self.chunk_bytes):
-                yield message
-
-        return await self.send_stream(address, messages())
+        return await self.send_items(address, kv_items_async(kv))
 
     async def send_items(self, address: str, items) -> int:
         """Stream KV items (header, layers, trailer) as they are produced."""

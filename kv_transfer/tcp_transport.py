@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 
 from kv_transfer.base import KvTransferError, TransferredKv
 from kv_transfer.buffer_pool import KvBufferPool
-from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, KvItem, blocks, checksum
+from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, KvItem, blocks, checksum, kv_items_async
 from proto import worker_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class TcpKvSender:
             sock.sendall((b"H" if isinstance(item, pb.KvHeader) else b"T") + LENGTH.pack(len(body)) + body)
             return
         for is_value, tensor in ((False, item.key), (True, item.value)):
-            for offset, data in blocks(item.index, is_value, tensor, self.chunk_bytes):
+            for offset, data in blocks(tensor, self.chunk_bytes):
                 if len(data) < OVERLAP_MIN_BYTES:  # a thread hand-off costs more than hashing it here
                     frame = b"B" + BLOCK.pack(item.index, int(is_value), offset, len(data))
                     sock.sendall(frame + data + DIGEST.pack(checksum(data)))
@@ -113,13 +113,8 @@ class TcpKvSender:
         return status, received, message
 
     async def send(self, address: str, kv: TransferredKv) -> int:
-        from kv_transfer.codec import kv_items
-
-        async def items():
-            for item in kv_items(kv):
-                yield item
-
-        return await self.send_items(address, items())
+        """Send a computed cache; return the bytes the receiver verified."""
+        return await self.send_items(address, kv_items_async(kv))
 
 
 def _recv_into_blocking(sock: socket.socket, view: memoryview) -> None:

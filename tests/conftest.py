@@ -136,6 +136,28 @@ def hf_model(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
 
 
+class BackgroundStream:
+    """A streaming POST read on a thread, so a test can act on servers while it runs."""
+
+    def __init__(self, url: str, body: dict):
+        self.raw = b""
+        self.ended_at: float | None = None
+        self.first_chunk = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url, body))
+        self._thread.start()
+
+    def _read(self, url: str, body: dict) -> None:
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", url, json=body) as r:
+                for part in r.iter_raw():
+                    self.raw += part
+                    self.first_chunk.set()
+        self.ended_at = time.monotonic()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
 def sse_events(raw: bytes) -> list[str]:
     """Split an SSE body into the payloads of its `data:` events, checking the framing."""
     text = raw.decode("utf-8")

@@ -175,10 +175,3 @@ class BatchedKvCache:
         """Record that every row grew by the token just decoded."""
         self.end += 1
         self.lengths = [n + 1 for n in self.lengths]
-
-    def row_layers(self, request_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One row's real keys and values (for tests and inspection)."""
-        i = self.request_ids.index(request_id)
-        s = self.starts[i]
-        return [(self._k[l][i : i + 1, :, s : self.end], self._v[l][i : i + 1, :, s : self.end])
-                for l in range(self.num_layers)]

@@ -274,9 +274,10 @@ class DecodeEngine:
             kv.release()
             seq.pending_kv = None
 
-    def _retire(self, seq: Sequence, status: SequenceStatus) -> None:
+    def _retire(self, seq: Sequence, status: SequenceStatus, leave_batch: bool = True) -> None:
         self.scheduler.finish(seq, status)
-        self.runner.leave(seq.request_id)
+        if leave_batch:
+            self.runner.leave(seq.request_id)
         if seq.pending_kv is not None:
             seq.pending_kv.release()
             seq.pending_kv = None
@@ -301,13 +302,10 @@ class DecodeEngine:
                 self._fail_all(batch)
 
     def _fail_all(self, batch: list[Sequence]) -> None:
+        # The batch may be inconsistent after a failed step: drop it whole instead of row by row.
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + batch:
             if not seq.is_finished:
-                self.scheduler.finish(seq, SequenceStatus.CANCELLED)
-                self._processors.pop(seq.request_id, None)
-                if seq.pending_kv is not None:
-                    seq.pending_kv.release()
-                    seq.pending_kv = None
+                self._retire(seq, SequenceStatus.CANCELLED, leave_batch=False)
                 self._loop.call_soon_threadsafe(self.fail, seq.request_id, "decode step failed on the worker")
         self.runner.reset_batch()
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kv_transfer.base import KvTransferError
+from kv_transfer.base import KV_SEND_FAILED, KvTransferError
 from kv_transfer.buffer_pool import KvBufferPool
 from kv_transfer.codec import KvLayer, make_header, make_trailer
 from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverServicer
@@ -134,7 +134,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.metrics.kv_failures.inc()
             reason = stream.error or str(exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"sending KV to decode worker {request.decode_address}: {reason}")
+                                f"{KV_SEND_FAILED} {request.decode_address}: {reason}")
         finally:
             self.engine.release(job)
         return pb.PrefillResponse(first_token_id=stream.first_token_id, prefill_time_ms=stream.prefill_time_ms,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-import time
+import secrets
 import uuid
 from typing import Annotated, Any
 
@@ -11,6 +11,7 @@ from aiohttp import web
 from pydantic import AfterValidator, BaseModel, ValidationError
 
 from coordinator.errors import ApiError
+from coordinator.request import SamplingOptions
 
 UINT32_MAX = 2147483647
 UINT64_MAX = 18446744073709551615
@@ -96,6 +97,85 @@ TopK = Annotated[int, AfterValidator(_top_k)]
 Seed = Annotated[int, AfterValidator(_seed)]
 MaxTokens = Annotated[int, AfterValidator(_max_tokens)]
 Stop = Annotated[str | list[str] | None, AfterValidator(_stop)]
+PositiveInt32 = MaxTokens  # (0, 2147483647], the seed's "uint32_t" range
+
+
+# The TGI family (TGI, MindIE, Triton) states some ranges differently from OpenAI/vLLM.
+def _positive(v: float) -> float:
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"must be > 0.0, got {v}")
+    return v
+
+
+def _tgi_temperature(v: float) -> float:
+    if not math.isfinite(v) or v <= 1e-6:
+        raise ValueError(f"must be > 1e-6, got {v}")
+    return v
+
+
+def _open_top_p(v: float) -> float:
+    if not 1e-6 < v < 1.0:
+        raise ValueError(f"must be in (1e-6, 1.0), got {v}")
+    return v
+
+
+def _typical_p(v: float) -> float:
+    if not 0.0 < v <= 1.0:
+        raise ValueError(f"must be in (0.0, 1.0], got {v}")
+    if v != 1.0:
+        raise ValueError("typical_p is not supported: only the default 1.0 is accepted")
+    return v
+
+
+PositiveFloat = Annotated[float, AfterValidator(_positive)]
+TgiTemperature = Annotated[float, AfterValidator(_tgi_temperature)]
+OpenTopP = Annotated[float, AfterValidator(_open_top_p)]
+TypicalP = Annotated[float, AfterValidator(_typical_p)]  # unsupported: accepted only at its default
+
+
+def new_seed(requested: int | None) -> int:
+    """The request's seed, or a fresh one, so the prefill and decode workers draw from one stream."""
+    return requested if requested is not None else secrets.randbits(63) + 1
+
+
+def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
+
+
+class VllmSamplingFields(BaseModel):
+    """The sampling fields OpenAI completions/chat and vLLM's /generate share, with the seed's ranges."""
+
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    seed: Seed | None = None
+    stop: Stop = None
+    skip_special_tokens: bool = True
+    repetition_penalty: RepetitionPenalty = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    stop_token_ids: TokenIds = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def sampling(self, **extra) -> SamplingOptions:
+        return SamplingOptions(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=0 if self.top_k == -1 else self.top_k,
+            seed=new_seed(self.seed),
+            stop=stop_tuple(self.stop),
+            skip_special_tokens=self.skip_special_tokens,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            **extra,
+        )
+
 
 def parse_request(model_cls: type[BaseModel], body: Any) -> Any:
     """Validate a JSON body into `model_cls`, or raise a 400 naming the field and its range."""
@@ -122,6 +202,3 @@ async def read_json(request: web.Request) -> Any:
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
-
-def now() -> int:
-    return int(time.time())

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
-
-from coordinator.apis.fields import MaxTokens, Seed
-from coordinator.apis.tgi import FINISH_REASONS, textgen_sampling, _positive, _temperature, _top_p, _typical_p, _uint32
+from coordinator.apis.fields import MaxTokens, OpenTopP, PositiveFloat, PositiveInt32, Seed, TgiTemperature, TypicalP
+from coordinator.apis.tgi import FINISH_REASONS, textgen_sampling
 from coordinator.errors import ApiError
 from coordinator.request import Finished, SamplingOptions, TokenDelta
 from coordinator.serving import SseFormatter, Transcript
@@ -18,15 +16,15 @@ class MindieParameters(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    temperature: Annotated[float, AfterValidator(_temperature)] | None = None
-    top_k: Annotated[int, AfterValidator(_uint32)] | None = None
-    top_p: Annotated[float, AfterValidator(_top_p)] | None = None
+    temperature: TgiTemperature | None = None
+    top_k: PositiveInt32 | None = None
+    top_p: OpenTopP | None = None
     max_new_tokens: MaxTokens = 20
     do_sample: bool | None = None
     seed: Seed | None = None
-    repetition_penalty: Annotated[float, AfterValidator(_positive)] = 1.0
+    repetition_penalty: PositiveFloat = 1.0
     details: bool = False
-    typical_p: Annotated[float, AfterValidator(_typical_p)] = 1.0
+    typical_p: TypicalP = 1.0
     watermark: bool = False
     priority: int = Field(5, ge=1, le=5, description="1 highest ... 5 lowest")
     timeout: float = Field(600, gt=0, le=3600, description="seconds until the request is ended")
@@ -37,8 +35,8 @@ class MindieParameters(BaseModel):
             raise ValueError("watermark is not supported: only false is accepted")
         return self
 
-    def sampling(self, seed: int) -> SamplingOptions:
-        return textgen_sampling(self, seed)
+    def sampling(self) -> SamplingOptions:
+        return textgen_sampling(self)
 
 
 class MindieRequest(BaseModel):

@@ -7,13 +7,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from coordinator.apis.chat_output import ChatOutputParser, ChatPiece, split_whole
-from coordinator.apis.fields import MaxTokens
+from coordinator.apis.fields import MaxTokens, new_id
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
     OpenAIRequest,
     error_body,
     finish_reason,
-    new_id,
     usage,
 )
 from coordinator.errors import ApiError
@@ -145,12 +144,15 @@ class ChatFormatter(OpenAIFormatter):
         return {"content": [{**self._entry(d.token_id, d.logprob),
                              "top_logprobs": [self._entry(t, lp) for t, lp in d.top_logprobs]} for d in deltas]}
 
-    parse_tools = False
+    def __init__(self, *args, parse_tools: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parse_tools = parse_tools
+        self._parser: ChatOutputParser | None = None  # made on first use, once parse_tools is final
+        self._content = ""  # content released so far (fullTextEnabled streams it whole)
 
     def _piece(self, text: str, final: bool = False) -> ChatPiece:
-        if not hasattr(self, "_parser"):
+        if self._parser is None:
             self._parser = ChatOutputParser(self.parse_tools)
-            self._content = ""
         piece = self._parser.feed(text, final)
         self._content += piece.content
         return piece

@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from coordinator.apis.fields import (
-    MaxTokens,
-    MinTokens,
-    Penalty,
-    RepetitionPenalty,
-    Seed,
-    Stop,
-    Temperature,
-    TokenIds,
-    TopK,
-    TopP,
-    new_id,
-    now,
-    parse_request,
-    read_json,
-)
+from coordinator.apis.fields import MinTokens, VllmSamplingFields
 from coordinator.errors import ApiError
 from coordinator.request import Finished, FinishReason, SamplingOptions, TokenDelta
 from coordinator.serving import SseFormatter
 
-__all__ = ["new_id", "now", "parse_request", "read_json"]
 
 # Fields real clients send that later work will honour; until then a non-default value is a
 # clear 400, never silently ignored. Values listed are the defaults that change nothing.
@@ -49,27 +32,14 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIRequest(VllmSamplingFields):
     """Fields common to chat and completions, each validated against the seed's range."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1)
     stream: bool = False
-    max_tokens: MaxTokens | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = -1
-    seed: Seed | None = None
-    stop: Stop = None
-    skip_special_tokens: bool = True
-    repetition_penalty: RepetitionPenalty = 1.0
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    stop_token_ids: TokenIds = None
-    ignore_eos: bool = False
     min_tokens: MinTokens = 0
-    include_stop_str_in_output: bool = False
     n: int = Field(1, ge=1, le=128)
     best_of: int | None = Field(None, ge=1, le=128)
     stream_options: StreamOptions | None = None
@@ -117,24 +87,7 @@ class OpenAIRequest(BaseModel):
         return None
 
     def sampling(self) -> SamplingOptions:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingOptions(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=0 if self.top_k == -1 else self.top_k,
-            # Generated here when absent, so the prefill and decode workers draw from one stream.
-            seed=self.seed if self.seed is not None else secrets.randbits(63) + 1,
-            stop=stop,
-            skip_special_tokens=self.skip_special_tokens,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            min_tokens=self.min_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=self.logprobs_count(),
-        )
+        return super().sampling(min_tokens=self.min_tokens, logprobs=self.logprobs_count())
 
 
 def check_model(requested: str, served: str) -> None:

@@ -6,12 +6,12 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, model_validator
 
+from coordinator.apis.fields import new_id
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
     OpenAIRequest,
     error_body,
     finish_reason,
-    new_id,
     stop_reason,
     usage,
 )

@@ -7,14 +7,23 @@ stream token `id` is a one-element list.
 
 from __future__ import annotations
 
-import math
-import secrets
 from collections.abc import Callable
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from coordinator.apis.fields import UINT32_MAX, MaxTokens, Seed, new_id
+from coordinator.apis.fields import (
+    MaxTokens,
+    OpenTopP,
+    PositiveFloat,
+    PositiveInt32,
+    Seed,
+    TgiTemperature,
+    TypicalP,
+    new_id,
+    new_seed,
+    stop_tuple,
+)
 from coordinator.errors import ApiError
 from coordinator.request import Finished, FinishReason, SamplingOptions, TokenDelta
 from coordinator.serving import SseFormatter, Transcript
@@ -22,38 +31,6 @@ from coordinator.serving import SseFormatter, Transcript
 STOP_ITEM_CHARS = 1024
 STOP_MAX_ITEMS = 1024
 STOP_TOTAL_CHARS = 32768
-
-
-def _positive(v: float) -> float:
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"must be > 0.0, got {v}")
-    return v
-
-
-def _temperature(v: float) -> float:
-    if not math.isfinite(v) or v <= 1e-6:
-        raise ValueError(f"must be > 1e-6, got {v}")
-    return v
-
-
-def _top_p(v: float) -> float:
-    if not 1e-6 < v < 1.0:
-        raise ValueError(f"must be in (1e-6, 1.0), got {v}")
-    return v
-
-
-def _uint32(v: int) -> int:
-    if not 0 < v <= UINT32_MAX:
-        raise ValueError(f"must be in (0, {UINT32_MAX}], got {v}")
-    return v
-
-
-def _typical_p(v: float) -> float:
-    if not 0.0 < v <= 1.0:
-        raise ValueError(f"must be in (0.0, 1.0], got {v}")
-    if v != 1.0:
-        raise ValueError("typical_p is not supported: only the default 1.0 is accepted")
-    return v
 
 
 def _stop(v: str | list[str] | None) -> str | list[str] | None:
@@ -67,14 +44,14 @@ def _stop(v: str | list[str] | None) -> str | list[str] | None:
     return v
 
 
-def textgen_sampling(params, seed: int, **extra) -> SamplingOptions:
+def textgen_sampling(params, **extra) -> SamplingOptions:
     """TGI-family sampling (TGI, MindIE, Triton): greedy unless do_sample, or a sampling
     parameter, asks for sampling; `do_sample: false` is greedy whatever else is set."""
     wants_sampling = params.do_sample if params.do_sample is not None else any(
         v is not None for v in (params.temperature, params.top_k, params.top_p))
     return SamplingOptions(
         temperature=(params.temperature or 1.0) if wants_sampling else 0.0,
-        top_p=params.top_p or 1.0, top_k=params.top_k or 0, seed=seed,
+        top_p=params.top_p or 1.0, top_k=params.top_k or 0, seed=new_seed(params.seed),
         repetition_penalty=params.repetition_penalty, **extra,
     )
 
@@ -88,14 +65,14 @@ class TgiParameters(BaseModel):
     details: bool = False
     do_sample: bool | None = None
     max_new_tokens: MaxTokens = 20
-    repetition_penalty: Annotated[float, AfterValidator(_positive)] = 1.0
+    repetition_penalty: PositiveFloat = 1.0
     return_full_text: bool = False
     seed: Seed | None = None
-    temperature: Annotated[float, AfterValidator(_temperature)] | None = None
-    top_k: Annotated[int, AfterValidator(_uint32)] | None = None
-    top_p: Annotated[float, AfterValidator(_top_p)] | None = None
-    truncate: Annotated[int, AfterValidator(_uint32)] | None = None
-    typical_p: Annotated[float, AfterValidator(_typical_p)] = 1.0
+    temperature: TgiTemperature | None = None
+    top_k: PositiveInt32 | None = None
+    top_p: OpenTopP | None = None
+    truncate: PositiveInt32 | None = None
+    typical_p: TypicalP = 1.0
     watermark: bool = False
     stop: Annotated[str | list[str] | None, AfterValidator(_stop)] = None
     adapter_id: str = "None"
@@ -109,10 +86,8 @@ class TgiParameters(BaseModel):
         return self
 
     def sampling(self) -> SamplingOptions:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        seed = self.seed if self.seed is not None else secrets.randbits(63) + 1
         # logprobs=0: TGI reports each token's logprob.
-        return textgen_sampling(self, seed, stop=stop, logprobs=0)
+        return textgen_sampling(self, stop=stop_tuple(self.stop), logprobs=0)
 
 
 class TgiRequest(BaseModel):

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-import secrets
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from coordinator.apis.fields import UINT32_MAX, MaxTokens, Seed
-from coordinator.apis.tgi import FINISH_REASONS, textgen_sampling, _positive, _temperature
+from coordinator.apis.fields import UINT32_MAX, MaxTokens, PositiveFloat, Seed, TgiTemperature, TopP, TypicalP
+from coordinator.apis.tgi import FINISH_REASONS, textgen_sampling
 from coordinator.errors import ApiError
 from coordinator.request import Finished, SamplingOptions, TokenDelta
 from coordinator.serving import SseFormatter, Transcript
@@ -20,20 +19,6 @@ REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,256}$")
 def _top_k(v: int) -> int:
     if not 0 <= v <= UINT32_MAX:
         raise ValueError(f"must be in [0, {UINT32_MAX}], got {v}")
-    return v
-
-
-def _top_p(v: float) -> float:
-    if not 1e-6 < v <= 1.0:
-        raise ValueError(f"must be in (1e-6, 1.0], got {v}")
-    return v
-
-
-def _typical_p(v: float) -> float:
-    if not 0.0 < v <= 1.0:
-        raise ValueError(f"must be in (0.0, 1.0], got {v}")
-    if v != 1.0:
-        raise ValueError("typical_p is not supported: leave it out (or send 1.0)")
     return v
 
 
@@ -51,13 +36,13 @@ class TritonParameters(BaseModel):
     details: bool = False
     do_sample: bool | None = None
     max_new_tokens: MaxTokens = 20
-    repetition_penalty: Annotated[float, AfterValidator(_positive)] = 1.0
+    repetition_penalty: PositiveFloat = 1.0
     seed: Seed | None = None
-    temperature: Annotated[float, AfterValidator(_temperature)] | None = None
+    temperature: TgiTemperature | None = None
     top_k: Annotated[int, AfterValidator(_top_k)] | None = None
-    top_p: Annotated[float, AfterValidator(_top_p)] | None = None
+    top_p: TopP | None = None
     batch_size: int = Field(1, gt=0, le=UINT32_MAX)
-    typical_p: Annotated[float, AfterValidator(_typical_p)] | None = None
+    typical_p: TypicalP | None = None
     watermark: bool = False
     perf_stat: bool = False
     priority: int = Field(5, ge=1, le=5)
@@ -71,8 +56,8 @@ class TritonParameters(BaseModel):
             raise ValueError(f"batch_size={self.batch_size}: one input per request, so only 1 is accepted")
         return self
 
-    def sampling(self, seed: int) -> SamplingOptions:
-        return textgen_sampling(self, seed)
+    def sampling(self) -> SamplingOptions:
+        return textgen_sampling(self)
 
 
 class TritonGenerateRequest(BaseModel):
@@ -126,10 +111,6 @@ class TritonInferRequest(BaseModel):
 def check_model(requested: str, served: str) -> None:
     if requested != served:
         raise ApiError(404, f"model {requested!r} is not served here; this server serves {served!r}")
-
-
-def new_seed(params: TritonParameters) -> int:
-    return params.seed if params.seed is not None else secrets.randbits(63) + 1
 
 
 class TritonFormatter(SseFormatter):

@@ -3,58 +3,23 @@
 from __future__ import annotations
 
 import json
-import secrets
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from coordinator.apis.fields import (
-    MaxTokens,
-    Penalty,
-    RepetitionPenalty,
-    Seed,
-    Stop,
-    Temperature,
-    TokenIds,
-    TopK,
-    TopP,
-)
+from coordinator.apis.fields import VllmSamplingFields
 from coordinator.errors import ApiError
-from coordinator.request import Finished, SamplingOptions, TokenDelta
+from coordinator.request import Finished, TokenDelta
 from coordinator.serving import Transcript
 
 
-class VllmGenerateRequest(BaseModel):
+class VllmGenerateRequest(VllmSamplingFields):
     """The body of vLLM's /generate, with the seed's ranges."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     prompt: str | list = Field(min_length=1)
-    max_tokens: MaxTokens | None = None
-    repetition_penalty: RepetitionPenalty = 1.0
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: TopK = -1
-    seed: Seed | None = None
     stream: bool = False
-    stop: Stop = None
-    stop_token_ids: TokenIds = None
     model: str | None = None  # a LoRA id in the seed; only the served model (or "None") is accepted
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    ignore_eos: bool = False
-
-    def sampling(self) -> SamplingOptions:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingOptions(
-            temperature=self.temperature, top_p=self.top_p, top_k=0 if self.top_k == -1 else self.top_k,
-            seed=self.seed if self.seed is not None else secrets.randbits(63) + 1, stop=stop,
-            skip_special_tokens=self.skip_special_tokens, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-        )
 
 
 def check_lora(model: str | None, served: str) -> None:

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 
 import httpx
 
-from tests.conftest import sse_events, start_coordinator, start_worker, write_config
+from tests.conftest import BackgroundStream, sse_events, start_coordinator, start_worker, write_config
 
 
 def test_decode_worker_death_ends_the_stream_with_an_error_event(cluster, tmp_path):
@@ -18,27 +17,14 @@ def test_decode_worker_death_ends_the_stream_with_an_error_event(cluster, tmp_pa
     coordinator = start_coordinator(write_config(tmp_path / "ms_coordinator.json", [cluster.prefill.address],
                                                  [victim.address], cluster.model_dir, maxIterTimes=450))
     body = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": 450, "stream": True, "temperature": 0}
-    result = {}
-    first_chunk = threading.Event()
-
-    def stream():
-        with httpx.Client(timeout=60) as client:
-            with client.stream("POST", f"{coordinator.address}/v1/completions", json=body) as r:
-                raw = b""
-                for part in r.iter_raw():
-                    raw += part
-                    first_chunk.set()
-                result["raw"], result["ended"] = raw, time.monotonic()
-
     try:
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert first_chunk.wait(30)
+        reader = BackgroundStream(f"{coordinator.address}/v1/completions", body)
+        assert reader.first_chunk.wait(30)
         killed = time.monotonic()
         victim.proc.send_signal(signal.SIGKILL)
         reader.join(30)
-        assert result["ended"] - killed < 2.0
-        payloads = sse_events(result["raw"])
+        assert reader.ended_at - killed < 2.0
+        payloads = sse_events(reader.raw)
         assert payloads[-1] == "[DONE]"
         final = json.loads(payloads[-2])
         assert final["choices"][0]["finish_reason"] == "stop"
