@@ -93,18 +93,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids")
+    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     sampling: SamplingParams
     max_seq_len: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("accepted", "token")
@@ -149,7 +151,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("role", "model", "num_running", "num_waiting", "kv_capacity_tokens", "kv_used_tokens", "num_kv_leases", "queued_prompt_tokens")
+    __slots__ = ("role", "model", "num_running", "num_waiting", "kv_capacity_tokens", "kv_used_tokens", "num_kv_leases", "queued_prompt_tokens", "draining")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,7 @@ class HealthResponse(_message.Message):
     KV_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_LEASES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_running: int
@@ -166,7 +169,8 @@ class HealthResponse(_message.Message):
     kv_used_tokens: int
     num_kv_leases: int
     queued_prompt_tokens: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class KvHeader(_message.Message):
     __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes")
