@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the simulated worker imports this module without torch
+    import torch
 
 
 # Starts the prefill worker's error when it ran but could not hand the KV cache over, so the

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kv_transfer.base import KvTransferError, TransferredKv
-from kv_transfer.buffer_pool import KvBufferPool
-from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, kv_items_async, messages_from_items
+from kv_transfer.wire import DEFAULT_CHUNK_BYTES, KvStreamVerifier, messages_from_items
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # torch-backed; this module itself stays torch-free for the simulated worker
+    from kv_transfer.buffer_pool import KvBufferPool
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ class GrpcKvSender:
 
     async def send(self, address: str, kv: TransferredKv) -> int:
         """Stream a computed cache to `address`; return the bytes the receiver verified."""
+        from kv_transfer.codec import kv_items_async  # torch, which a caller holding tensors has loaded
+
         return await self.send_items(address, kv_items_async(kv))
 
     async def send_items(self, address: str, items) -> int:
@@ -64,7 +69,8 @@ class GrpcKvSender:
 
 
 class KvReceiverServicer(pb_grpc.KvReceiverServicer):
-    """Verifies an incoming KV stream block by block and hands the whole cache on."""
+    """Verifies an incoming KV stream block by block and hands the whole cache on (`assembler` as in
+    TcpKvReceiver)."""
 
     def __init__(
         self,
@@ -72,7 +78,11 @@ class KvReceiverServicer(pb_grpc.KvReceiverServicer):
         on_failure: Callable[[str, str], None],
         max_bytes: int | None = None,
         pool: KvBufferPool | None = None,
+        assembler: Callable[..., KvStreamVerifier] | None = None,
     ):
+        if assembler is None:
+            from kv_transfer.codec import KvAssembler as assembler  # torch, only when receiving tensors
+        self._assembler = assembler
         self._pool = pool
         self._on_kv = on_kv
         self._on_failure = on_failure
@@ -87,7 +97,7 @@ class KvReceiverServicer(pb_grpc.KvReceiverServicer):
                     assembler.add_message(message)
                 elif message.HasField("header"):
                     request_id = message.header.request_id
-                    assembler = KvAssembler(message.header, self._max_bytes, self._pool)
+                    assembler = self._assembler(message.header, self._max_bytes, self._pool)
                 else:
                     raise KvTransferError("KV stream does not start with a header")
             if assembler is None:

@@ -19,11 +19,15 @@ import queue
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 from kv_transfer.base import KvTransferError, TransferredKv
-from kv_transfer.buffer_pool import KvBufferPool
-from kv_transfer.codec import DEFAULT_CHUNK_BYTES, KvAssembler, KvItem, blocks, checksum, kv_items_async
+from kv_transfer.wire import DEFAULT_CHUNK_BYTES, KvStreamVerifier, byte_blocks, checksum
 from proto import worker_pb2 as pb
+
+if TYPE_CHECKING:  # torch-backed types; this module itself stays torch-free for the simulated worker
+    from kv_transfer.buffer_pool import KvBufferPool
+    from kv_transfer.codec import KvItem
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +98,8 @@ class TcpKvSender:
             body = item.SerializeToString()
             sock.sendall((b"H" if isinstance(item, pb.KvHeader) else b"T") + LENGTH.pack(len(body)) + body)
             return
-        for is_value, tensor in ((False, item.key), (True, item.value)):
-            for offset, data in blocks(tensor, self.chunk_bytes):
+        for is_value, raw in enumerate(item.views()):
+            for offset, data in byte_blocks(raw, self.chunk_bytes):
                 if len(data) < OVERLAP_MIN_BYTES:  # a thread hand-off costs more than hashing it here
                     frame = b"B" + BLOCK.pack(item.index, int(is_value), offset, len(data))
                     sock.sendall(frame + data + DIGEST.pack(checksum(data)))
@@ -114,6 +118,8 @@ class TcpKvSender:
 
     async def send(self, address: str, kv: TransferredKv) -> int:
         """Send a computed cache; return the bytes the receiver verified."""
+        from kv_transfer.codec import kv_items_async  # torch, which a caller holding tensors has loaded
+
         return await self.send_items(address, kv_items_async(kv))
 
 
@@ -132,10 +138,18 @@ def _recv_exactly_blocking(sock: socket.socket, n: int) -> bytes:
 
 
 class TcpKvReceiver:
-    """Accepts KV connections, verifies every block in place, hands whole caches on."""
+    """Accepts KV connections, verifies every block in place, hands whole caches on.
+
+    `assembler(header, max_bytes, pool)` makes what each stream is written into: by default a
+    KvAssembler (tensors); the simulated worker passes one that verifies and keeps nothing.
+    """
 
     def __init__(self, on_kv: Callable[[TransferredKv], None], on_failure: Callable[[str, str], None],
-                 timeout_s: float = 30.0, max_bytes: int | None = None, pool: KvBufferPool | None = None):
+                 timeout_s: float = 30.0, max_bytes: int | None = None, pool: KvBufferPool | None = None,
+                 assembler: Callable[..., KvStreamVerifier] | None = None):
+        if assembler is None:
+            from kv_transfer.codec import KvAssembler as assembler  # torch, only when receiving tensors
+        self._assembler = assembler
         self._pool = pool
         self._on_kv = on_kv
         self._on_failure = on_failure
@@ -201,7 +215,7 @@ class TcpKvReceiver:
         finally:
             conn.close()
 
-    def _receive(self, conn: socket.socket, seen: dict, deadline: float, loop) -> KvAssembler:
+    def _receive(self, conn: socket.socket, seen: dict, deadline: float, loop) -> KvStreamVerifier:
         """Read one whole stream on a worker thread, straight into the assembler's buffers."""
         if _recv_exactly_blocking(conn, len(PREAMBLE)) != PREAMBLE:
             raise KvTransferError("not a pdserve KV stream (bad preamble)")
@@ -210,7 +224,7 @@ class TcpKvReceiver:
         length = LENGTH.unpack(_recv_exactly_blocking(conn, 4))[0]
         header = pb.KvHeader.FromString(_recv_exactly_blocking(conn, length))
         seen["request_id"] = header.request_id
-        assembler = seen["assembler"] = KvAssembler(header, self._max_bytes, self._pool)
+        assembler = seen["assembler"] = self._assembler(header, self._max_bytes, self._pool)
         block_head = bytearray(BLOCK.size)
         digest = bytearray(DIGEST.size)
         pending = None  # the previous block's verification, running while this block arrives

@@ -1,0 +1,186 @@
+"""A KV stream without torch: checksums, header and trailer, byte blocks, and the receiver's checks.
+
+The real worker's tensors (codec.py) and the simulated worker's synthetic bytes go through the
+same framing and the same verification; only where the bytes come from and land differs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import xxhash
+
+from kv_transfer.base import KvTransferError
+from proto import worker_pb2 as pb
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+
+# Bytes per element of each dtype a KV stream may carry, by its wire name.
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def checksum(data) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class LayerBytes(Protocol):
+    """One layer of a KV stream: its index and its key and value as raw bytes."""
+
+    index: int
+
+    def views(self) -> tuple[memoryview, memoryview]: ...
+
+
+@dataclass(frozen=True)
+class RawKvLayer:
+    """A layer whose key and value are already bytes (the simulated worker's synthetic cache)."""
+
+    index: int
+    key: memoryview
+    value: memoryview
+
+    def views(self) -> tuple[memoryview, memoryview]:
+        return self.key, self.value
+
+
+def header(request_id: str, dtype_name: str, num_layers: int, shape: tuple[int, ...]) -> pb.KvHeader:
+    """The header of a stream of `num_layers` key/value pairs of `shape` in `dtype_name`."""
+    if dtype_name not in DTYPE_SIZES:
+        raise KvTransferError(f"unsupported KV dtype {dtype_name}")
+    nbytes = math.prod(shape) * DTYPE_SIZES[dtype_name]
+    return pb.KvHeader(request_id=request_id, dtype=dtype_name, num_layers=num_layers, shape=list(shape),
+                       tensor_bytes=nbytes)
+
+
+def make_trailer(first_token_id: int, prefill_time_ms: float, first_logprobs: tuple | None = None) -> pb.KvTrailer:
+    trailer = pb.KvTrailer(first_token_id=first_token_id, prefill_time_ms=prefill_time_ms)
+    if first_logprobs is not None:
+        trailer.first_logprob = first_logprobs[0]
+        trailer.first_top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in first_logprobs[1])
+    return trailer
+
+
+def byte_blocks(raw: memoryview, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:
+    """(offset, bytes) slices of one tensor's bytes, at most `chunk_bytes` each."""
+    for offset in range(0, len(raw), chunk_bytes):
+        yield offset, raw[offset : offset + chunk_bytes]
+
+
+def item_messages(item, chunk_bytes: int) -> Iterator[pb.KvMessage]:
+    """The protobuf messages of one item: a header, a trailer, or a layer's blocks (the gRPC path)."""
+    if isinstance(item, pb.KvHeader):
+        yield pb.KvMessage(header=item)
+    elif isinstance(item, pb.KvTrailer):
+        yield pb.KvMessage(trailer=item)
+    else:
+        for is_value, raw in enumerate(item.views()):
+            for offset, data in byte_blocks(raw, chunk_bytes):
+                yield pb.KvMessage(block=pb.KvBlock(layer=item.index, is_value=bool(is_value), offset=offset,
+                                                    data=bytes(data), checksum=checksum(data)))
+
+
+async def messages_from_items(items: AsyncIterator, chunk_bytes: int) -> AsyncIterator[pb.KvMessage]:
+    async for item in items:
+        for message in item_messages(item, chunk_bytes):
+            yield message
+
+
+class KvStreamVerifier:
+    """Checks a KV stream as it arrives: a sane header, every block in order, checksums, completeness.
+
+    Subclasses say where a block's bytes land (`_slot`) and what a finished stream becomes (`_result`).
+    """
+
+    def __init__(self, header: pb.KvHeader, max_bytes: int | None = None):
+        if header.dtype not in DTYPE_SIZES:
+            raise KvTransferError(f"KV header dtype {header.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+        if header.num_layers <= 0 or len(header.shape) != 4 or any(d <= 0 for d in header.shape):
+            raise KvTransferError(f"KV header has a bad layout: layers={header.num_layers} shape={list(header.shape)}")
+        self.header = header
+        self.shape = tuple(header.shape)
+        expected = math.prod(self.shape) * DTYPE_SIZES[header.dtype]
+        if expected != header.tensor_bytes:
+            raise KvTransferError(f"KV header tensor_bytes={header.tensor_bytes} but shape implies {expected}")
+        self.total_bytes = 2 * header.num_layers * expected
+        if max_bytes is not None and self.total_bytes > max_bytes:
+            raise KvTransferError(f"KV cache of {self.total_bytes} bytes exceeds the receive limit of {max_bytes} bytes")
+        self.tensor_bytes = expected
+        self.trailer: pb.KvTrailer | None = None
+        self._reserved = [0] * (2 * header.num_layers)
+        self._received = [0] * (2 * header.num_layers)
+        self.bytes_received = 0
+
+    def _slot(self, index: int, offset: int, length: int) -> memoryview:
+        """The writable bytes where block (`index` = 2 * layer + is_value, offset, length) goes."""
+        raise NotImplementedError
+
+    def _written(self, index: int, offset: int, length: int) -> memoryview:
+        """The bytes of a reserved block once written, for its checksum."""
+        return self._slot(index, offset, length)
+
+    def _result(self):
+        """What a complete, verified stream is handed on as."""
+        raise NotImplementedError
+
+    def discard(self) -> None:
+        """Give back whatever memory the stream holds (after a failure, or once it has been used)."""
+
+    def add_message(self, message: pb.KvMessage) -> None:
+        """Take the next protobuf message after the header."""
+        if message.HasField("block"):
+            b = message.block
+            self.reserve(b.layer, b.is_value, b.offset, len(b.data))[:] = b.data
+            self.commit(b.layer, b.is_value, b.offset, len(b.data), b.checksum)
+        elif message.HasField("trailer"):
+            self.set_trailer(message.trailer)
+        else:
+            raise KvTransferError("KV stream carries a second header")
+
+    def set_trailer(self, trailer: pb.KvTrailer) -> None:
+        if self.trailer is not None:
+            raise KvTransferError("KV stream carries a second trailer")
+        self.trailer = trailer
+
+    def reserve(self, layer: int, is_value: bool, offset: int, length: int) -> memoryview:
+        """The buffer slice a block will be written into, after checking it belongs there.
+
+        Reserving advances the expected offset, so the next block can be received while this
+        one is still being verified; `finish` only trusts bytes that `commit` verified.
+        """
+        where = f"layer {layer} {'value' if is_value else 'key'} offset {offset}"
+        if self.trailer is not None:
+            raise KvTransferError("KV stream continues after its trailer")
+        if not 0 <= layer < self.header.num_layers:
+            raise KvTransferError(f"KV block for {where}: layer out of range [0, {self.header.num_layers})")
+        if offset + length > self.tensor_bytes:
+            raise KvTransferError(f"KV block for {where}: {length} bytes overrun a {self.tensor_bytes}-byte tensor")
+        index = 2 * layer + int(is_value)
+        if offset != self._reserved[index]:
+            raise KvTransferError(f"KV block for {where}: expected offset {self._reserved[index]}")
+        self._reserved[index] = offset + length
+        return self._slot(index, offset, length)
+
+    def commit(self, layer: int, is_value: bool, offset: int, length: int, expected_checksum: int) -> None:
+        """Verify a block written into its reserved slice and count it as received."""
+        index = 2 * layer + int(is_value)
+        if checksum(self._written(index, offset, length)) != expected_checksum:
+            where = f"layer {layer} {'value' if is_value else 'key'} offset {offset}"
+            raise KvTransferError(f"KV block for {where}: checksum mismatch")
+        self._received[index] += length
+        self.bytes_received += length
+
+    def finish(self):
+        """Return the verified stream as `_result` makes it, or raise if any tensor or the trailer is missing."""
+        missing = [i for i, n in enumerate(self._received) if n != self.tensor_bytes]
+        if missing:
+            i = missing[0]
+            raise KvTransferError(
+                f"KV stream truncated: layer {i // 2} {'value' if i % 2 else 'key'} has "
+                f"{self._received[i]} of {self.tensor_bytes} bytes"
+            )
+        if self.trailer is None:
+            raise KvTransferError("KV stream truncated: it ended without its trailer")
+        return self._result()
