@@ -13,10 +13,15 @@ from coordinator.apis.openai_common import error_body
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import ApiError
 from coordinator.limits import ModelLimits
-from coordinator.metrics import CoordinatorMetrics
+from coordinator.health_monitor import HealthMonitor
+from coordinator.instances import InstanceRegistry
+from coordinator.management import add_management_routes
+from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.pipeline import RequestPipeline
+from coordinator.request_queue import RequestQueue
 from coordinator.routes import add_routes
-from coordinator.routing import RoundRobinRouter
+from coordinator.scheduling.policies import make_policy
+from coordinator.scheduling.router import Router
 from coordinator.state import STATE, CoordinatorState
 from coordinator.tokenization import PromptTokenizer
 from coordinator.worker_client import WorkerClient
@@ -94,40 +99,52 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         max_iter_times=model.maxIterTimes,
         max_position_embeddings=tokenizer.max_position_embeddings,
     )
+    health = config.health_config
     client = WorkerClient()
-    router = RoundRobinRouter([i.address for i in config.instances.prefill], [i.address for i in config.instances.decode])
+    registry = InstanceRegistry([i.address for i in config.instances.prefill],
+                                [i.address for i in config.instances.decode],
+                                failure_threshold=health.failure_threshold,
+                                heartbeat_timeout_s=health.heartbeat_timeout_s, forget_after_s=health.forget_after_s)
+    scheduling = config.digs_scheduler_config
+    router = Router(registry, make_policy(scheduling), scheduling.local_prefill_max_tokens)
     metrics = CoordinatorMetrics()
-    pipeline = RequestPipeline(client, router, limits, config.exception_config.first_token_timeout,
-                               config.exception_config.infer_timeout, metrics, config.exception_config.max_retry)
+    queue = RequestQueue(config.request_limit.max_running)
+    metrics.watch(queue, registry)
+    exceptions = config.exception_config
+    pipeline = RequestPipeline(client, router, registry, limits, queue, exceptions.first_token_timeout,
+                               exceptions.infer_timeout, metrics, exceptions.max_retry, exceptions.max_migrations)
 
+    async def forget(instance):
+        state.forget_prefix(instance.address)
+        await client.forget(instance.address)
+
+    monitor = HealthMonitor(registry, client, health.check_interval_s, health.check_timeout_s, on_forget=forget)
     limit = InFlightLimit(config.request_limit.max_requests)
     app = web.Application(middlewares=[metrics.middleware, error_middleware, limit.middleware],
                           client_max_size=config.request_limit.body_limit * 1024 * 1024)
-    app[STATE] = CoordinatorState(model.modelName, model.fullTextEnabled, tokenizer, limits, client, router, pipeline,
-                                  media_dir=Path(model.multimodalInputsDir),
-                                  body_limit_mb=config.request_limit.body_limit)
+    state = app[STATE] = CoordinatorState(
+        model.modelName, model.fullTextEnabled, tokenizer, limits, client, registry, router, monitor, pipeline,
+        heartbeat_interval_s=health.heartbeat_interval_s, media_dir=Path(model.multimodalInputsDir),
+        body_limit_mb=config.request_limit.body_limit)
 
-    async def close_channels(app: web.Application):
+    async def background(app: web.Application):
+        monitor.start()
         yield
+        await monitor.stop()
         await client.close()
 
-    app.cleanup_ctx.append(close_channels)
+    app.cleanup_ctx.append(background)
     app[METRICS] = metrics
     add_routes(app)
     app.router.add_get("/metrics", metrics.handle_metrics)
     return app
 
 
-METRICS = web.AppKey("metrics", CoordinatorMetrics)
-
-
 def create_management_app(main_app: web.Application) -> web.Application:
-    """The management port: health and Prometheus metrics, apart from client traffic."""
-    from coordinator.routes import health
-
+    """The management port: registration, instances, health and metrics, apart from client traffic."""
     app = web.Application(middlewares=[error_middleware])
     app[STATE] = main_app[STATE]
-    app.router.add_get("/health", health)
+    add_management_routes(app)
     app.router.add_get("/metrics", main_app[METRICS].handle_metrics)
     return app
 

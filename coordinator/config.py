@@ -36,6 +36,14 @@ class ModelConfig(_Section):
     multimodalInputsDir: str = Field("/data/multimodal_inputs", description="Only local media files under this folder are accepted.")
 
 
+def check_host_port(value: str) -> str:
+    """`value` if it is host:port with a port in [1, 65535], else a ValueError saying so."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"must be host:port with a port in [1, 65535], got {value!r}")
+    return value
+
+
 class InstanceConfig(_Section):
     """One worker the coordinator may route to."""
 
@@ -44,29 +52,51 @@ class InstanceConfig(_Section):
     @field_validator("address")
     @classmethod
     def _host_port(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"must be host:port with a port in [1, 65535], got {value!r}")
-        return value
+        return check_host_port(value)
 
 
 class InstancesConfig(_Section):
-    """The static instance lists."""
+    """The static instance lists; workers started with `--coordinator` register on top of them."""
 
-    prefill: list[InstanceConfig] = Field(min_length=1, description="Prefill workers.")
-    decode: list[InstanceConfig] = Field(min_length=1, description="Decode workers.")
+    prefill: list[InstanceConfig] = Field([], description="Prefill workers.")
+    decode: list[InstanceConfig] = Field([], description="Decode workers.")
+
+
+class HealthConfig(_Section):
+    """How instances are watched and taken out of rotation (circuit breaker)."""
+
+    check_interval_s: float = Field(2.0, gt=0, le=600, description="Seconds between health checks of each instance.")
+    check_timeout_s: float = Field(2.0, gt=0, le=600, description="Seconds a health check may take.")
+    failure_threshold: int = Field(3, ge=1, le=100,
+                                   description="Consecutive failed requests or checks that take an instance out.")
+    heartbeat_interval_s: float = Field(2.0, gt=0, le=600, description="Heartbeat period told to registering workers.")
+    heartbeat_timeout_s: float = Field(10.0, gt=0, le=3600,
+                                       description="A registered worker silent this long is taken out.")
+    forget_after_s: float = Field(300.0, gt=0, description="A registered worker silent this long is forgotten.")
 
 
 class SchedulerConfig(_Section):
     """How a prefill and a decode instance are picked for each request."""
 
-    algorithm_type: Literal["round_robin"] = Field("round_robin", description="Instance selection policy.")
+    algorithm_type: Literal["round_robin", "load_balance", "cache_affinity"] = Field(
+        "round_robin", description="Instance selection policy.")
+    cache_affinity_max_load_ratio: float = Field(
+        2.0, ge=1, description="cache_affinity: the affine prefill instance is used while its load is at most "
+        "this times the least loaded one's (plus the slack).")
+    cache_affinity_load_slack_tokens: int = Field(
+        4096, ge=0, description="cache_affinity: queued prompt tokens always tolerated on the affine instance.")
+    cache_affinity_block_tokens: int = Field(16, ge=1, le=4096, description="Prompt prefix granularity, in tokens.")
+    local_prefill_max_tokens: int = Field(
+        0, ge=0, description="Conditional disaggregation: prompts shorter than this are prefilled on the decode "
+        "worker itself; 0 = always disaggregate.")
 
 
 class RequestLimitConfig(_Section):
     """How much the coordinator takes on at once."""
 
     max_requests: int = Field(10000, ge=1, description="Generation requests in flight; past it, 429 at once.")
+    max_running: int = Field(1000, ge=1, description="Generations on the workers at once; the rest wait in a "
+                             "queue ordered by priority, then arrival.")
     body_limit: int = Field(8, ge=1, le=1024, description="Largest request body, in MB; past it, 413.")
 
 
@@ -74,6 +104,8 @@ class ExceptionConfig(_Section):
     """Deadlines that keep any request from hanging."""
 
     max_retry: int = Field(5, ge=0, le=100, description="Other prefill instances tried when one is unreachable.")
+    max_migrations: int = Field(3, ge=0, le=100, description="Times a request moves to another decode instance "
+                                "when its decode worker is lost; 0 = fail the request instead.")
     first_token_timeout: float = Field(600, gt=0, le=3600, description="Seconds until the first token.")
     infer_timeout: float = Field(600, gt=0, le=3600, description="Seconds for the whole request.")
 
@@ -83,7 +115,8 @@ class CoordinatorConfig(_Section):
 
     http_config: HttpConfig = HttpConfig()
     model_settings: ModelConfig = Field(ModelConfig(), alias="model_config")
-    instances: InstancesConfig
+    instances: InstancesConfig = InstancesConfig()
+    health_config: HealthConfig = HealthConfig()
     digs_scheduler_config: SchedulerConfig = SchedulerConfig()
     request_limit: RequestLimitConfig = RequestLimitConfig()
     exception_config: ExceptionConfig = ExceptionConfig()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -15,6 +17,32 @@ API_BY_PREFIX = (
     ("/generate_stream", "tgi"), ("/generate", "generate"), ("/infer", "mindie"), ("/v2/", "triton"),
     ("/v1/tokenizer", "tokenizer"),
 )
+
+
+FAILURE_REASONS = {400: "bad_request", 404: "not_found", 408: "timeout", 413: "too_large", 429: "rate_limited",
+                   499: "client_disconnected", 500: "internal", 503: "worker_unavailable", 504: "timeout"}
+
+
+class InstanceCollector:
+    """Per-instance health and outstanding work, read from the registry when scraped."""
+
+    def __init__(self, registry):
+        self.instances = registry
+
+    def collect(self):
+        healthy = GaugeMetricFamily("pdserve_instance_healthy", "1 if the instance is routable, else 0.",
+                                    labels=["role", "address", "state"])
+        requests = GaugeMetricFamily("pdserve_instance_outstanding_requests",
+                                     "Requests this coordinator has on the instance.", labels=["role", "address"])
+        tokens = GaugeMetricFamily("pdserve_instance_outstanding_prompt_tokens",
+                                   "Prompt tokens sent to the prefill instance and not yet prefilled.",
+                                   labels=["role", "address"])
+        for role in ("prefill", "decode"):
+            for i in self.instances.instances(role):
+                healthy.add_metric([role, i.address, i.state.value], 1.0 if i.available else 0.0)
+                requests.add_metric([role, i.address], i.outstanding_requests)
+                tokens.add_metric([role, i.address], i.outstanding_prompt_tokens)
+        return [healthy, requests, tokens]
 
 
 def api_of(path: str) -> str:
@@ -47,7 +75,25 @@ class CoordinatorMetrics:
         self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens of finished requests.",
                                      registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens_total", "Tokens generated.", registry=r)
-        self.retries = Counter("pdserve_prefill_retries_total", "Prefills retried on another instance.", registry=r)
+        self.retries = Counter("pdserve_prefill_retries_total",
+                               "Requests restarted on other instances before their first token.", registry=r)
+        self.migrations = Counter("pdserve_request_migrations_total",
+                                  "Streams moved to another decode instance after theirs was lost.", registry=r)
+        self.failed = Counter("pdserve_requests_failed_total", "Generation requests that failed, by reason.",
+                              ["api", "reason"], registry=r)
+        self.waiting = Gauge("pdserve_requests_waiting", "Generation requests waiting in the coordinator's queue.",
+                             registry=r)
+        self.queue_time = Histogram("pdserve_request_queue_time_seconds",
+                                    "Time from arrival to leaving the coordinator's queue.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+
+    def watch(self, queue, registry) -> None:
+        """Read the queue length and every instance's health and load at scrape time."""
+        self.waiting.set_function(lambda: queue.num_waiting)
+        self.registry.register(InstanceCollector(registry))
+
+    def fail(self, api: str, status: int) -> None:
+        self.failed.labels(api, FAILURE_REASONS.get(status, "client_error" if status < 500 else "server_error")).inc()
 
     def token(self, index: int, since_start_s: float, since_last_s: float) -> None:
         if index == 0:
@@ -72,10 +118,18 @@ class CoordinatorMetrics:
         except web.HTTPException as exc:
             status = str(exc.status)
             raise
+        except asyncio.CancelledError:
+            status = "499"  # the client went away
+            raise
         finally:
+            if status != "200":
+                self.fail(api, int(status))
             self.running.dec()
             self.finished.labels(api, status).inc()
             self.e2e.labels(api).observe(time.perf_counter() - started)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+METRICS = web.AppKey("metrics", CoordinatorMetrics)

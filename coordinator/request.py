@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,18 @@ class GenerationRequest:
     sampling: SamplingOptions
     max_tokens: int | None = None
     timeout_s: float | None = None  # the client's own deadline, on top of the configured ones
+    priority: int = 5  # 1 highest ... 5 lowest: the order in the coordinator's waiting line
     created: int = field(default_factory=lambda: int(time.time()))
+    arrived_at: float = field(default_factory=time.monotonic)
+
+    def continued(self, token_ids: list[int], attempt: int) -> GenerationRequest:
+        """The same request resumed on other workers after `token_ids` were already generated:
+        those tokens join the prompt, and the rules that count generated tokens count them."""
+        if not token_ids and attempt == 0:
+            return self
+        sampling = dataclasses.replace(self.sampling, min_tokens=max(0, self.sampling.min_tokens - len(token_ids)))
+        return dataclasses.replace(self, request_id=f"{self.request_id}.{attempt}",
+                                   prompt_token_ids=self.prompt_token_ids + list(token_ids), sampling=sampling)
 
 
 class FinishReason(enum.Enum):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 from aiohttp import web
@@ -144,7 +143,8 @@ async def infer(request: web.Request) -> web.StreamResponse:
     _, prompt_ids = await tokenize_input(state, req.inputs, "inputs")
     params = req.parameters
     sampling = params.sampling()
-    gen = GenerationRequest(new_id("infer"), prompt_ids, sampling, params.max_new_tokens, timeout_s=params.timeout)
+    gen = GenerationRequest(new_id("infer"), prompt_ids, sampling, params.max_new_tokens, timeout_s=params.timeout,
+                            priority=params.priority)
     formatter = mindie.MindieFormatter(params, sampling.seed, state.full_text)
     return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
 
@@ -157,7 +157,8 @@ async def triton_generate(request: web.Request) -> web.StreamResponse:
     _, prompt_ids = await tokenize_input(state, req.text_input, "text_input")
     params = req.parameters
     request_id = req.id or new_id("triton")
-    gen = GenerationRequest(request_id, prompt_ids, params.sampling(), params.max_new_tokens, timeout_s=params.timeout)
+    gen = GenerationRequest(request_id, prompt_ids, params.sampling(), params.max_new_tokens, timeout_s=params.timeout,
+                            priority=params.priority)
     formatter = triton.TritonFormatter(request_id, state.model_name, params, state.full_text)
     stream = request.path.endswith("/generate_stream")
     return await serve_generation(request, state.pipeline, gen, formatter, stream)
@@ -177,7 +178,7 @@ async def triton_infer(request: web.Request) -> web.Response:
     params = req.parameters
     request_id = req.id or new_id("triton")
     gen = GenerationRequest(request_id, list(prompt_ids), params.sampling(), params.max_new_tokens,
-                            timeout_s=params.timeout)
+                            timeout_s=params.timeout, priority=params.priority)
     return await serve_generation(request, state.pipeline, gen, triton.TritonTokenFormatter(request_id, req), False)
 
 
@@ -195,21 +196,10 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Every known instance probed now; 200 while at least one prefill and one decode can serve."""
     state = request.app[STATE]
-
-    async def probe(address: str, role: str) -> str:
-        try:
-            await state.client.health(address, role, timeout=2.0)
-            return "healthy"
-        except Exception:  # any failure to answer means not ready to serve
-            return "unreachable"
-
-    groups = {"prefill": state.router.prefill, "decode": state.router.decode}
-    results = {
-        role: dict(zip(addrs, await asyncio.gather(*(probe(a, role) for a in addrs))))
-        for role, addrs in groups.items()
-    }
-    status, body = health_body(results)
+    await state.health_monitor.check_all()
+    status, body = health_body(state.registry.snapshot())
     return web.json_response(body, status=status)
 
 

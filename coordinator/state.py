@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
 
+from coordinator.health_monitor import HealthMonitor
+from coordinator.instances import InstanceRegistry
 from coordinator.limits import ModelLimits
 from coordinator.pipeline import RequestPipeline
-from coordinator.routing import RoundRobinRouter
+from coordinator.scheduling.router import Router
 from coordinator.tokenization import PromptTokenizer
 from coordinator.worker_client import WorkerClient
 
@@ -24,11 +26,20 @@ class CoordinatorState:
     tokenizer: PromptTokenizer
     limits: ModelLimits
     client: WorkerClient
-    router: RoundRobinRouter
+    registry: InstanceRegistry
+    router: Router
+    health_monitor: HealthMonitor
     pipeline: RequestPipeline
+    heartbeat_interval_s: float = 2.0
     media_dir: Path = Path("/data/multimodal_inputs")
     body_limit_mb: int = 8
     started_at: int = field(default_factory=lambda: int(time.time()))
+
+    def forget_prefix(self, address: str) -> None:
+        """An instance left: cache affinity must stop sending prompts to its (lost) cache."""
+        index = getattr(self.router.policy, "index", None)
+        if index is not None:
+            index.forget(address)
 
 
 STATE = web.AppKey("state", CoordinatorState)

@@ -53,16 +53,20 @@ class WorkerClient:
             self._channels[address] = channel
         return channel
 
-    def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float):
-        """Start a Decode stream; the caller reads events from the returned call."""
+    def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float,
+                    local_prefill: bool = False):
+        """Start a Decode stream (with `local_prefill`, the decode worker prefills the prompt itself);
+        the caller reads events from the returned call."""
         stub = pb_grpc.DecodeServiceStub(self._channel(address))
+        send_prompt = local_prefill or request.sampling.repetition_penalty != 1.0
         return stub.Decode(
             pb.DecodeRequest(
                 request_id=request.request_id,
                 prompt_len=len(request.prompt_token_ids),
                 sampling=sampling_to_pb(request, max_tokens),
                 max_seq_len=max_seq_len,
-                prompt_token_ids=request.prompt_token_ids if request.sampling.repetition_penalty != 1.0 else [],
+                prompt_token_ids=request.prompt_token_ids if send_prompt else [],
+                local_prefill=local_prefill,
             ),
             timeout=timeout,
         )
@@ -87,6 +91,12 @@ class WorkerClient:
         channel = self._channel(address)
         stub = pb_grpc.PrefillServiceStub(channel) if role == "prefill" else pb_grpc.DecodeServiceStub(channel)
         return await stub.Health(pb.HealthRequest(), timeout=timeout)
+
+    async def forget(self, address: str) -> None:
+        """Close the channel of an instance that left."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
 
     async def close(self) -> None:
         for channel in self._channels.values():

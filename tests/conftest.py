@@ -90,6 +90,18 @@ def start_coordinator(config_path: Path) -> ServerProcess:
     return ServerProcess(pdserve_argv("coordinator", "--config", str(config_path)), "pdserve coordinator ready:")
 
 
+def management_url(coordinator: ServerProcess) -> str:
+    """The management URL a coordinator printed before its ready line."""
+    line = next(l for l in coordinator.output if l.startswith("pdserve coordinator management:"))
+    return line.strip().rsplit(" ", 1)[-1]
+
+
+def instance_states(coordinator: ServerProcess) -> dict[str, dict[str, str]]:
+    """role -> address -> state, from the coordinator's management API."""
+    body = httpx.get(f"{management_url(coordinator)}/v1/instances", timeout=10).json()
+    return {role: {i["address"]: i["state"] for i in group} for role, group in body.items()}
+
+
 @dataclass
 class Cluster:
     """A running coordinator with one prefill and one decode worker."""

@@ -11,7 +11,11 @@ def models_body(model_name: str, created: int, max_model_len: int) -> dict:
     }
 
 
-def health_body(statuses: dict[str, dict[str, str]]) -> tuple[int, dict]:
-    """200 when every configured instance answers its health check, else 503 with the culprits."""
-    healthy = all(state == "healthy" for group in statuses.values() for state in group.values())
-    return (200 if healthy else 503), {"status": "healthy" if healthy else "unhealthy", "instances": statuses}
+def health_body(instances: dict[str, list[dict]]) -> tuple[int, dict]:
+    """200 when a prefill and a decode instance are routable ("degraded" if some others are not),
+    else 503; every instance is listed with its state."""
+    states = {role: {i["address"]: i["state"] for i in group} for role, group in instances.items()}
+    serving = all("healthy" in group.values() for group in states.values())
+    everyone = all(state == "healthy" for group in states.values() for state in group.values())
+    status = "healthy" if serving and everyone else "degraded" if serving else "unhealthy"
+    return (200 if serving else 503), {"status": status, "instances": states}

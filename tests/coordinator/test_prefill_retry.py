@@ -1,4 +1,5 @@
-"""A prefill worker that died is skipped: requests are retried on another instance, invisibly."""
+"""A prefill worker that died is skipped: requests are retried on another instance, invisibly,
+and the dead one is taken out of rotation at once."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import signal
 
 import httpx
 
-from tests.conftest import start_coordinator, start_worker, write_config
+from tests.conftest import instance_states, start_coordinator, start_worker, write_config
 from tests.coordinator.test_metrics import scrape
 
 
@@ -23,7 +24,10 @@ def test_requests_routed_to_a_dead_prefill_worker_are_retried_on_a_live_one(clus
                 "model": "pdserve-tiny", "prompt": "Hello", "max_tokens": 3, "stream": stream})
             assert resp.status_code == 200, resp.text
             assert "error" not in resp.text
-        assert scrape(coordinator.address)[("pdserve_prefill_retries_total", ())] >= 2
+        # The first request found it dead and retried; its circuit opened, so no later request went there.
+        assert scrape(coordinator.address)[("pdserve_prefill_retries_total", ())] == 1
+        assert instance_states(coordinator)["prefill"] == {doomed.address: "unhealthy",
+                                                           cluster.prefill.address: "healthy"}
     finally:
         coordinator.stop()
 
