@@ -12,8 +12,11 @@ Prefill worker, one request's life:
 Decode worker, one request's life:
   1. `DecodeEngine.register` + `admit`: the coordinator's Decode stream waits in line until the
      KV budget can hold prompt + max tokens, then is told `accepted`.
-  2. `DecodeEngine.on_kv` receives the verified cache; the engine thread emits the prefill
-     worker's first token at once and queues the sequence for the batch.
+  2. Either `DecodeEngine.on_kv` receives the verified cache from a prefill worker, and the
+     engine thread emits that worker's first token at once; or (local prefill, no prefill worker)
+     `DecodeEngine.prefill_locally` queues the prompt, and the engine thread prefills queued
+     prompts together between decode steps and samples and emits the first token itself, exactly
+     as a prefill worker would. Either way the sequence is then queued for the batch.
   3. Every step runs one batched forward over all running sequences; a sequence joins at the
      next step and a finished or cancelled one leaves at once, freeing its rows.
   4. `DecodeEngine.release` (end of the stream, for any reason) frees the budget.
@@ -161,6 +164,8 @@ class DecodeHandle:
     prompt_token_ids: list[int] = field(default_factory=list)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     kv_arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    # A local prefill's first-token time counts from here, admission wait included, as on a prefill worker.
+    registered_at: float = field(default_factory=time.perf_counter)
 
     @property
     def kv_reservation(self) -> int:
@@ -168,13 +173,28 @@ class DecodeHandle:
         return min(self.prompt_len + self.sampling.max_tokens, self.max_seq_len)
 
 
-class DecodeEngine:
-    """Continuous batching on its own thread, fed by KV arrivals, read by gRPC streams."""
+@dataclass(eq=False)
+class LocalPrefill:
+    """A prompt the decode worker prefills itself (conditional disaggregation)."""
 
-    def __init__(self, runner: ModelRunner, budget_tokens: int, max_running: int = 64):
+    seq: Sequence
+    submitted_at: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.prompt_len
+
+
+class DecodeEngine:
+    """Continuous batching on its own thread, fed by KV arrivals or local prefills, read by gRPC streams."""
+
+    def __init__(self, runner: ModelRunner, budget_tokens: int, max_running: int = 64,
+                 max_prefill_tokens: int = 8192, max_prefill_batch_size: int = 16):
         self.runner = runner
         self.admission = KvAdmission(KvBudget(budget_tokens))
         self.scheduler = DecodeScheduler(max_running=max_running)
+        # Touched only by the engine thread: local prefills wait here between decode steps.
+        self.local_prefills = PrefillScheduler(max_prefill_tokens, max_prefill_batch_size)
         self.metrics = None  # a WorkerMetrics, when the process serves them
         self._handles: dict[str, DecodeHandle] = {}
         self._processors: dict[str, OutputProcessor] = {}
@@ -217,11 +237,21 @@ class DecodeEngine:
         handle.kv_arrived.set()
         self._inbox.put(("add", seq, kv))
 
-    def fail(self, request_id: str, message: str) -> None:
+    def prefill_locally(self, handle: DecodeHandle) -> None:
+        """Queue an admitted request's prompt for prefill on the engine thread (no prefill worker)."""
+        if len(handle.prompt_token_ids) != handle.prompt_len:
+            raise ValueError(f"local prefill needs the whole prompt: {len(handle.prompt_token_ids)} "
+                             f"prompt_token_ids for prompt_len={handle.prompt_len}")
+        seq = Sequence(handle.request_id, handle.prompt_len, handle.sampling, handle.max_seq_len,
+                       prompt_token_ids=handle.prompt_token_ids)
+        handle.kv_arrived.set()  # its cache is made here, so nothing is awaited from a transfer
+        self._inbox.put(("prefill", LocalPrefill(seq, handle.registered_at), None))
+
+    def fail(self, request_id: str, message: str, error: type[Exception] = KvTransferError) -> None:
         """End a registered request with an error (e.g. its KV stream was corrupt)."""
         handle = self._handles.get(request_id)
         if handle is not None:
-            handle.events.put_nowait(KvTransferError(message))
+            handle.events.put_nowait(error(message))
 
     def release(self, request_id: str) -> None:
         """Forget a request: cancel it if it still decodes, and free its KV budget."""
@@ -253,6 +283,8 @@ class DecodeEngine:
             block = False
             if kind == "add":
                 self._admit(item, extra)
+            elif kind == "prefill":
+                self.local_prefills.add(item)
             elif kind == "cancel":
                 seq = self.scheduler.find(item)
                 if seq is not None:
@@ -287,7 +319,10 @@ class DecodeEngine:
         while not self._stopped.is_set():
             batch: list[Sequence] = []
             try:
-                self._drain_inbox(block=not self.scheduler.running and not self.scheduler.waiting)
+                idle = not self.scheduler.running and not self.scheduler.waiting and not self.local_prefills.queue
+                self._drain_inbox(block=idle)
+                # One prefill forward per turn, between decode steps, so running sequences keep moving.
+                self._prefill_locally(self.local_prefills.next_batch())
                 joined, batch = self.scheduler.schedule()
                 if not batch:
                     continue
@@ -300,6 +335,35 @@ class DecodeEngine:
             except Exception:  # a failure must end the affected streams, never the engine thread
                 logger.exception("decode step failed; failing its %d sequences", len(batch))
                 self._fail_all(batch)
+
+    def _prefill_locally(self, jobs: list[LocalPrefill]) -> None:
+        # A request released while queued is not worth a forward; `_handles` only shrinks under us.
+        jobs = [job for job in jobs if job.seq.request_id in self._handles]
+        if not jobs:
+            return
+        try:
+            started = time.perf_counter()
+            logits, rows = self.runner.prefill([job.seq.prompt_token_ids for job in jobs])
+            if self.metrics is not None:
+                self.metrics.observe_step("prefill", time.perf_counter() - started, len(jobs))
+            arrived = []
+            for row, job in enumerate(jobs):
+                seq = job.seq
+                first, logprobs = choose(logits[row], seq.sampling, seq.prompt_token_ids, [],
+                                         self.runner.eos_token_ids)
+                prefill_ms = (time.perf_counter() - job.submitted_at) * 1000
+                arrived.append(TransferredKv(seq.request_id, rows[row], first, prefill_ms,
+                                             (logprobs.logprob, logprobs.top) if logprobs else None))
+        except Exception as exc:  # a failed prefill fails its requests, never the engine thread
+            logger.exception("local prefill of %d prompts failed", len(jobs))
+            for job in jobs:
+                self._loop.call_soon_threadsafe(self.fail, job.seq.request_id,
+                                                f"local prefill failed on the worker: {exc}", RuntimeError)
+            return
+        # From here on a local prefill is a sequence whose KV has just arrived.
+        for job, kv in zip(jobs, arrived):
+            job.seq.pending_kv = kv
+            self._admit(job.seq, kv)
 
     def _fail_all(self, batch: list[Sequence]) -> None:
         # The batch may be inconsistent after a failed step: drop it whole instead of row by row.

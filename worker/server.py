@@ -180,7 +180,7 @@ class PrefillKvStream:
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
-    """Register a request, wait for its KV cache, stream its tokens."""
+    """Register a request, wait for its KV cache (or prefill it here), stream its tokens."""
 
     def __init__(self, engine: DecodeEngine, kv_trans_timeout_s: float, kv_data_address: str):
         self.engine = engine
@@ -194,6 +194,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt_len={request.prompt_len} must be in [1, max_seq_len={request.max_seq_len})",
             )
+        if request.local_prefill and len(request.prompt_token_ids) != request.prompt_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"local_prefill needs the whole prompt: got {len(request.prompt_token_ids)} prompt_token_ids "
+                f"for prompt_len={request.prompt_len}",
+            )
         try:
             handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
                                           list(request.prompt_token_ids))
@@ -205,6 +211,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             except KvCapacityError as exc:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address))
+            if request.local_prefill:
+                self.engine.prefill_locally(handle)
             try:
                 await asyncio.wait_for(handle.kv_arrived.wait(), self.kv_trans_timeout_s)
             except asyncio.TimeoutError:
@@ -216,8 +224,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     )
             while True:
                 item = await handle.events.get()
-                if isinstance(item, Exception):
+                if isinstance(item, KvTransferError):
                     await context.abort(grpc.StatusCode.DATA_LOSS, str(item))
+                if isinstance(item, Exception):
+                    await context.abort(grpc.StatusCode.INTERNAL, str(item))
                 yield token_to_pb(item)
                 if item.finish_reason is not None:
                     return
@@ -249,7 +259,8 @@ async def serve(options: WorkerOptions) -> None:
         pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
         closers.append(grpc_sender.close)
     elif options.role == "decode":
-        engine = DecodeEngine(runner, budget, options.max_running)
+        engine = DecodeEngine(runner, budget, options.max_running, options.max_prefill_tokens,
+                              options.max_prefill_batch_size)
         metrics = engine.metrics = WorkerMetrics("decode", engine)
         engine.start()
         kv_data_address = ""
