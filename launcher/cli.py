@@ -38,7 +38,9 @@ def _worker(args: argparse.Namespace) -> int:
                             kv_trans_timeout_s=args.kv_trans_timeout, kv_lease_timeout_s=args.kv_lease_timeout,
                             kv_budget_tokens=args.kv_budget_tokens, max_prefill_tokens=args.max_prefill_tokens,
                             max_prefill_batch_size=args.max_prefill_batch_size, max_running=args.max_running,
-                            kv_data_port=args.kv_data_port, metrics_port=args.metrics_port)
+                            kv_data_port=args.kv_data_port, metrics_port=args.metrics_port,
+                            coordinator_url=args.coordinator, heartbeat_interval_s=args.heartbeat_interval,
+                            drain_seconds=args.drain_seconds)
     asyncio.run(serve(options))
     return 0
 
@@ -91,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prometheus /metrics port (0 picks one, -1 disables it)")
     p.add_argument("--kv-data-port", type=int, default=0,
                    help="decode: raw-TCP KV receiver port (0 picks one, -1 disables it: KV over gRPC only)")
+    p.add_argument("--coordinator", default=None,
+                   help="coordinator management URL to register with, e.g. http://127.0.0.1:1026 (default: none)")
+    p.add_argument("--heartbeat-interval", type=float, default=2.0,
+                   help="seconds between heartbeats to --coordinator (its register answer may override it)")
+    p.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM: seconds to let requests in flight finish before stopping anyway")
     p.set_defaults(func=_worker)
 
     p = sub.add_parser("up", help="start a local cluster: coordinator + prefill + decode workers")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -17,10 +18,12 @@ from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverSer
 from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from worker.drain import DRAINING_MESSAGE, DrainGate
 from worker.engine import DecodeEngine, PrefillEngine, PrefillJob
 from worker.kv_budget import KvCapacityError, default_capacity_tokens
 from worker.metrics import WorkerMetrics
 from worker.model_runner import ModelRunner
+from worker.registration import CoordinatorRegistration
 from worker.sequence import FinishReason, SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,9 @@ class WorkerOptions:
     max_running: int = 64
     kv_data_port: int = 0  # decode: raw-TCP KV receiver port; 0 picks one, -1 disables (gRPC PushKv only)
     metrics_port: int = 0  # Prometheus /metrics; 0 picks one, -1 disables
+    coordinator_url: str | None = None  # the coordinator's management URL to register with; None: no registration
+    heartbeat_interval_s: float = 2.0  # until the coordinator's register answer names its own interval
+    drain_seconds: float = 30.0  # on SIGTERM: longest wait for requests in flight before stopping anyway
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -92,18 +98,30 @@ def token_to_pb(output: TokenOutput) -> pb.DecodeEvent:
     return pb.DecodeEvent(token=event)
 
 
+async def refuse_if_draining(gate: DrainGate, context: grpc.aio.ServicerContext) -> None:
+    """Refuse a new request at once while draining; UNAVAILABLE tells a client to go elsewhere."""
+    if gate.draining:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+
+
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     """Prefill, then push the KV cache to the decode worker the coordinator chose."""
 
     def __init__(self, engine: PrefillEngine, grpc_sender: GrpcKvSender, tcp_sender: TcpKvSender,
-                 lease_timeout_s: float, metrics: WorkerMetrics):
+                 lease_timeout_s: float, metrics: WorkerMetrics, gate: DrainGate):
         self.metrics = metrics
         self.engine = engine
         self.grpc_sender = grpc_sender
         self.tcp_sender = tcp_sender
         self.lease_timeout_s = lease_timeout_s
+        self.gate = gate
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        await refuse_if_draining(self.gate, context)
+        with self.gate.request():
+            return await self._prefill(request, context)
+
+    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
         try:
@@ -146,7 +164,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             role="prefill", model=str(self.engine.runner.model_dir), num_running=self.engine.num_running,
             num_waiting=self.engine.admission.num_waiting + len(self.engine.scheduler.queue),
             kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used, num_kv_leases=len(self.engine.leases),
-            queued_prompt_tokens=self.engine.num_queued_tokens,
+            queued_prompt_tokens=self.engine.num_queued_tokens, draining=self.gate.draining,
         )
 
 
@@ -182,12 +200,21 @@ class PrefillKvStream:
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
     """Register a request, wait for its KV cache (or prefill it here), stream its tokens."""
 
-    def __init__(self, engine: DecodeEngine, kv_trans_timeout_s: float, kv_data_address: str):
+    def __init__(self, engine: DecodeEngine, kv_trans_timeout_s: float, kv_data_address: str, gate: DrainGate):
         self.engine = engine
         self.kv_trans_timeout_s = kv_trans_timeout_s
         self.kv_data_address = kv_data_address
+        self.gate = gate
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        await refuse_if_draining(self.gate, context)
+        with self.gate.request():
+            # aclosing: a stream ended early still runs _decode's cleanup now, not at garbage collection.
+            async with contextlib.aclosing(self._decode(request, context)) as events:
+                async for event in events:
+                    yield event
+
+    async def _decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         sampling = sampling_from_pb(request.sampling)
         if request.prompt_len <= 0 or request.prompt_len >= request.max_seq_len:
             await context.abort(
@@ -239,15 +266,17 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return pb.HealthResponse(
             role="decode", model=str(self.engine.runner.model_dir), num_running=self.engine.scheduler.num_running,
             num_waiting=self.engine.admission.num_waiting + self.engine.num_pending_kv + self.engine.scheduler.num_waiting,
-            kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used,
+            kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used, draining=self.gate.draining,
         )
 
 
 async def serve(options: WorkerOptions) -> None:
-    """Load the model, serve until SIGTERM/SIGINT, then stop gracefully."""
+    """Load the model, serve (registered with the coordinator if one is named) until SIGTERM/SIGINT,
+    then deregister, drain the requests in flight for up to `drain_seconds`, and stop."""
     runner = ModelRunner(options.model_dir, options.dtype)
     budget = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token())
     server = grpc.aio.server(options=GRPC_OPTIONS)
+    gate = DrainGate()
     closers = []
     if options.role == "prefill":
         engine = PrefillEngine(runner, budget, options.max_prefill_tokens, options.max_prefill_batch_size)
@@ -255,7 +284,7 @@ async def serve(options: WorkerOptions) -> None:
         engine.start()
         grpc_sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s)
         servicer = PrefillServicer(engine, grpc_sender, TcpKvSender(options.kv_chunk_bytes), options.kv_lease_timeout_s,
-                                   metrics)
+                                   metrics, gate)
         pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
         closers.append(grpc_sender.close)
     elif options.role == "decode":
@@ -278,7 +307,7 @@ async def serve(options: WorkerOptions) -> None:
             receiver = TcpKvReceiver(on_kv, on_failure, timeout_s=options.kv_trans_timeout_s, pool=pool)
             kv_data_address = f"{options.host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
-        servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address)
+        servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, gate)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(on_kv, on_failure, pool=pool), server)
     else:
@@ -288,19 +317,38 @@ async def serve(options: WorkerOptions) -> None:
     if port == 0:
         raise OSError(f"cannot listen on {options.host}:{options.port}")
     await server.start()
+    metrics_url = ""
     if options.metrics_port >= 0:
-        metrics_port = metrics.serve(options.host, options.metrics_port)
-        print(f"pdserve worker metrics: http://{options.host}:{metrics_port}", flush=True)
-    # One parseable line on stdout: launchers and tests read the bound port from it.
-    print(f"pdserve worker ready: role={options.role} address={options.host}:{port}", flush=True)
+        metrics_url = f"http://{options.host}:{metrics.serve(options.host, options.metrics_port)}"
+        print(f"pdserve worker metrics: {metrics_url}", flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        # The first signal drains; a second one (an impatient operator) stops waiting for requests.
+        if stop.is_set():
+            gate.abandon()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
+    # One parseable line on stdout: launchers and tests read the bound port from it.
+    print(f"pdserve worker ready: role={options.role} address={options.host}:{port}", flush=True)
+    registration = None
+    if options.coordinator_url:
+        registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{options.host}:{port}",
+                                               metrics_url, options.heartbeat_interval_s)
+        await registration.start()
+
     await stop.wait()
-    logger.info("stopping %s worker on port %d", options.role, port)
-    await server.stop(grace=5)
+    logger.info("draining %s worker on port %d: %d requests in flight", options.role, port, gate.in_flight)
+    if registration is not None:
+        await registration.stop()  # deregisters, so the coordinator routes nothing more here
+    gate.start_draining()
+    if not await gate.wait_idle(options.drain_seconds):
+        logger.warning("%d requests still in flight after draining; stopping anyway", gate.in_flight)
+    await server.stop(grace=1)
     for close in closers:
         await close()
     engine.shutdown()

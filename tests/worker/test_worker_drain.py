@@ -1,0 +1,87 @@
+"""SIGTERM to a worker: it refuses new requests, lets running ones finish, then exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import grpc
+import pytest
+
+from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
+from tests.conftest import BackgroundStream, sse_events, start_coordinator, start_worker, write_config
+from tests.worker.test_kv_budget_faults import health
+
+LONG_TOKENS = 500  # seconds of decoding here: still streaming when the signal lands
+
+
+def long_stream_cluster(cluster, decode, tmp_path):
+    config = write_config(tmp_path / "ms_coordinator.json", [cluster.prefill.address], [decode.address],
+                          cluster.model_dir, maxIterTimes=2000, maxSeqLen=2048, maxInputTokenLen=2048)
+    coordinator = start_coordinator(config)
+    body = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": LONG_TOKENS, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    reader = BackgroundStream(f"{coordinator.address}/v1/completions", body)
+    assert reader.first_chunk.wait(30)
+    return coordinator, reader
+
+
+def wait_until_draining(address: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not health(address, "decode").draining:
+        assert time.monotonic() < deadline, "the worker never reported draining"
+        time.sleep(0.02)
+
+
+def test_sigterm_mid_stream_finishes_the_stream_refuses_new_requests_and_exits_zero(cluster, tmp_path):
+    decode = start_worker("decode", cluster.model_dir, "--drain-seconds", "60")
+    coordinator, reader = long_stream_cluster(cluster, decode, tmp_path)
+    try:
+        decode.proc.send_signal(signal.SIGTERM)
+        wait_until_draining(decode.address)
+        assert reader.ended_at is None, "the stream ended before the worker drained it"
+        with grpc.insecure_channel(decode.address) as channel:
+            call = pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
+                request_id="after-sigterm", prompt_len=3, max_seq_len=64, prompt_token_ids=[5, 6, 7],
+                local_prefill=True, sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=2)), timeout=10)
+            with pytest.raises(grpc.RpcError) as err:
+                next(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+        reader.join(120)
+        payloads = sse_events(reader.raw)
+        assert payloads[-1] == "[DONE]"
+        final = json.loads(payloads[-2])
+        assert final["choices"][0]["finish_reason"] == "length"
+        assert final["usage"]["completion_tokens"] == LONG_TOKENS
+        assert decode.proc.wait(timeout=30) == 0
+    finally:
+        coordinator.stop()
+        decode.stop()
+
+
+def test_requests_still_running_after_drain_seconds_are_cut_and_the_worker_exits_zero(cluster, tmp_path):
+    decode = start_worker("decode", cluster.model_dir, "--drain-seconds", "0.5")
+    coordinator, reader = long_stream_cluster(cluster, decode, tmp_path)
+    try:
+        signalled = time.monotonic()
+        decode.proc.send_signal(signal.SIGTERM)
+        assert decode.proc.wait(timeout=30) == 0
+        assert time.monotonic() - signalled < 10
+        reader.join(30)
+        payloads = sse_events(reader.raw)
+        assert payloads[-1] == "[DONE]" and "error" in json.loads(payloads[-2])
+        assert len(payloads) - 2 < LONG_TOKENS  # it really was cut short
+    finally:
+        coordinator.stop()
+        decode.stop()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_sigterm_on_an_idle_worker_exits_zero_promptly(model_dir, role):
+    worker = start_worker(role, model_dir, "--drain-seconds", "30")
+    signalled = time.monotonic()
+    worker.proc.send_signal(signal.SIGTERM)
+    assert worker.proc.wait(timeout=30) == 0
+    assert time.monotonic() - signalled < 5
