@@ -150,9 +150,11 @@ class RequestPipeline:
         decode.num_served += 1
         prefill_task: asyncio.Task | None = None
         first_deadline = min(deadline, time.monotonic() + self.first_token_timeout)
+        # Which limit ends the wait for the first token decides what the client is told.
+        late = _deadline_error(timeout) if first_deadline == deadline else self._first_token_late(route)
         try:
             started = time.monotonic()
-            accepted = await self._read_until(call, first_deadline, route, timeout)
+            accepted = await self._read_until(call, first_deadline, late, route, timeout)
             if accepted is grpc.aio.EOF:
                 raise AttemptFailed(WorkerError(f"decode worker {decode.address} closed the stream before "
                                                 "accepting"), decode, retryable=True)
@@ -161,7 +163,7 @@ class RequestPipeline:
             if prefill is not None:
                 prefill_task = asyncio.create_task(self._prefill(prefill, request, max_tokens, decode,
                                                                  accepted.accepted.kv_data_address))
-            first = await self._first_token(call, prefill_task, first_deadline, route, timeout)
+            first = await self._first_token(call, prefill_task, first_deadline, late, route, timeout)
             async for event in self._relay(call, first, route, progress, original_prompt_len,
                                            request.sampling.logprobs, admission_ms, timeout):
                 yield event
@@ -189,19 +191,19 @@ class RequestPipeline:
             prefill.outstanding_requests -= 1
             prefill.outstanding_prompt_tokens -= len(request.prompt_token_ids)
 
-    async def _read_until(self, call, until: float, route: Route, timeout: float):
+    async def _read_until(self, call, until: float, late: WorkerError, route: Route, timeout: float):
         try:
             return await asyncio.wait_for(call.read(), max(until - time.monotonic(), 0.0))
         except asyncio.TimeoutError:
-            raise AttemptFailed(self._first_token_late(route)) from None
+            raise AttemptFailed(late) from None
         except grpc.aio.AioRpcError as exc:
             raise self._decode_failed(route, exc, timeout) from None
 
-    async def _first_token(self, call, prefill_task: asyncio.Task | None, until: float, route: Route,
-                           timeout: float):
+    async def _first_token(self, call, prefill_task: asyncio.Task | None, until: float, late: WorkerError,
+                           route: Route, timeout: float):
         """The first token event; a failed prefill fails the attempt at once."""
         if prefill_task is None:
-            return await self._read_until(call, until, route, timeout)
+            return await self._read_until(call, until, late, route, timeout)
         read = asyncio.ensure_future(call.read())
         try:
             done, _ = await asyncio.wait({read, prefill_task}, timeout=max(until - time.monotonic(), 0.0),
@@ -211,7 +213,7 @@ class RequestPipeline:
                     raise self._prefill_failed(route, prefill_task.exception())
                 await asyncio.wait({read}, timeout=max(until - time.monotonic(), 0.0))
             if not read.done():
-                raise AttemptFailed(self._first_token_late(route))
+                raise AttemptFailed(late)
             exc = read.exception()
             if exc is None:
                 return read.result()

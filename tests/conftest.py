@@ -74,13 +74,16 @@ def start_worker(role: str, model_dir: Path, *extra: str) -> ServerProcess:
     return ServerProcess(argv, "pdserve worker ready:")
 
 
-def write_config(path: Path, prefill: list[str], decode: list[str], model_dir: Path, **model_overrides) -> Path:
+def write_config(path: Path, prefill: list[str], decode: list[str], model_dir: Path, sections: dict | None = None,
+                 **model_overrides) -> Path:
+    """An ms_coordinator.json for a test cluster; `sections` adds or replaces top-level sections."""
     config = {
         "http_config": {"predict_ip": "127.0.0.1", "predict_port": 0, "manage_port": 0},
         "model_config": {"modelName": "pdserve-tiny", "modelWeightPath": str(model_dir),
                          "maxSeqLen": CLUSTER_MAX_SEQ_LEN, "maxInputTokenLen": CLUSTER_MAX_SEQ_LEN,
                          "maxIterTimes": CLUSTER_MAX_ITER_TIMES, **model_overrides},
         "instances": {"prefill": [{"address": a} for a in prefill], "decode": [{"address": a} for a in decode]},
+        **(sections or {}),
     }
     path.write_text(json.dumps(config))
     return path

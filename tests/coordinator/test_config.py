@@ -30,6 +30,17 @@ def test_numeric_string_port_is_accepted_as_mindie_writes_it():
     assert config.http_config.predict_port == 1025
 
 
+def test_instances_may_be_left_to_registration():
+    config = parse_config({})
+    assert config.instances.prefill == [] and config.instances.decode == []
+    assert config.digs_scheduler_config.local_prefill_max_tokens == 0  # conditional disaggregation is off
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "load_balance", "cache_affinity"])
+def test_every_routing_policy_is_accepted(policy):
+    assert parse_config({**MINIMAL, "digs_scheduler_config": {"algorithm_type": policy}}).digs_scheduler_config.algorithm_type == policy
+
+
 @pytest.mark.parametrize("data,needle", [
     ({**MINIMAL, "http_config": {"predict_prot": 1}}, "http_config.predict_prot: unknown key"),
     ({**MINIMAL, "http_config": {"predict_port": "abc"}}, "http_config.predict_port"),
@@ -37,9 +48,11 @@ def test_numeric_string_port_is_accepted_as_mindie_writes_it():
     ({**MINIMAL, "model_config": {"maxIterTimes": 0}}, "model_config.maxIterTimes"),
     ({**MINIMAL, "model_config": {"fullTextEnabled": "maybe"}}, "model_config.fullTextEnabled"),
     ({**MINIMAL, "digs_scheduler_config": {"algorithm_type": "random"}}, "digs_scheduler_config.algorithm_type"),
-    ({"instances": {"prefill": [], "decode": [{"address": "h:1"}]}}, "instances.prefill"),
     ({"instances": {"prefill": [{"address": "nohost"}], "decode": [{"address": "h:1"}]}}, "instances.prefill.0.address"),
-    ({}, "instances"),
+    ({**MINIMAL, "health_config": {"failure_threshold": 0}}, "health_config.failure_threshold"),
+    ({**MINIMAL, "request_limit": {"max_running": 0}}, "request_limit.max_running"),
+    ({**MINIMAL, "digs_scheduler_config": {"local_prefill_max_tokens": -1}},
+     "digs_scheduler_config.local_prefill_max_tokens"),
     ({**MINIMAL, "surprise": True}, "surprise: unknown key"),
 ])
 def test_invalid_config_error_names_the_key(data, needle):

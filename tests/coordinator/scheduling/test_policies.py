@@ -1,0 +1,124 @@
+"""Routing policies choose as documented, from registry state built by hand (no workers)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from coordinator.errors import WorkerError
+from coordinator.instances import InstanceRegistry, ReportedLoad
+from coordinator.scheduling.policies import CacheAffinityPolicy, LoadBalancePolicy, RoundRobinPolicy
+from coordinator.scheduling.router import Router
+
+
+def make_registry(num_prefill: int = 3, num_decode: int = 3) -> InstanceRegistry:
+    return InstanceRegistry([f"p{i}:1" for i in range(num_prefill)], [f"d{i}:1" for i in range(num_decode)])
+
+
+def prompt(length: int, start: int = 0) -> list[int]:
+    return list(range(start, start + length))
+
+
+def test_round_robin_visits_every_instance_in_turn():
+    registry = make_registry()
+    router = Router(registry, RoundRobinPolicy())
+    routes = [router.route(prompt(8)) for _ in range(6)]
+    assert [r.prefill.address for r in routes] == ["p0:1", "p1:1", "p2:1"] * 2
+    assert [r.decode.address for r in routes] == ["d0:1", "d1:1", "d2:1"] * 2
+
+
+def test_round_robin_skips_instances_whose_circuit_is_open():
+    registry = make_registry()
+    registry.record_failure(registry.get("decode", "d1:1"), "connection refused", gone=True)
+    router = Router(registry, RoundRobinPolicy())
+    assert {router.route(prompt(8)).decode.address for _ in range(6)} == {"d0:1", "d2:1"}
+
+
+def test_load_balance_picks_the_prefill_with_fewest_queued_prompt_tokens():
+    registry = make_registry()
+    for address, queued in (("p0:1", 900), ("p1:1", 100), ("p2:1", 400)):
+        registry.get("prefill", address).reported = ReportedLoad(queued_prompt_tokens=queued)
+    policy = LoadBalancePolicy()
+    assert policy.choose_prefill(registry.available("prefill"), prompt(8)).address == "p1:1"
+
+
+def test_load_balance_counts_work_sent_since_the_last_report():
+    registry = make_registry(num_prefill=2)
+    registry.get("prefill", "p0:1").reported = ReportedLoad(queued_prompt_tokens=100)
+    registry.get("prefill", "p1:1").outstanding_prompt_tokens = 500  # sent after its last report said 0
+    policy = LoadBalancePolicy()
+    assert policy.choose_prefill(registry.available("prefill"), prompt(8)).address == "p0:1"
+
+
+def test_load_balance_picks_the_decode_with_fewest_sequences_then_least_kv_use():
+    registry = make_registry()
+    registry.get("decode", "d0:1").reported = ReportedLoad(num_running=4, kv_used_tokens=10, kv_capacity_tokens=100)
+    registry.get("decode", "d1:1").reported = ReportedLoad(num_running=2, kv_used_tokens=90, kv_capacity_tokens=100)
+    registry.get("decode", "d2:1").reported = ReportedLoad(num_running=2, kv_used_tokens=20, kv_capacity_tokens=100)
+    assert LoadBalancePolicy().choose_decode(registry.available("decode")).address == "d2:1"
+
+
+def test_load_balance_spreads_a_burst_over_idle_instances():
+    registry = make_registry(num_decode=4)
+    policy = LoadBalancePolicy()
+    chosen = Counter()
+    for _ in range(8):
+        instance = policy.choose_decode(registry.available("decode"))
+        instance.outstanding_requests += 1  # what the pipeline does while the request runs
+        chosen[instance.address] += 1
+    assert set(chosen.values()) == {2}
+
+
+def test_cache_affinity_sends_a_shared_prefix_back_to_the_same_prefill():
+    registry = make_registry()
+    router = Router(registry, CacheAffinityPolicy(block_tokens=4))
+    first = router.route(prompt(40)).prefill
+    others = {router.route(prompt(40, start=1000 + 100 * i)).prefill.address for i in range(4)}
+    assert len(others) > 1  # unrelated prompts still spread
+    assert router.route(prompt(40) + [7, 7, 7]).prefill is first  # same 40-token prefix, longer prompt
+
+
+def test_cache_affinity_prefers_the_instance_with_the_longest_shared_prefix():
+    registry = make_registry()
+    policy = CacheAffinityPolicy(block_tokens=4)
+    policy.on_prefill_routed(registry.get("prefill", "p0:1"), prompt(8))
+    policy.on_prefill_routed(registry.get("prefill", "p2:1"), prompt(32))
+    assert policy.choose_prefill(registry.available("prefill"), prompt(24) + [5]).address == "p2:1"
+
+
+def test_cache_affinity_gives_way_when_the_affine_instance_is_overloaded():
+    registry = make_registry()
+    policy = CacheAffinityPolicy(block_tokens=4, max_load_ratio=2.0, slack_tokens=100)
+    policy.on_prefill_routed(registry.get("prefill", "p0:1"), prompt(32))
+    registry.get("prefill", "p0:1").outstanding_prompt_tokens = 150
+    registry.get("prefill", "p1:1").outstanding_prompt_tokens = 20
+    registry.get("prefill", "p2:1").outstanding_prompt_tokens = 30
+    # 150 <= 2 * 20 + 100 = 140 is false: the least loaded instance wins.
+    assert policy.choose_prefill(registry.available("prefill"), prompt(32)).address == "p1:1"
+    registry.get("prefill", "p0:1").outstanding_prompt_tokens = 130
+    assert policy.choose_prefill(registry.available("prefill"), prompt(32)).address == "p0:1"
+
+
+def test_cache_affinity_ignores_an_instance_that_is_out_of_rotation():
+    registry = make_registry()
+    policy = CacheAffinityPolicy(block_tokens=4)
+    policy.on_prefill_routed(registry.get("prefill", "p0:1"), prompt(32))
+    registry.record_failure(registry.get("prefill", "p0:1"), "gone", gone=True)
+    assert policy.choose_prefill(registry.available("prefill"), prompt(32)).address != "p0:1"
+
+
+def test_short_prompts_are_prefilled_on_the_decode_worker_when_enabled():
+    router = Router(make_registry(), RoundRobinPolicy(), local_prefill_max_tokens=16)
+    assert router.route(prompt(15)).prefill is None
+    assert router.route(prompt(16)).prefill is not None
+    assert Router(make_registry(), RoundRobinPolicy()).route(prompt(1)).prefill is not None  # off by default
+
+
+def test_no_routable_instance_is_a_503_naming_each_instance_state():
+    registry = make_registry(num_decode=1)
+    registry.record_failure(registry.get("decode", "d0:1"), "connection refused", gone=True)
+    with pytest.raises(WorkerError) as err:
+        Router(registry, RoundRobinPolicy()).route(prompt(4))
+    assert err.value.status == 503
+    assert "d0:1: unhealthy (connection refused)" in err.value.message
