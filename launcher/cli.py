@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from launcher.logs import setup_logging
+from launcher.simulated_worker import add_simulation_flags, run_simulated_worker
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -27,6 +28,8 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
+    if args.simulate:  # before the real worker's imports: a simulated worker never loads torch
+        return run_simulated_worker(args)
     from worker.server import WorkerOptions, serve
 
     model = args.model
@@ -99,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between heartbeats to --coordinator (its register answer may override it)")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM: seconds to let requests in flight finish before stopping anyway")
+    add_simulation_flags(p)
     p.set_defaults(func=_worker)
 
     p = sub.add_parser("up", help="start a local cluster: coordinator + prefill + decode workers")

@@ -1,0 +1,69 @@
+"""The simulated worker's KV cache: real streams (header, checksummed blocks, trailer) of synthetic bytes.
+
+The sender's bytes are zeros sized as the configured model's cache; the receiver verifies every
+block as the real one does but keeps nothing, so a simulated worker moves a real model's bytes
+without holding them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_transfer.wire import KvStreamVerifier, RawKvLayer
+from proto import worker_pb2 as pb
+
+_zeros = memoryview(b"")
+
+
+def zero_bytes(n: int) -> memoryview:
+    """`n` zero bytes, views of one shared buffer (calloc'd: untouched pages cost no memory)."""
+    global _zeros
+    if len(_zeros) < n:
+        _zeros = memoryview(bytes(max(n, 2 * len(_zeros))))
+    return _zeros[:n]
+
+
+def synthetic_layer(index: int, tensor_bytes: int) -> RawKvLayer:
+    return RawKvLayer(index, zero_bytes(tensor_bytes), zero_bytes(tensor_bytes))
+
+
+@dataclass
+class VerifiedKv:
+    """A KV stream that arrived whole and verified; what the simulated decode engine needs of it."""
+
+    request_id: str
+    seq_len: int
+    num_bytes: int
+    first_token_id: int
+    prefill_time_ms: float
+
+    def release(self) -> None:
+        """Nothing to give back: the bytes were never kept."""
+
+
+class VerifyingKvSink(KvStreamVerifier):
+    """Receives a KV stream into scratch memory, checking every block, and keeps only its size.
+
+    Two scratch buffers in turn: the TCP receiver reads block N+1 while block N is verified.
+    """
+
+    def __init__(self, header: pb.KvHeader, max_bytes: int | None = None, pool=None):
+        super().__init__(header, max_bytes)
+        self._scratch = [bytearray(), bytearray()]
+        self._turn = 0
+        self._reserved_views: dict[tuple[int, int], memoryview] = {}
+
+    def _slot(self, index: int, offset: int, length: int) -> memoryview:
+        self._turn ^= 1
+        if len(self._scratch[self._turn]) < length:
+            self._scratch[self._turn] = bytearray(length)
+        view = memoryview(self._scratch[self._turn])[:length]
+        self._reserved_views[(index, offset)] = view
+        return view
+
+    def _written(self, index: int, offset: int, length: int) -> memoryview:
+        return self._reserved_views.pop((index, offset))
+
+    def _result(self) -> VerifiedKv:
+        return VerifiedKv(self.header.request_id, self.shape[2], self.bytes_received, self.trailer.first_token_id,
+                          self.trailer.prefill_time_ms)
