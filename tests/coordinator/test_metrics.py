@@ -5,6 +5,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import management_url
+
 
 def scrape(url: str) -> dict[tuple, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -13,11 +15,6 @@ def scrape(url: str) -> dict[tuple, float]:
         for sample in family.samples:
             values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return values
-
-
-def management_url(cluster) -> str:
-    line = next(l for l in cluster.coordinator.output if l.startswith("pdserve coordinator management:"))
-    return line.strip().rsplit(" ", 1)[-1]
 
 
 def test_request_metrics_move_as_requests_run(http, cluster):
@@ -39,11 +36,14 @@ def test_request_metrics_move_as_requests_run(http, cluster):
     assert delta("pdserve_time_per_output_token_seconds_count") == 4
     assert delta("pdserve_e2e_request_latency_seconds_count", api="openai_completions") == 2
     assert after[("pdserve_requests_running", ())] == 0
+    assert delta("pdserve_requests_failed_total", api="openai_completions", reason="bad_request") == 1
+    assert delta("pdserve_request_queue_time_seconds_count") == 1
+    assert after[("pdserve_requests_waiting", ())] == 0
 
 
-def test_management_port_serves_health_and_the_same_metrics(cluster):
-    url = management_url(cluster)
-    assert url != cluster.url
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    assert ("pdserve_requests_running", ()) in scrape(url)
-    assert httpx.post(f"{url}/v1/completions", json={}, timeout=10).status_code == 404  # no client APIs here
+def test_instance_health_and_outstanding_work_are_exported(http, cluster):
+    values = scrape(cluster.url)
+    for role, proc in (("prefill", cluster.prefill), ("decode", cluster.decode)):
+        assert values[("pdserve_instance_healthy", (("address", proc.address), ("role", role),
+                                                    ("state", "healthy")))] == 1
+        assert values[("pdserve_instance_outstanding_requests", (("address", proc.address), ("role", role)))] == 0

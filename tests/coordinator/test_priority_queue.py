@@ -42,7 +42,7 @@ def wait_until_waiting(url: str, count: int) -> None:
         time.sleep(0.02)
 
 
-def test_waiting_requests_run_by_priority_then_arrival(one_at_a_time):
+def test_waiting_requests_run_by_priority_then_arrival(one_at_a_time, cluster):
     url = one_at_a_time.address
     blocker = BackgroundStream(f"{url}/v1/completions", BLOCKER)
     assert blocker.first_chunk.wait(30)
@@ -51,6 +51,9 @@ def test_waiting_requests_run_by_priority_then_arrival(one_at_a_time):
     for name, priority in (("low", 5), ("mid", 3), ("high", 1), ("high-later", 1)):
         threads.append(mindie(url, results, name, priority=priority))
         wait_until_waiting(url, len(threads))
+    during = scrape(url)
+    assert during[("pdserve_instance_outstanding_requests", (("address", cluster.decode.address),
+                                                             ("role", "decode")))] == 1  # only the blocker runs
     blocker.join(60)
     for thread in threads:
         thread.join(60)
