@@ -56,6 +56,7 @@ class WorkerOptions:
     kv_data_port: int = 0  # decode: raw-TCP KV receiver port; 0 picks one, -1 disables (gRPC PushKv only)
     metrics_port: int = 0  # Prometheus /metrics; 0 picks one, -1 disables
     coordinator_url: str | None = None  # the coordinator's management URL to register with; None: no registration
+    advertise_host: str | None = None  # the host others reach this worker at (e.g. a pod IP); None: `host`
     heartbeat_interval_s: float = 2.0  # until the coordinator's register answer names its own interval
     drain_seconds: float = 30.0  # on SIGTERM: longest wait for requests in flight before stopping anyway
 
@@ -274,6 +275,8 @@ async def serve(options: WorkerOptions) -> None:
     """Load the model, serve (registered with the coordinator if one is named) until SIGTERM/SIGINT,
     then deregister, drain the requests in flight for up to `drain_seconds`, and stop."""
     runner = ModelRunner(options.model_dir, options.dtype)
+    # A worker listening on 0.0.0.0 must tell others an address they can dial.
+    public_host = options.advertise_host or options.host
     budget = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token())
     server = grpc.aio.server(options=GRPC_OPTIONS)
     gate = DrainGate()
@@ -305,7 +308,7 @@ async def serve(options: WorkerOptions) -> None:
 
         if options.kv_data_port >= 0:
             receiver = TcpKvReceiver(on_kv, on_failure, timeout_s=options.kv_trans_timeout_s, pool=pool)
-            kv_data_address = f"{options.host}:{await receiver.start(options.host, options.kv_data_port)}"
+            kv_data_address = f"{public_host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
         servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, gate)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
@@ -319,7 +322,7 @@ async def serve(options: WorkerOptions) -> None:
     await server.start()
     metrics_url = ""
     if options.metrics_port >= 0:
-        metrics_url = f"http://{options.host}:{metrics.serve(options.host, options.metrics_port)}"
+        metrics_url = f"http://{public_host}:{metrics.serve(options.host, options.metrics_port)}"
         print(f"pdserve worker metrics: {metrics_url}", flush=True)
 
     stop = asyncio.Event()
@@ -337,7 +340,7 @@ async def serve(options: WorkerOptions) -> None:
     print(f"pdserve worker ready: role={options.role} address={options.host}:{port}", flush=True)
     registration = None
     if options.coordinator_url:
-        registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{options.host}:{port}",
+        registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{public_host}:{port}",
                                                metrics_url, options.heartbeat_interval_s)
         await registration.start()
 
