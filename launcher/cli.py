@@ -43,6 +43,7 @@ def _worker(args: argparse.Namespace) -> int:
                             max_prefill_batch_size=args.max_prefill_batch_size, max_running=args.max_running,
                             kv_data_port=args.kv_data_port, metrics_port=args.metrics_port,
                             coordinator_url=args.coordinator, heartbeat_interval_s=args.heartbeat_interval,
+                            advertise_host=args.advertise_host,
                             drain_seconds=args.drain_seconds)
     asyncio.run(serve(options))
     return 0
@@ -96,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prometheus /metrics port (0 picks one, -1 disables it)")
     p.add_argument("--kv-data-port", type=int, default=0,
                    help="decode: raw-TCP KV receiver port (0 picks one, -1 disables it: KV over gRPC only)")
+    p.add_argument("--advertise-host", default=None,
+                   help="host the coordinator and other workers dial (e.g. the pod IP when --host is 0.0.0.0)")
     p.add_argument("--coordinator", default=None,
                    help="coordinator management URL to register with, e.g. http://127.0.0.1:1026 (default: none)")
     p.add_argument("--heartbeat-interval", type=float, default=2.0,
