@@ -44,7 +44,8 @@ def run_simulated_worker(args: argparse.Namespace) -> int:
         max_prefill_tokens=args.max_prefill_tokens, max_prefill_batch_size=args.max_prefill_batch_size,
         max_running=args.max_running, kv_trans_timeout_s=args.kv_trans_timeout,
         kv_lease_timeout_s=args.kv_lease_timeout, kv_data_port=args.kv_data_port, metrics_port=args.metrics_port,
-        coordinator_url=args.coordinator, heartbeat_interval_s=args.heartbeat_interval,
+        coordinator_url=args.coordinator, advertise_host=args.advertise_host,
+        heartbeat_interval_s=args.heartbeat_interval,
         drain_seconds=args.drain_seconds,
     )
     asyncio.run(serve_simulated(options))

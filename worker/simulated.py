@@ -54,6 +54,7 @@ class SimulatedOptions:
     kv_data_port: int = 0  # decode: raw-TCP KV receiver port; 0 picks one, -1 disables (gRPC PushKv only)
     metrics_port: int = 0  # Prometheus /metrics; 0 picks one, -1 disables
     coordinator_url: str | None = None
+    advertise_host: str | None = None  # the host others reach this worker at (e.g. a pod IP); None: `host`
     heartbeat_interval_s: float = 2.0
     drain_seconds: float = 30.0
 
@@ -227,6 +228,8 @@ class SimulatedDecodeServicer(pb_grpc.DecodeServiceServicer):
 
 async def serve_simulated(options: SimulatedOptions) -> None:
     """Serve until SIGTERM/SIGINT, then deregister, drain for up to `drain_seconds`, and stop."""
+    # A worker listening on 0.0.0.0 must tell others an address they can dial.
+    public_host = options.advertise_host or options.host
     server = grpc.aio.server(options=GRPC_OPTIONS)
     gate = DrainGate()
     closers = []
@@ -255,7 +258,7 @@ async def serve_simulated(options: SimulatedOptions) -> None:
         kv_data_address = ""
         if options.kv_data_port >= 0:
             receiver = TcpKvReceiver(on_kv, on_failure, timeout_s=options.kv_trans_timeout_s, assembler=VerifyingKvSink)
-            kv_data_address = f"{options.host}:{await receiver.start(options.host, options.kv_data_port)}"
+            kv_data_address = f"{public_host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
         servicer = SimulatedDecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, metrics, gate)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
@@ -271,7 +274,7 @@ async def serve_simulated(options: SimulatedOptions) -> None:
     await server.start()
     metrics_url = ""
     if options.metrics_port >= 0:
-        metrics_url = f"http://{options.host}:{metrics.serve(options.host, options.metrics_port)}"
+        metrics_url = f"http://{public_host}:{metrics.serve(options.host, options.metrics_port)}"
         print(f"pdserve worker metrics: {metrics_url}", flush=True)
 
     stop = asyncio.Event()
@@ -291,7 +294,7 @@ async def serve_simulated(options: SimulatedOptions) -> None:
     if options.coordinator_url:
         from worker.registration import CoordinatorRegistration  # aiohttp: ~0.2 s of start-up, only when needed
 
-        registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{options.host}:{port}",
+        registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{public_host}:{port}",
                                                metrics_url, options.heartbeat_interval_s)
         await registration.start()
 

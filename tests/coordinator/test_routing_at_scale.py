@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +20,7 @@ NUM_REQUESTS = 256
 MAX_TOKENS = 8
 ALGORITHMS = ("round_robin", "load_balance", "cache_affinity")
 SERVED = "pdserve_worker_requests_total"
+HEALTH_CHECK_S = 0.5
 # Quick forwards: the test is about routing, not about the cost model.
 SIM_FLAGS = ("--simulate", "--sim-prefill-base-ms", "0.5", "--sim-decode-base-ms", "2")
 
@@ -56,12 +58,30 @@ def coordinators(fleet, model_dir, tmp_path_factory) -> dict[str, ServerProcess]
                               [w.address for w in prefill], [w.address for w in decode], model_dir)
         settings = json.loads(config.read_text())
         settings["digs_scheduler_config"] = {"algorithm_type": algorithm}
+        settings["health_config"] = {"check_interval_s": HEALTH_CHECK_S}
         config.write_text(json.dumps(settings))
         return start_coordinator(config)
 
     started = dict(zip(ALGORITHMS, parallel(start, ALGORITHMS)))
     yield started
     assert parallel(lambda c: c.stop(), list(started.values())) == [0] * len(started)
+
+
+def wait_until_settled(coordinator: ServerProcess, timeout_s: float = 15.0) -> None:
+    """Until the coordinator has seen every instance healthy and idle: the three coordinators share the
+    fleet, and load one reported during another's test would steer load_balance away from it."""
+    manage = next(l for l in coordinator.output if l.startswith("pdserve coordinator management:")).split()[-1]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{manage}/v1/instances", timeout=10) as resp:
+            instances = [i for role in json.loads(resp.read()).values() for i in role]
+        busy = [i["address"] for i in instances if i["state"] != "healthy" or i["outstanding_requests"]
+                or any(i["reported"][k] for k in ("num_running", "num_waiting", "kv_used_tokens",
+                                                   "queued_prompt_tokens"))]
+        if len(instances) == NUM_PREFILL + NUM_DECODE and not busy:
+            return
+        assert time.monotonic() < deadline, f"instances not idle after {timeout_s}s: {busy}"
+        time.sleep(HEALTH_CHECK_S / 2)
 
 
 def served(workers: list[ServerProcess]) -> list[float]:
@@ -97,6 +117,7 @@ async def fire(url: str, prompts: list[str]) -> list[dict]:
 def test_every_instance_serves_a_share_of_concurrent_requests(fleet, coordinators, algorithm):
     prefill, decode = fleet
     coordinator = coordinators[algorithm]
+    wait_until_settled(coordinator)
     before_p, before_d = served(prefill), served(decode)
     # Prompts that differ from their first token on, so no two share a cached prefix.
     prompts = [f"{i} bottles of water on the wall, take one down" for i in range(NUM_REQUESTS)]
