@@ -8,6 +8,7 @@ token's index, so the prefill worker's first token and the decode worker's later
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from worker.scheduler import DecodeScheduler, PrefillScheduler
 from worker.sequence import SamplingParams, Sequence, SequenceStatus
 from worker.simulated_kv import VerifiedKv
 
+logger = logging.getLogger(__name__)
+
 
 def synthetic_token(key: str, index: int, vocab_size: int) -> int:
     return xxhash.xxh3_64_intdigest(f"{key}:{index}".encode()) % vocab_size
@@ -33,6 +36,12 @@ def token_text(token_id: int) -> str:
 def token_key(request_id: str, seed: int | None) -> str:
     """What a request's tokens derive from: its seed when it has one (reproducible), else its id."""
     return f"seed={seed}" if seed is not None else request_id
+
+
+def _report_crash(task: asyncio.Task) -> None:
+    # An engine loop that dies would hang every request quietly; say so loudly instead.
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("simulated engine loop stopped", exc_info=task.exception())
 
 
 async def _sleep_until(deadline: float) -> None:
@@ -75,6 +84,7 @@ class SimulatedPrefillEngine:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
+        self._task.add_done_callback(_report_crash)
 
     def shutdown(self) -> None:
         if self._task is not None:
@@ -130,7 +140,7 @@ class SimulatedPrefillEngine:
                 job.events.put_nowait(("done", first, (time.perf_counter() - job.submitted_at) * 1000))
 
 
-@dataclass
+@dataclass(eq=False)
 class SimDecodeHandle:
     """The gRPC side of one decode request: its limits and its event queue (pb.TokenEvent | Exception)."""
 
@@ -181,6 +191,7 @@ class SimulatedDecodeEngine:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
+        self._task.add_done_callback(_report_crash)
 
     def shutdown(self) -> None:
         if self._task is not None:

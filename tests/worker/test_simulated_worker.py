@@ -14,14 +14,14 @@ import pytest
 
 from kv_transfer.base import KvTransferError
 from kv_transfer.tcp_transport import TcpKvSender
-from kv_transfer.wire import header, make_trailer
+from kv_transfer.wire import header, item_messages, make_trailer
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from tests.conftest import REPO, ServerProcess, pdserve_argv, sse_events, start_coordinator, write_config
 from tests.coordinator.test_metrics import scrape
 from tests.worker.test_kv_budget_faults import health, wait_for_idle
 from tests.worker.test_worker_metrics import metrics_url
-from worker.simulated_kv import synthetic_layer
+from worker.simulated_kv import VerifyingKvSink, synthetic_layer
 
 # A model shape unlike the defaults, so the KV sizes below can only come from these flags.
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 3, 4, 16, 4
@@ -266,3 +266,23 @@ def test_bad_cost_model_flag_is_refused_clearly():
     out = subprocess.run(pdserve_argv("worker", "--role", "decode", "--simulate", "--sim-decode-base-ms", "-1"),
                          cwd=REPO, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "decode_base_ms=-1.0 must be a finite number >= 0" in out.stderr
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_simulated_receiver_verifies_every_block(flip):
+    items = [header("r", "float16", 2, (1, 2, 5, 8)), *(synthetic_layer(i, 2 * 5 * 8 * 2) for i in range(2)),
+             make_trailer(3, 0.5)]
+    messages = [m for item in items for m in item_messages(item, chunk_bytes=48)]
+    if flip:
+        block = messages[4].block
+        block.data = bytes([block.data[0] ^ 1]) + block.data[1:]
+    sink = VerifyingKvSink(messages[0].header)
+    if flip:
+        with pytest.raises(KvTransferError, match="layer 0 key offset 144: checksum mismatch"):
+            for m in messages[1:]:
+                sink.add_message(m)
+        return
+    for m in messages[1:]:
+        sink.add_message(m)
+    kv = sink.finish()
+    assert (kv.seq_len, kv.num_bytes, kv.first_token_id) == (5, 2 * 2 * 160, 3)
