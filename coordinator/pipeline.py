@@ -104,12 +104,13 @@ class RequestPipeline:
         progress = Progress()
         excluded = {"prefill": set(), "decode": set()}
         retries = migrations = 0
+        last: AttemptFailed | None = None
         while True:
             try:
                 route = self.router.route(request.prompt_token_ids + progress.token_ids,
                                           exclude_decode=excluded["decode"], exclude_prefill=excluded["prefill"])
             except WorkerError:
-                if retries or migrations:
+                if last is not None:  # no instance left to retry on: the failure itself says more
                     raise last.error from None
                 raise
             attempt = request.continued(progress.token_ids, retries + migrations)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import time
 from dataclasses import dataclass
 
@@ -19,11 +18,11 @@ from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from worker.drain import DRAINING_MESSAGE, DrainGate
+from worker.lifecycle import serve_until_stopped
 from worker.engine import DecodeEngine, PrefillEngine, PrefillJob
 from worker.kv_budget import KvCapacityError, default_capacity_tokens
 from worker.metrics import WorkerMetrics
 from worker.model_runner import ModelRunner
-from worker.registration import CoordinatorRegistration
 from worker.sequence import FinishReason, SamplingParams, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -316,42 +315,4 @@ async def serve(options: WorkerOptions) -> None:
     else:
         raise ValueError(f"role must be 'prefill' or 'decode', got {options.role!r}")
 
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
-    if port == 0:
-        raise OSError(f"cannot listen on {options.host}:{options.port}")
-    await server.start()
-    metrics_url = ""
-    if options.metrics_port >= 0:
-        metrics_url = f"http://{public_host}:{metrics.serve(options.host, options.metrics_port)}"
-        print(f"pdserve worker metrics: {metrics_url}", flush=True)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        # The first signal drains; a second one (an impatient operator) stops waiting for requests.
-        if stop.is_set():
-            gate.abandon()
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    # One parseable line on stdout: launchers and tests read the bound port from it.
-    print(f"pdserve worker ready: role={options.role} address={options.host}:{port}", flush=True)
-    registration = None
-    if options.coordinator_url:
-        registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{public_host}:{port}",
-                                               metrics_url, options.heartbeat_interval_s)
-        await registration.start()
-
-    await stop.wait()
-    logger.info("draining %s worker on port %d: %d requests in flight", options.role, port, gate.in_flight)
-    if registration is not None:
-        await registration.stop()  # deregisters, so the coordinator routes nothing more here
-    gate.start_draining()
-    if not await gate.wait_idle(options.drain_seconds):
-        logger.warning("%d requests still in flight after draining; stopping anyway", gate.in_flight)
-    await server.stop(grace=1)
-    for close in closers:
-        await close()
-    engine.shutdown()
+    await serve_until_stopped(server, options, gate, metrics, public_host, closers, engine)

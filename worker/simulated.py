@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +23,7 @@ from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from worker.cost_model import CostModel, KvShape
 from worker.drain import DRAINING_MESSAGE, DrainGate
+from worker.lifecycle import serve_until_stopped
 from worker.kv_budget import KvCapacityError
 from worker.metrics import WorkerMetrics
 from worker.simulated_engine import SimulatedDecodeEngine, SimulatedPrefillEngine, SimPrefillJob, token_key
@@ -268,43 +268,4 @@ async def serve_simulated(options: SimulatedOptions) -> None:
         raise ValueError(f"role must be 'prefill' or 'decode', got {options.role!r}")
     engine.start()
 
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
-    if port == 0:
-        raise OSError(f"cannot listen on {options.host}:{options.port}")
-    await server.start()
-    metrics_url = ""
-    if options.metrics_port >= 0:
-        metrics_url = f"http://{public_host}:{metrics.serve(options.host, options.metrics_port)}"
-        print(f"pdserve worker metrics: {metrics_url}", flush=True)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        # The first signal drains; a second one stops waiting for requests.
-        if stop.is_set():
-            gate.abandon()
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    # One parseable line on stdout, the same as the real worker's: launchers and tests read the port from it.
-    print(f"pdserve worker ready: role={options.role} address={options.host}:{port}", flush=True)
-    registration = None
-    if options.coordinator_url:
-        from worker.registration import CoordinatorRegistration  # aiohttp: ~0.2 s of start-up, only when needed
-
-        registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{public_host}:{port}",
-                                               metrics_url, options.heartbeat_interval_s)
-        await registration.start()
-
-    await stop.wait()
-    if registration is not None:
-        await registration.stop()  # deregisters, so the coordinator routes nothing more here
-    gate.start_draining()
-    if not await gate.wait_idle(options.drain_seconds):
-        logger.warning("%d requests still in flight after draining; stopping anyway", gate.in_flight)
-    await server.stop(grace=1)
-    for close in closers:
-        await close()
-    engine.shutdown()
+    await serve_until_stopped(server, options, gate, metrics, public_host, closers, engine)

@@ -1,0 +1,63 @@
+"""A worker process's life around its gRPC server, shared by real and simulated workers: listen,
+announce, register with the coordinator; on SIGTERM deregister, drain, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+
+from worker.drain import DrainGate
+
+logger = logging.getLogger(__name__)
+
+
+async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate, metrics, public_host: str,
+                              closers: list, engine) -> None:
+    """Run `server` until SIGTERM/SIGINT, then drain for up to `options.drain_seconds` and stop.
+
+    `options` carries role, host, port, metrics_port, coordinator_url, heartbeat_interval_s and
+    drain_seconds (WorkerOptions or SimulatedWorkerOptions)."""
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if port == 0:
+        raise OSError(f"cannot listen on {options.host}:{options.port}")
+    await server.start()
+    metrics_url = ""
+    if options.metrics_port >= 0:
+        metrics_url = f"http://{public_host}:{metrics.serve(options.host, options.metrics_port)}"
+        print(f"pdserve worker metrics: {metrics_url}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        # The first signal drains; a second one (an impatient operator) stops waiting for requests.
+        if stop.is_set():
+            gate.abandon()
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    # One parseable line on stdout: launchers and tests read the bound port from it.
+    print(f"pdserve worker ready: role={options.role} address={options.host}:{port}", flush=True)
+    registration = None
+    if options.coordinator_url:
+        from worker.registration import CoordinatorRegistration  # aiohttp: only paid when registering
+
+        registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{public_host}:{port}",
+                                               metrics_url, options.heartbeat_interval_s)
+        await registration.start()
+
+    await stop.wait()
+    logger.info("draining %s worker on port %d: %d requests in flight", options.role, port, gate.in_flight)
+    if registration is not None:
+        await registration.stop()  # deregisters, so the coordinator routes nothing more here
+    gate.start_draining()
+    if not await gate.wait_idle(options.drain_seconds):
+        logger.warning("%d requests still in flight after draining; stopping anyway", gate.in_flight)
+    await server.stop(grace=1)
+    for close in closers:
+        await close()
+    engine.shutdown()
