@@ -14,7 +14,8 @@ from tests.conftest import (BackgroundStream, instance_states, management_url, s
 from tests.coordinator.test_metrics import scrape
 from tests.worker.test_greedy_parity import reference_tokens
 
-MAX_TOKENS = 400
+MAX_TOKENS = 800  # long enough to still be streaming when the kill lands, even on an idle machine
+LONG = {"maxIterTimes": MAX_TOKENS, "maxSeqLen": 2048, "maxInputTokenLen": 2048}
 
 
 def serving_decode(coordinator) -> str:
@@ -32,7 +33,7 @@ def test_a_stream_whose_decode_worker_dies_continues_on_another_with_the_same_to
     decodes = {w.address: w for w in (start_worker("decode", cluster.model_dir),
                                       start_worker("decode", cluster.model_dir))}
     coordinator = start_coordinator(write_config(tmp_path / "ms_coordinator.json", [cluster.prefill.address],
-                                                 list(decodes), cluster.model_dir, maxIterTimes=MAX_TOKENS))
+                                                 list(decodes), cluster.model_dir, **LONG))
     body = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": MAX_TOKENS, "stream": True,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True,
             "stream_options": {"include_usage": True}}
@@ -72,7 +73,7 @@ def test_with_migration_off_a_lost_decode_worker_ends_the_stream_with_an_error(c
     decodes = [start_worker("decode", cluster.model_dir), start_worker("decode", cluster.model_dir)]
     coordinator = start_coordinator(write_config(
         tmp_path / "ms_coordinator.json", [cluster.prefill.address], [w.address for w in decodes],
-        cluster.model_dir, sections={"exception_config": {"max_migrations": 0}}, maxIterTimes=MAX_TOKENS))
+        cluster.model_dir, sections={"exception_config": {"max_migrations": 0}}, **LONG))
     body = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": MAX_TOKENS, "stream": True,
             "temperature": 0, "ignore_eos": True}
     try:

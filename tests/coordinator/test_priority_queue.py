@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import BackgroundStream, start_coordinator, write_config
 from tests.coordinator.test_metrics import scrape
 
-BLOCKER = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": 400, "stream": True, "temperature": 0,
+BLOCKER = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": 1500, "stream": True, "temperature": 0,
            "ignore_eos": True}
 
 
@@ -20,7 +20,8 @@ BLOCKER = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": 400, "strea
 def one_at_a_time(cluster, tmp_path):
     coordinator = start_coordinator(write_config(
         tmp_path / "ms_coordinator.json", [cluster.prefill.address], [cluster.decode.address], cluster.model_dir,
-        sections={"request_limit": {"max_running": 1}}, maxIterTimes=400))
+        sections={"request_limit": {"max_running": 1}}, maxIterTimes=1500, maxSeqLen=2048,
+        maxInputTokenLen=2048))
     yield coordinator
     coordinator.stop()
 
