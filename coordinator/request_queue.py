@@ -14,12 +14,9 @@ class RequestQueue:
     def __init__(self, max_running: int):
         self.max_running = max_running
         self.num_running = 0
+        self.num_waiting = 0
         self._heap: list[tuple[int, int, asyncio.Future]] = []
         self._arrival = itertools.count()
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(1 for _, _, fut in self._heap if not fut.done())
 
     async def acquire(self, priority: int, timeout_s: float) -> None:
         """Wait for a turn; raises TimeoutError after `timeout_s` (and leaves the line)."""
@@ -28,6 +25,7 @@ class RequestQueue:
             return
         fut = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (priority, next(self._arrival), fut))
+        self.num_waiting += 1
         try:
             await asyncio.wait_for(fut, max(timeout_s, 0.0))
         except BaseException:
@@ -35,6 +33,7 @@ class RequestQueue:
             if fut.done() and not fut.cancelled():
                 self.release()
             else:
+                self.num_waiting -= 1  # its cancelled future stays in the heap until popped
                 fut.cancel()
             raise
 
@@ -44,4 +43,5 @@ class RequestQueue:
             _, _, fut = heapq.heappop(self._heap)
             if not fut.done():
                 self.num_running += 1
+                self.num_waiting -= 1
                 fut.set_result(None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import grpc
+
 
 DRAINING_MESSAGE = "worker is draining: it finishes its running requests and takes no new ones"
 
@@ -48,3 +50,9 @@ class DrainGate:
             idle.cancel()
             abandoned.cancel()
         return self.in_flight == 0
+
+
+async def refuse_if_draining(gate: DrainGate, context: grpc.aio.ServicerContext) -> None:
+    """Refuse a new request at once while draining; UNAVAILABLE tells a client to go elsewhere."""
+    if gate.draining:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)

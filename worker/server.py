@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -17,7 +16,8 @@ from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverSer
 from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from worker.drain import DRAINING_MESSAGE, DrainGate
+from worker.decode_service import GatedDecodeServicer
+from worker.drain import DrainGate, refuse_if_draining
 from worker.lifecycle import serve_until_stopped
 from worker.engine import DecodeEngine, PrefillEngine, PrefillJob
 from worker.kv_budget import KvCapacityError, default_capacity_tokens
@@ -97,11 +97,6 @@ def token_to_pb(output: TokenOutput) -> pb.DecodeEvent:
         event.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in output.logprobs.top)
     return pb.DecodeEvent(token=event)
 
-
-async def refuse_if_draining(gate: DrainGate, context: grpc.aio.ServicerContext) -> None:
-    """Refuse a new request at once while draining; UNAVAILABLE tells a client to go elsewhere."""
-    if gate.draining:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
@@ -197,36 +192,15 @@ class PrefillKvStream:
                 return
 
 
-class DecodeServicer(pb_grpc.DecodeServiceServicer):
+class DecodeServicer(GatedDecodeServicer):
     """Register a request, wait for its KV cache (or prefill it here), stream its tokens."""
 
     def __init__(self, engine: DecodeEngine, kv_trans_timeout_s: float, kv_data_address: str, gate: DrainGate):
+        super().__init__(kv_trans_timeout_s, kv_data_address, gate)
         self.engine = engine
-        self.kv_trans_timeout_s = kv_trans_timeout_s
-        self.kv_data_address = kv_data_address
-        self.gate = gate
-
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
-        await refuse_if_draining(self.gate, context)
-        with self.gate.request():
-            # aclosing: a stream ended early still runs _decode's cleanup now, not at garbage collection.
-            async with contextlib.aclosing(self._decode(request, context)) as events:
-                async for event in events:
-                    yield event
 
     async def _decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         sampling = sampling_from_pb(request.sampling)
-        if request.prompt_len <= 0 or request.prompt_len >= request.max_seq_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt_len={request.prompt_len} must be in [1, max_seq_len={request.max_seq_len})",
-            )
-        if request.local_prefill and len(request.prompt_token_ids) != request.prompt_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"local_prefill needs the whole prompt: got {len(request.prompt_token_ids)} prompt_token_ids "
-                f"for prompt_len={request.prompt_len}",
-            )
         try:
             handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
                                           list(request.prompt_token_ids))
@@ -240,15 +214,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address))
             if request.local_prefill:
                 self.engine.prefill_locally(handle)
-            try:
-                await asyncio.wait_for(handle.kv_arrived.wait(), self.kv_trans_timeout_s)
-            except asyncio.TimeoutError:
-                if handle.events.empty():
-                    await context.abort(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"KV cache for request {request.request_id} did not arrive within "
-                        f"kv_trans_timeout={self.kv_trans_timeout_s}s",
-                    )
+            await self.wait_for_kv(handle, request.request_id, context)
             while True:
                 item = await handle.events.get()
                 if isinstance(item, KvTransferError):
