@@ -5,6 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+pytestmark = pytest.mark.system
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}}}}}]

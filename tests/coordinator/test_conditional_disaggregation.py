@@ -3,10 +3,13 @@ decode worker itself; longer ones still go through a prefill worker."""
 
 from __future__ import annotations
 
+import pytest
+
 import httpx
 
-from tests.conftest import management_url, start_coordinator, write_config
-from tests.worker.test_greedy_parity import reference_tokens
+from tests.helpers import management_url, reference_tokens, start_coordinator, write_config
+
+pytestmark = pytest.mark.system
 
 
 def served(coordinator, role: str) -> int:

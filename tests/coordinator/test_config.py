@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from coordinator.config import ConfigError, load_config, parse_config
-from tests.conftest import REPO, pdserve_argv
+from tests.helpers import REPO, pdserve_argv
 
 MINIMAL = {"instances": {"prefill": [{"address": "127.0.0.1:50051"}], "decode": [{"address": "127.0.0.1:50052"}]}}
 
@@ -61,6 +61,7 @@ def test_invalid_config_error_names_the_key(data, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.system
 def test_coordinator_refuses_to_start_with_a_bad_config(tmp_path):
     path = tmp_path / "ms_coordinator.json"
     path.write_text(json.dumps({**MINIMAL, "http_config": {"predict_prot": 1}}))
@@ -70,6 +71,7 @@ def test_coordinator_refuses_to_start_with_a_bad_config(tmp_path):
     assert "http_config.predict_prot: unknown key" in proc.stderr
 
 
+@pytest.mark.system
 def test_coordinator_refuses_a_file_that_is_not_json(tmp_path):
     path = tmp_path / "ms_coordinator.json"
     path.write_text("{")

@@ -3,16 +3,18 @@ already sent are prefilled again) and the client's stream just continues."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import signal
 import time
 
 import httpx
 
-from tests.conftest import (BackgroundStream, instance_states, management_url, sse_events, start_coordinator,
-                            start_worker, write_config)
-from tests.coordinator.test_metrics import scrape
-from tests.worker.test_greedy_parity import reference_tokens
+from tests.helpers import (BackgroundStream, instance_states, management_url, reference_tokens, scrape, sse_events,
+                          start_coordinator, start_worker, write_config)
+
+pytestmark = pytest.mark.system
 
 MAX_TOKENS = 800  # long enough to still be streaming when the kill lands, even on an idle machine
 LONG = {"maxIterTimes": MAX_TOKENS, "maxSeqLen": 2048, "maxInputTokenLen": 2048}

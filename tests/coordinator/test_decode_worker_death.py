@@ -3,13 +3,17 @@ within 2 s, the coordinator stays up."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import signal
 import time
 
 import httpx
 
-from tests.conftest import BackgroundStream, sse_events, start_coordinator, start_worker, write_config
+from tests.helpers import BackgroundStream, sse_events, start_coordinator, start_worker, write_config
+
+pytestmark = pytest.mark.system
 
 
 def test_decode_worker_death_ends_the_stream_with_an_error_event(cluster, tmp_path):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import signal
 
 import httpx
 
-from tests.conftest import BackgroundStream, sse_events, start_coordinator, write_config
+from tests.helpers import BackgroundStream, sse_events, start_coordinator, write_config
+
+pytestmark = pytest.mark.system
 
 
 def test_sigterm_drains_running_streams_then_exits_zero(cluster, tmp_path):

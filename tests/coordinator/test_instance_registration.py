@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 import signal
 import time
 
 import httpx
 
-from tests.conftest import instance_states, management_url, start_coordinator, start_worker, write_config
+from tests.helpers import instance_states, management_url, start_coordinator, start_worker, write_config
+
+pytestmark = pytest.mark.system
 
 HEALTH = {"health_config": {"check_interval_s": 0.3, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5}}
 

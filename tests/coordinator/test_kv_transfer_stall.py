@@ -3,6 +3,8 @@ and the request is retried on another prefill instance instead of hanging."""
 
 from __future__ import annotations
 
+import pytest
+
 import signal
 import time
 
@@ -11,8 +13,9 @@ import httpx
 
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.conftest import CLUSTER_KV_TIMEOUT_S, start_coordinator, start_worker, write_config
-from tests.coordinator.test_metrics import scrape
+from tests.helpers import CLUSTER_KV_TIMEOUT_S, scrape, start_coordinator, start_worker, write_config
+
+pytestmark = pytest.mark.system
 
 
 def kv_used(address: str, role: str) -> int:

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
-from tests.conftest import management_url
+import pytest
+from tests.helpers import scrape
 
 
-def scrape(url: str) -> dict[tuple, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return values
+
+pytestmark = pytest.mark.system
 
 
 def test_request_metrics_move_as_requests_run(http, cluster):

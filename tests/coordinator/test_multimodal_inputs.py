@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 IMAGE = {"type": "image_url", "image_url": "/data/multimodal_inputs/cat.png"}
 
 

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from tests.conftest import sse_events
+from tests.helpers import sse_events
+
+pytestmark = pytest.mark.system
 
 BASE = {"model": "pdserve-tiny", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.3, "seed": 5}
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def sdk(cluster):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 import openai
 
-from tests.conftest import sse_events
+from tests.helpers import sse_events
+
+pytestmark = pytest.mark.system
 
 CHAT = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
 

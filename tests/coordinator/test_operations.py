@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.system
+
 
 def test_health_is_200_when_every_worker_answers(http, cluster):
     resp = http.get("/health")

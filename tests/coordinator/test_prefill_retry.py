@@ -3,12 +3,15 @@ and the dead one is taken out of rotation at once."""
 
 from __future__ import annotations
 
+import pytest
+
 import signal
 
 import httpx
 
-from tests.conftest import instance_states, start_coordinator, start_worker, write_config
-from tests.coordinator.test_metrics import scrape
+from tests.helpers import instance_states, scrape, start_coordinator, start_worker, write_config
+
+pytestmark = pytest.mark.system
 
 
 def test_requests_routed_to_a_dead_prefill_worker_are_retried_on_a_live_one(cluster, tmp_path):

@@ -9,8 +9,9 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import BackgroundStream, start_coordinator, write_config
-from tests.coordinator.test_metrics import scrape
+from tests.helpers import BackgroundStream, scrape, start_coordinator, write_config
+
+pytestmark = pytest.mark.system
 
 BLOCKER = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": 1500, "stream": True, "temperature": 0,
            "ignore_eos": True}

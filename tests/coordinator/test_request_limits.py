@@ -10,7 +10,9 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import start_coordinator, write_config
+from tests.helpers import start_coordinator, write_config
+
+pytestmark = pytest.mark.system
 
 
 @pytest.fixture(scope="module")

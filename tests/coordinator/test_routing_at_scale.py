@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import pytest
 
-from tests.conftest import ServerProcess, pdserve_argv, start_coordinator, write_config
-from tests.worker.test_worker_metrics import metrics_url
+from tests.helpers import ServerProcess, metrics_url, pdserve_argv, start_coordinator, write_config
+
+pytestmark = pytest.mark.system
 
 NUM_PREFILL = NUM_DECODE = 32
 NUM_REQUESTS = 256

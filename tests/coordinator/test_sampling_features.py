@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 import openai
 import torch
 
-from tests.conftest import sse_events
+from tests.helpers import sse_events
+
+pytestmark = pytest.mark.system
 
 PROMPT = "Once upon a time"
 

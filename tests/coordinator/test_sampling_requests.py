@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from tests.conftest import sse_events, start_coordinator, write_config
+from tests.helpers import sse_events, start_coordinator, write_config
+
+pytestmark = pytest.mark.system
 
 BASE = {"model": "pdserve-tiny", "prompt": "Once upon a time", "max_tokens": 10}
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
-from tests.conftest import sse_events
+from tests.helpers import sse_events
+
+pytestmark = pytest.mark.system
 
 
 def stream(http, path: str, body: dict) -> list[str]:

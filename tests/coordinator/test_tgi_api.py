@@ -7,7 +7,9 @@ import json
 import pytest
 from huggingface_hub import InferenceClient
 
-from tests.conftest import sse_events
+from tests.helpers import sse_events
+
+pytestmark = pytest.mark.system
 
 
 def tgi(http, path: str, inputs: str = "Hello there", **params):

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from tests.conftest import CLUSTER_MAX_ITER_TIMES, CLUSTER_MAX_SEQ_LEN, sse_events
+from tests.helpers import CLUSTER_MAX_ITER_TIMES, CLUSTER_MAX_SEQ_LEN, sse_events
+
+pytestmark = pytest.mark.system
 
 PROMPT = "The scheduler counts every batch"
 

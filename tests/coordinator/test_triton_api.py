@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from tests.conftest import sse_events
+from tests.helpers import sse_events
+
+pytestmark = pytest.mark.system
 
 
 def generate(http, stream=False, model="pdserve-tiny", **body):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import CLUSTER_MAX_SEQ_LEN
+from tests.helpers import CLUSTER_MAX_SEQ_LEN
+
+pytestmark = pytest.mark.system
 
 CHAT = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": "Hi"}]}
 COMPLETION = {"model": "pdserve-tiny", "prompt": "Hi"}

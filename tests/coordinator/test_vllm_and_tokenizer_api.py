@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 
 def test_vllm_generate_returns_the_prompt_and_its_continuation(http):
     whole = http.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": "My name is", "max_tokens": 5,

@@ -7,7 +7,7 @@ import json
 import yaml
 
 from coordinator.config import load_config, parse_config
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def test_local_deploy_config_is_valid():

@@ -6,7 +6,7 @@ import torch
 
 from kv_transfer.buffer_pool import KvBufferPool
 from kv_transfer.codec import KvAssembler, encode_kv
-from tests.kv_transfer.test_codec import make_kv
+from tests.helpers import make_kv
 
 
 def test_given_back_buffer_is_handed_out_again():

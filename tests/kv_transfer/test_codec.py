@@ -7,13 +7,7 @@ import torch
 
 from kv_transfer.base import KvTransferError, TransferredKv
 from kv_transfer.codec import KvAssembler, encode_kv
-
-
-def make_kv(dtype: torch.dtype, layers: int = 3, seq: int = 37) -> TransferredKv:
-    g = torch.Generator().manual_seed(7)
-    tensors = [(torch.randn(1, 2, seq, 16, generator=g).to(dtype), torch.randn(1, 2, seq, 16, generator=g).to(dtype))
-               for _ in range(layers)]
-    return TransferredKv(request_id="req-1", layers=tensors, first_token_id=42, prefill_time_ms=1.5)
+from tests.helpers import bits, make_kv
 
 
 def assemble(messages) -> TransferredKv:
@@ -21,10 +15,6 @@ def assemble(messages) -> TransferredKv:
     for m in messages[1:]:
         assembler.add_message(m)
     return assembler.finish()
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -9,7 +9,7 @@ import torch
 from kv_transfer.base import KvTransferError
 from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverServicer
 from proto import worker_pb2_grpc as pb_grpc
-from tests.kv_transfer.test_codec import bits, make_kv
+from tests.helpers import bits, make_kv
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 from kv_transfer.base import KvTransferError
 from kv_transfer.codec import KvLayer, checksum, kv_items, tensor_bytes
 from kv_transfer.tcp_transport import ACK, BLOCK, DIGEST, LENGTH, PREAMBLE, TcpKvReceiver, TcpKvSender
-from tests.kv_transfer.test_codec import bits, make_kv
+from tests.helpers import bits, make_kv
 
 
 @pytest.fixture

@@ -11,9 +11,10 @@ import torch
 from kv_transfer.codec import KvAssembler
 from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
 from kv_transfer.wire import RawKvLayer, header, make_trailer
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
+@pytest.mark.system
 def test_transports_import_without_torch():
     code = ("import sys, kv_transfer.wire, kv_transfer.tcp_transport, kv_transfer.grpc_transport; "
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import signal
 import socket
 import time
@@ -9,7 +11,9 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import ServerProcess, pdserve_argv
+from tests.helpers import ServerProcess, pdserve_argv
+
+pytestmark = pytest.mark.system
 
 
 def free_port() -> int:

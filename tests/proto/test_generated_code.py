@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.system
 
 
 def test_generated_grpc_code_is_up_to_date(tmp_path):

@@ -6,23 +6,15 @@ import uuid
 
 import grpc
 import pytest
-import torch
 
-from kv_transfer.base import TransferredKv
 from kv_transfer.codec import encode_kv
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.conftest import CLUSTER_KV_TIMEOUT_S
+from tests.helpers import CLUSTER_KV_TIMEOUT_S, fake_prompt_kv
+
+pytestmark = pytest.mark.system
 
 PROMPT_LEN = 9
-
-
-def fake_prompt_kv(request_id: str, hf_model) -> TransferredKv:
-    config = hf_model[0].config
-    head_dim = config.hidden_size // config.num_attention_heads
-    shape = (1, config.num_key_value_heads, PROMPT_LEN, head_dim)
-    layers = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
-    return TransferredKv(request_id=request_id, layers=layers, first_token_id=5, prefill_time_ms=1.0)
 
 
 @pytest.fixture
@@ -55,7 +47,7 @@ async def read_all(call) -> list:
 async def test_valid_kv_stream_is_decoded_to_the_end(decode_channel, hf_model):
     rid = uuid.uuid4().hex
     call = await open_decode(decode_channel, rid, max_tokens=4)
-    ack = await push(decode_channel, list(encode_kv(fake_prompt_kv(rid, hf_model))))
+    ack = await push(decode_channel, list(encode_kv(fake_prompt_kv(rid, hf_model, PROMPT_LEN))))
     assert ack.bytes_received > 0
     events = await read_all(call)
     assert [e.token.index for e in events] == [0, 1, 2, 3]
@@ -66,7 +58,7 @@ async def test_valid_kv_stream_is_decoded_to_the_end(decode_channel, hf_model):
 async def test_corrupted_kv_block_fails_transfer_and_decode_with_checksum_error(decode_channel, hf_model):
     rid = uuid.uuid4().hex
     call = await open_decode(decode_channel, rid)
-    messages = list(encode_kv(fake_prompt_kv(rid, hf_model), chunk_bytes=512))
+    messages = list(encode_kv(fake_prompt_kv(rid, hf_model, PROMPT_LEN), chunk_bytes=512))
     messages[3].block.data = b"\x00" + messages[3].block.data[1:]
     with pytest.raises(grpc.aio.AioRpcError) as push_err:
         await push(decode_channel, messages)
@@ -81,7 +73,7 @@ async def test_corrupted_kv_block_fails_transfer_and_decode_with_checksum_error(
 async def test_truncated_kv_stream_fails_transfer_and_decode(decode_channel, hf_model):
     rid = uuid.uuid4().hex
     call = await open_decode(decode_channel, rid)
-    messages = list(encode_kv(fake_prompt_kv(rid, hf_model), chunk_bytes=512))
+    messages = list(encode_kv(fake_prompt_kv(rid, hf_model, PROMPT_LEN), chunk_bytes=512))
     with pytest.raises(grpc.aio.AioRpcError) as push_err:
         await push(decode_channel, messages[:-2])
     assert "truncated" in push_err.value.details()
@@ -93,7 +85,7 @@ async def test_truncated_kv_stream_fails_transfer_and_decode(decode_channel, hf_
 async def test_kv_with_wrong_prompt_length_is_refused(decode_channel, hf_model):
     rid = uuid.uuid4().hex
     call = await open_decode(decode_channel, rid)
-    kv = fake_prompt_kv(rid, hf_model)
+    kv = fake_prompt_kv(rid, hf_model, PROMPT_LEN)
     kv.layers = [(k[:, :, :-1], v[:, :, :-1]) for k, v in kv.layers]
     with pytest.raises(grpc.aio.AioRpcError) as push_err:
         await push(decode_channel, list(encode_kv(kv)))
@@ -104,7 +96,7 @@ async def test_kv_with_wrong_prompt_length_is_refused(decode_channel, hf_model):
 
 async def test_kv_for_an_unknown_request_is_refused(decode_channel, hf_model):
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await push(decode_channel, list(encode_kv(fake_prompt_kv("nobody-waits", hf_model))))
+        await push(decode_channel, list(encode_kv(fake_prompt_kv("nobody-waits", hf_model, PROMPT_LEN))))
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
     assert "is waiting for a KV cache" in err.value.details()
 

@@ -6,7 +6,9 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import start_coordinator, start_worker, write_config
+from tests.helpers import start_coordinator, start_worker, write_config
+
+pytestmark = pytest.mark.system
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from tests.conftest import sse_events
+from tests.helpers import reference_tokens, sse_events
+
+pytestmark = pytest.mark.system
 
 PROMPTS = [
     "Hello there",
@@ -16,16 +17,6 @@ PROMPTS = [
     "1 2 3 4 5",
 ]
 MAX_TOKENS = 10
-
-
-def reference_tokens(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    model, tokenizer = hf_model
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    return out[0, len(prompt_ids):].tolist()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

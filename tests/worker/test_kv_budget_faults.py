@@ -14,29 +14,14 @@ import pytest
 
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.conftest import ServerProcess, start_coordinator, start_worker, write_config
-from tests.worker.test_decode_worker_faults import fake_prompt_kv
+from tests.helpers import (ServerProcess, fake_prompt_kv, health, start_coordinator, start_worker, wait_for_idle,
+                          write_config)
 from kv_transfer.codec import encode_kv
+
+pytestmark = pytest.mark.system
 
 LEASE_S = 2.0
 DECODE_BUDGET = 300
-
-
-def health(address: str, role: str) -> pb.HealthResponse:
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.PrefillServiceStub(channel) if role == "prefill" else pb_grpc.DecodeServiceStub(channel)
-        return stub.Health(pb.HealthRequest(), timeout=5)
-
-
-def wait_for_idle(address: str, role: str, timeout_s: float = 10.0) -> pb.HealthResponse:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        h = health(address, role)
-        if h.kv_used_tokens == 0 and h.num_running == 0 and h.num_waiting == 0 and h.num_kv_leases == 0:
-            return h
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{role} worker {address} still holds KV: {h}")
-        time.sleep(0.05)
 
 
 class BudgetCluster:
@@ -121,7 +106,7 @@ async def test_checksum_failure_frees_the_decode_workers_budget(bc, hf_model):
             sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=30)
         assert (await call.read()).HasField("accepted")
         assert health(bc.decode.address, "decode").kv_used_tokens == 13
-        messages = list(encode_kv(fake_prompt_kv(rid, hf_model), chunk_bytes=512))
+        messages = list(encode_kv(fake_prompt_kv(rid, hf_model, prompt_len=9), chunk_bytes=512))
         messages[2].block.data = b"\x01" + messages[2].block.data[1:]
         with pytest.raises(grpc.aio.AioRpcError, match="checksum mismatch"):
             await pb_grpc.KvReceiverStub(channel).PushKv(iter(messages), timeout=30)

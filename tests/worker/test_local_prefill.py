@@ -13,11 +13,9 @@ from kv_transfer.base import TransferredKv
 from kv_transfer.codec import encode_kv
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.conftest import start_worker
-from tests.coordinator.test_metrics import scrape
-from tests.worker.test_greedy_parity import reference_tokens
-from tests.worker.test_kv_budget_faults import wait_for_idle
-from tests.worker.test_worker_metrics import metrics_url
+from tests.helpers import metrics_url, reference_tokens, scrape, start_worker, wait_for_idle
+
+pytestmark = pytest.mark.system
 
 MAX_SEQ_LEN = 512
 PROMPTS = [

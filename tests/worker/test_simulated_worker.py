@@ -17,11 +17,11 @@ from kv_transfer.tcp_transport import TcpKvSender
 from kv_transfer.wire import header, item_messages, make_trailer
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.conftest import REPO, ServerProcess, pdserve_argv, sse_events, start_coordinator, write_config
-from tests.coordinator.test_metrics import scrape
-from tests.worker.test_kv_budget_faults import health, wait_for_idle
-from tests.worker.test_worker_metrics import metrics_url
+from tests.helpers import (REPO, ServerProcess, health, metrics_url, pdserve_argv, scrape, sse_events,
+                          start_coordinator, wait_for_idle, write_config)
 from worker.simulated_kv import VerifyingKvSink, synthetic_layer
+
+pytestmark = pytest.mark.system
 
 # A model shape unlike the defaults, so the KV sizes below can only come from these flags.
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 3, 4, 16, 4

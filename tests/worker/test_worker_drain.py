@@ -11,8 +11,9 @@ import pytest
 
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.conftest import BackgroundStream, sse_events, start_coordinator, start_worker, write_config
-from tests.worker.test_kv_budget_faults import health
+from tests.helpers import BackgroundStream, health, sse_events, start_coordinator, start_worker, write_config
+
+pytestmark = pytest.mark.system
 
 LONG_TOKENS = 1500  # over a second of decoding even on an idle machine: still streaming when the signal lands
 

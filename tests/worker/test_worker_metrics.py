@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from tests.coordinator.test_metrics import scrape
+import pytest
+from tests.helpers import metrics_url, scrape
 
 
-def metrics_url(process) -> str:
-    line = next(l for l in process.output if l.startswith("pdserve worker metrics:"))
-    return line.strip().rsplit(" ", 1)[-1]
+pytestmark = pytest.mark.system
 
 
 def test_worker_metrics_move_as_a_request_runs(http, cluster):

@@ -14,8 +14,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.conftest import start_worker
-from tests.worker.test_worker_metrics import metrics_url
+from tests.helpers import metrics_url, start_worker
+
+pytestmark = pytest.mark.system
 
 
 class RecordingManagementApi:

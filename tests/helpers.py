@@ -1,0 +1,228 @@
+"""Helpers shared by tests: real pdserve processes on free 127.0.0.1 ports, configs, stream readers."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from kv_transfer.base import TransferredKv
+from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER_MAX_ITER_TIMES = 12
+CLUSTER_MAX_SEQ_LEN = 512
+CLUSTER_KV_TIMEOUT_S = 3.0
+
+
+def pdserve_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "launcher.cli", *args]
+
+
+class ServerProcess:
+    """A pdserve process started for a test: waits for its ready line, cleans up after itself."""
+
+    def __init__(self, argv: list[str], ready_prefix: str, timeout_s: float = 120.0, env: dict | None = None):
+        self.argv = argv
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.output: list[str] = []
+        lines: queue.Queue = queue.Queue()
+
+        def pump():
+            for line in self.proc.stdout:
+                self.output.append(line)
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.stop()
+                raise TimeoutError(f"{argv} not ready after {timeout_s}s:\n{''.join(self.output)}")
+            if line is None:
+                raise RuntimeError(f"{argv} exited with {self.proc.wait()}:\n{''.join(self.output)}")
+            if line.startswith(ready_prefix):
+                self.address = line.strip().rsplit(" ", 1)[-1].split("=", 1)[-1]
+                return
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_worker(role: str, model_dir: Path, *extra: str) -> ServerProcess:
+    argv = pdserve_argv("worker", "--role", role, "--model", str(model_dir), "--port", "0", *extra)
+    return ServerProcess(argv, "pdserve worker ready:")
+
+
+def write_config(path: Path, prefill: list[str], decode: list[str], model_dir: Path, sections: dict | None = None,
+                 **model_overrides) -> Path:
+    """An ms_coordinator.json for a test cluster; `sections` adds or replaces top-level sections."""
+    config = {
+        "http_config": {"predict_ip": "127.0.0.1", "predict_port": 0, "manage_port": 0},
+        "model_config": {"modelName": "pdserve-tiny", "modelWeightPath": str(model_dir),
+                         "maxSeqLen": CLUSTER_MAX_SEQ_LEN, "maxInputTokenLen": CLUSTER_MAX_SEQ_LEN,
+                         "maxIterTimes": CLUSTER_MAX_ITER_TIMES, **model_overrides},
+        "instances": {"prefill": [{"address": a} for a in prefill], "decode": [{"address": a} for a in decode]},
+        **(sections or {}),
+    }
+    path.write_text(json.dumps(config))
+    return path
+
+
+def start_coordinator(config_path: Path) -> ServerProcess:
+    return ServerProcess(pdserve_argv("coordinator", "--config", str(config_path)), "pdserve coordinator ready:")
+
+
+def management_url(coordinator: ServerProcess) -> str:
+    """The management URL a coordinator printed before its ready line."""
+    line = next(l for l in coordinator.output if l.startswith("pdserve coordinator management:"))
+    return line.strip().rsplit(" ", 1)[-1]
+
+
+def instance_states(coordinator: ServerProcess) -> dict[str, dict[str, str]]:
+    """role -> address -> state, from the coordinator's management API."""
+    body = httpx.get(f"{management_url(coordinator)}/v1/instances", timeout=10).json()
+    return {role: {i["address"]: i["state"] for i in group} for role, group in body.items()}
+
+
+@dataclass
+class Cluster:
+    """A running coordinator with one prefill and one decode worker."""
+
+    url: str
+    prefill: ServerProcess
+    decode: ServerProcess
+    coordinator: ServerProcess
+    model_dir: Path
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60)
+
+
+class BackgroundStream:
+    """A streaming POST read on a thread, so a test can act on servers while it runs."""
+
+    def __init__(self, url: str, body: dict):
+        self.raw = b""
+        self.ended_at: float | None = None
+        self.first_chunk = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(url, body))
+        self._thread.start()
+
+    def _read(self, url: str, body: dict) -> None:
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", url, json=body) as r:
+                for part in r.iter_raw():
+                    self.raw += part
+                    self.first_chunk.set()
+        self.ended_at = time.monotonic()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def sse_events(raw: bytes) -> list[str]:
+    """Split an SSE body into the payloads of its `data:` events, checking the framing."""
+    text = raw.decode("utf-8")
+    assert text.endswith("\n\n"), "an SSE stream must end with a blank line"
+    events = text[:-2].split("\n\n")
+    payloads = []
+    for event in events:
+        assert event.startswith("data: "), f"not an SSE data event: {event!r}"
+        assert "\n" not in event, f"an event spans lines: {event!r}"
+        payloads.append(event[len("data: "):])
+    return payloads
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """Every sample of a Prometheus endpoint, keyed by (name, sorted labels)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+def metrics_url(process: ServerProcess) -> str:
+    """The metrics URL a worker printed before its ready line."""
+    line = next(l for l in process.output if l.startswith("pdserve worker metrics:"))
+    return line.strip().rsplit(" ", 1)[-1]
+
+
+def health(address: str, role: str) -> pb.HealthResponse:
+    """A worker's gRPC Health answer."""
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.PrefillServiceStub(channel) if role == "prefill" else pb_grpc.DecodeServiceStub(channel)
+        return stub.Health(pb.HealthRequest(), timeout=5)
+
+
+def wait_for_idle(address: str, role: str, timeout_s: float = 10.0) -> pb.HealthResponse:
+    """Poll Health until the worker holds no KV and runs nothing; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        h = health(address, role)
+        if h.kv_used_tokens == 0 and h.num_running == 0 and h.num_waiting == 0 and h.num_kv_leases == 0:
+            return h
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{role} worker {address} still holds KV: {h}")
+        time.sleep(0.05)
+
+
+def reference_tokens(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens from transformers' own generate: what every pdserve path must reproduce."""
+    model, tokenizer = hf_model
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def make_kv(dtype: torch.dtype, layers: int = 3, seq: int = 37) -> TransferredKv:
+    """A small seeded KV cache for transport tests."""
+    g = torch.Generator().manual_seed(7)
+    tensors = [(torch.randn(1, 2, seq, 16, generator=g).to(dtype), torch.randn(1, 2, seq, 16, generator=g).to(dtype))
+               for _ in range(layers)]
+    return TransferredKv(request_id="req-1", layers=tensors, first_token_id=42, prefill_time_ms=1.5)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's raw bytes, for bit-exact comparisons across dtypes."""
+    return t.contiguous().view(torch.uint8)
+
+
+def fake_prompt_kv(request_id: str, hf_model, prompt_len: int) -> TransferredKv:
+    """A random KV cache shaped as the model's for a prompt of `prompt_len` tokens."""
+    config = hf_model[0].config
+    head_dim = config.hidden_size // config.num_attention_heads
+    shape = (1, config.num_key_value_heads, prompt_len, head_dim)
+    layers = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
+    return TransferredKv(request_id=request_id, layers=layers, first_token_id=5, prefill_time_ms=1.0)
