@@ -26,6 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER_MAX_ITER_TIMES = 12
 CLUSTER_MAX_SEQ_LEN = 512
 CLUSTER_KV_TIMEOUT_S = 3.0
+# Prompts whose greedy completions every serving path must reproduce token for token.
+GREEDY_PROMPTS = [
+    "Hello there",
+    "The coordinator sends the prompt",
+    "Once upon a time there was a little server that served tokens.",
+    "1 2 3 4 5",
+]
 
 
 def pdserve_argv(*args: str) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from coordinator.instances import InstanceRegistry, InstanceState, ReportedLoad
 
 
@@ -74,3 +76,23 @@ def test_deregistered_workers_are_forgotten_and_configured_ones_need_no_heartbea
     registry.expire_heartbeats()
     assert registry.available("prefill")[0].address == "p:1"
     assert registry.instances("decode") == []
+
+
+def test_a_lease_counts_the_work_on_an_instance_and_a_normal_end_is_a_success():
+    registry = InstanceRegistry(["p:1"], ["d:1"], failure_threshold=2)
+    prefill = registry.get("prefill", "p:1")
+    registry.record_failure(prefill, "boom")
+    with registry.lease(prefill, prompt_tokens=100) as leased:
+        assert leased is prefill
+        assert (prefill.outstanding_requests, prefill.outstanding_prompt_tokens, prefill.num_served) == (1, 100, 1)
+    assert (prefill.outstanding_requests, prefill.outstanding_prompt_tokens, prefill.num_served) == (0, 0, 1)
+    assert prefill.consecutive_failures == 0
+
+
+def test_a_lease_ended_by_an_error_gives_the_work_back_but_is_no_success():
+    registry = InstanceRegistry(["p:1"], ["d:1"], failure_threshold=2)
+    decode = registry.get("decode", "d:1")
+    registry.record_failure(decode, "boom")
+    with pytest.raises(RuntimeError), registry.lease(decode):
+        raise RuntimeError("stream broke")
+    assert decode.outstanding_requests == 0 and decode.consecutive_failures == 1

@@ -6,20 +6,14 @@ import json
 
 import pytest
 
-from tests.helpers import reference_tokens, sse_events
+from tests.helpers import GREEDY_PROMPTS, reference_tokens, sse_events
 
 pytestmark = pytest.mark.system
 
-PROMPTS = [
-    "Hello there",
-    "The coordinator sends the prompt",
-    "Once upon a time there was a little server that served tokens.",
-    "1 2 3 4 5",
-]
 MAX_TOKENS = 10
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", GREEDY_PROMPTS)
 def test_completion_tokens_match_local_greedy_generate(http, hf_model, prompt):
     resp = http.post("/v1/completions", json={
         "model": "pdserve-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.helpers import (ServerProcess, fake_prompt_kv, health, start_coordinator, start_worker, wait_for_idle,
+from tests.helpers import (fake_prompt_kv, health, start_coordinator, start_worker, wait_for_idle,
                           write_config)
 from kv_transfer.codec import encode_kv
 
@@ -115,34 +116,42 @@ async def test_checksum_failure_frees_the_decode_workers_budget(bc, hf_model):
     wait_for_idle(bc.decode.address, "decode")
 
 
-async def prefill_into_stopped_decode_worker(bc, victim: ServerProcess, transport: str, prompt_len: int = 300):
-    """Register a request on `victim`, freeze it, and start a prefill that streams KV into it."""
+@contextlib.asynccontextmanager
+async def prefill_into_stopped_decode_worker(bc, transport: str, prompt_len: int = 300):
+    """A fresh decode worker with a request registered, then frozen (SIGSTOP), and a prefill streaming
+    KV into it; yields (victim, prefill task) and kills the victim afterwards."""
+    victim = start_worker("decode", bc.model_dir)
     rid = uuid.uuid4().hex
     channel = grpc.aio.insecure_channel(victim.address)
+    pchannel = grpc.aio.insecure_channel(bc.prefill.address)
     decode_call = pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
         request_id=rid, prompt_len=prompt_len, max_seq_len=2048,
         sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=60)
-    accepted = await decode_call.read()
-    kv_data_address = accepted.accepted.kv_data_address if transport == "tcp" else ""
-    assert kv_data_address or transport == "grpc"
-    victim.proc.send_signal(signal.SIGSTOP)
-    pchannel = grpc.aio.insecure_channel(bc.prefill.address)
-    prefill = asyncio.ensure_future(pb_grpc.PrefillServiceStub(pchannel).Prefill(pb.PrefillRequest(
-        request_id=rid, prompt_token_ids=[7] * prompt_len, decode_address=victim.address,
-        kv_data_address=kv_data_address,
-        sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=60))
-    deadline = time.monotonic() + 10
-    while health(bc.prefill.address, "prefill").num_kv_leases == 0:
-        assert time.monotonic() < deadline and not prefill.done()
-        await asyncio.sleep(0.02)
-    return prefill, [channel, pchannel, decode_call]
+    try:
+        accepted = await decode_call.read()
+        kv_data_address = accepted.accepted.kv_data_address if transport == "tcp" else ""
+        assert kv_data_address or transport == "grpc"
+        victim.proc.send_signal(signal.SIGSTOP)
+        prefill = asyncio.ensure_future(pb_grpc.PrefillServiceStub(pchannel).Prefill(pb.PrefillRequest(
+            request_id=rid, prompt_token_ids=[7] * prompt_len, decode_address=victim.address,
+            kv_data_address=kv_data_address,
+            sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=60))
+        deadline = time.monotonic() + 10
+        while health(bc.prefill.address, "prefill").num_kv_leases == 0:
+            assert time.monotonic() < deadline and not prefill.done()
+            await asyncio.sleep(0.02)
+        yield victim, prefill
+    finally:
+        victim.proc.kill()
+        victim.proc.wait()
+        decode_call.cancel()
+        for ch in (channel, pchannel):
+            await ch.close()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "grpc"])
 async def test_decode_worker_killed_during_transfer_frees_the_prefill_workers_kv(bc, transport):
-    victim = start_worker("decode", bc.model_dir)
-    try:
-        prefill, handles = await prefill_into_stopped_decode_worker(bc, victim, transport)
+    async with prefill_into_stopped_decode_worker(bc, transport) as (victim, prefill):
         await asyncio.sleep(0.3)
         assert not prefill.done()
         victim.proc.send_signal(signal.SIGKILL)
@@ -151,19 +160,11 @@ async def test_decode_worker_killed_during_transfer_frees_the_prefill_workers_kv
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert victim.address in err.value.details()
         wait_for_idle(bc.prefill.address, "prefill")
-    finally:
-        victim.proc.kill()
-        victim.proc.wait()
-        handles[2].cancel()
-        for ch in handles[:2]:
-            await ch.close()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "grpc"])
 async def test_expired_kv_lease_frees_the_prefill_workers_kv(bc, transport):
-    victim = start_worker("decode", bc.model_dir)
-    try:
-        prefill, handles = await prefill_into_stopped_decode_worker(bc, victim, transport)
+    async with prefill_into_stopped_decode_worker(bc, transport) as (_, prefill):
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await prefill
@@ -171,12 +172,6 @@ async def test_expired_kv_lease_frees_the_prefill_workers_kv(bc, transport):
         assert "KV lease" in err.value.details() and f"{LEASE_S}s" in err.value.details()
         assert time.monotonic() - started < LEASE_S + 5
         wait_for_idle(bc.prefill.address, "prefill")
-    finally:
-        victim.proc.kill()
-        victim.proc.wait()
-        handles[2].cancel()
-        for ch in handles[:2]:
-            await ch.close()
 
 
 def test_cluster_still_serves_after_the_faults(bc):

@@ -13,17 +13,11 @@ from kv_transfer.base import TransferredKv
 from kv_transfer.codec import encode_kv
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.helpers import metrics_url, reference_tokens, scrape, start_worker, wait_for_idle
+from tests.helpers import GREEDY_PROMPTS, metrics_url, reference_tokens, scrape, start_worker, wait_for_idle
 
 pytestmark = pytest.mark.system
 
 MAX_SEQ_LEN = 512
-PROMPTS = [
-    "Hello there",
-    "The coordinator sends the prompt",
-    "Once upon a time there was a little server that served tokens.",
-    "1 2 3 4 5",
-]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +61,7 @@ def hf_prefill(hf_model, request_id: str, ids: list[int]) -> TransferredKv:
     return TransferredKv(request_id, layers, int(out.logits[0, -1].argmax()), prefill_time_ms=1.0)
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("prompt", GREEDY_PROMPTS)
 async def test_local_prefill_tokens_match_local_greedy_generate(decode_worker, hf_model, prompt):
     ids = prompt_ids(hf_model, prompt)
     async with grpc.aio.insecure_channel(decode_worker.address) as channel:
@@ -94,7 +88,7 @@ async def test_local_prefill_first_token_logprobs_are_the_models(decode_worker, 
 async def test_concurrent_local_prefills_and_a_transferred_request_give_each_its_greedy_tokens(
         decode_worker, hf_model):
     max_tokens = 16
-    all_ids = [prompt_ids(hf_model, p) for p in PROMPTS]
+    all_ids = [prompt_ids(hf_model, p) for p in GREEDY_PROMPTS]
     transferred_ids = prompt_ids(hf_model, "A request whose KV cache came from a prefill worker")
     rid = uuid.uuid4().hex
     async with grpc.aio.insecure_channel(decode_worker.address) as channel:
