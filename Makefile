@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install proto clean
+.PHONY: run test test-unit install proto clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The fast subset: no test that starts a process (under a minute here).
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not system"
 
 # Regenerate proto/worker_pb2*.py after editing proto/worker.proto (tests fail when they are stale).
 proto: $(STAMP)
