@@ -12,9 +12,10 @@ port. Each is in one state:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 ROLES = ("prefill", "decode")
@@ -124,6 +125,23 @@ class InstanceRegistry:
     def deregister(self, role: str, address: str) -> bool:
         """Forget a worker; requests already on it run to their end."""
         return self._by_role[role].pop(address, None) is not None
+
+    @contextlib.contextmanager
+    def lease(self, instance: Instance, prompt_tokens: int = 0) -> Iterator[Instance]:
+        """Count one request (and `prompt_tokens` to prefill) on `instance` while the block runs.
+
+        A block that ends normally is a success for the circuit breaker; failures are recorded by whoever
+        classifies them (`record_failure`), since the instance at fault need not be the leased one.
+        """
+        instance.outstanding_requests += 1
+        instance.outstanding_prompt_tokens += prompt_tokens
+        instance.num_served += 1
+        try:
+            yield instance
+        finally:
+            instance.outstanding_requests -= 1
+            instance.outstanding_prompt_tokens -= prompt_tokens
+        self.record_success(instance)
 
     def record_success(self, instance: Instance) -> None:
         instance.consecutive_failures = 0
