@@ -95,12 +95,24 @@ class CoordinatorMetrics:
     def fail(self, api: str, status: int) -> None:
         self.failed.labels(api, FAILURE_REASONS.get(status, "client_error" if status < 500 else "server_error")).inc()
 
+    def queued(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
+
     def token(self, index: int, since_start_s: float, since_last_s: float) -> None:
         if index == 0:
             self.ttft.observe(since_start_s)
         else:
             self.tpot.observe(since_last_s)
         self.generation_tokens.inc()
+
+    def generation_done(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def retried(self) -> None:
+        self.retries.inc()
+
+    def migrated(self) -> None:
+        self.migrations.inc()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -130,6 +142,25 @@ class CoordinatorMetrics:
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class NullMetrics:
+    """CoordinatorMetrics' request-pipeline methods, recording nothing: for a pipeline built outside an app."""
+
+    def queued(self, seconds: float) -> None:
+        pass
+
+    def token(self, index: int, since_start_s: float, since_last_s: float) -> None:
+        pass
+
+    def generation_done(self, prompt_tokens: int) -> None:
+        pass
+
+    def retried(self) -> None:
+        pass
+
+    def migrated(self) -> None:
+        pass
 
 
 METRICS = web.AppKey("metrics", CoordinatorMetrics)
