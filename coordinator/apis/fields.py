@@ -13,7 +13,8 @@ from pydantic import AfterValidator, BaseModel, ValidationError
 from coordinator.errors import ApiError
 from coordinator.request import SamplingOptions
 
-UINT32_MAX = 2147483647
+# The seeds type these fields "uint32_t" yet give the range (0, 2147483647]: the int32 range.
+INT32_MAX = 2147483647
 UINT64_MAX = 18446744073709551615
 STOP_TOTAL_CHARS = 32768
 
@@ -31,8 +32,8 @@ def _top_p(v: float) -> float:
 
 
 def _top_k(v: int) -> int:
-    if v != -1 and not 0 < v <= UINT32_MAX:
-        raise ValueError(f"must be -1 or in (0, {UINT32_MAX}], got {v}")
+    if v != -1 and not 0 < v <= INT32_MAX:
+        raise ValueError(f"must be -1 or in (0, {INT32_MAX}], got {v}")
     return v
 
 
@@ -43,8 +44,8 @@ def _seed(v: int) -> int:
 
 
 def _max_tokens(v: int) -> int:
-    if not 0 < v <= UINT32_MAX:
-        raise ValueError(f"must be in (0, {UINT32_MAX}], got {v}")
+    if not 0 < v <= INT32_MAX:
+        raise ValueError(f"must be in (0, {INT32_MAX}], got {v}")
     return v
 
 
@@ -75,15 +76,15 @@ def _penalty(v: float) -> float:
 
 
 def _token_ids(v: list[int] | None) -> list[int] | None:
-    bad = [t for t in v or () if not 0 <= t <= UINT32_MAX]
+    bad = [t for t in v or () if not 0 <= t <= INT32_MAX]
     if bad:
-        raise ValueError(f"token ids must be in [0, {UINT32_MAX}], got {bad[0]}")
+        raise ValueError(f"token ids must be in [0, {INT32_MAX}], got {bad[0]}")
     return v
 
 
 def _min_tokens(v: int) -> int:
-    if not 0 <= v <= UINT32_MAX:
-        raise ValueError(f"must be in [0, {UINT32_MAX}], got {v}")
+    if not 0 <= v <= INT32_MAX:
+        raise ValueError(f"must be in [0, {INT32_MAX}], got {v}")
     return v
 
 
@@ -97,7 +98,7 @@ TopK = Annotated[int, AfterValidator(_top_k)]
 Seed = Annotated[int, AfterValidator(_seed)]
 MaxTokens = Annotated[int, AfterValidator(_max_tokens)]
 Stop = Annotated[str | list[str] | None, AfterValidator(_stop)]
-PositiveInt32 = MaxTokens  # (0, 2147483647], the seed's "uint32_t" range
+PositiveInt32 = MaxTokens  # (0, INT32_MAX]
 
 
 # The TGI family (TGI, MindIE, Triton) states some ranges differently from OpenAI/vLLM.

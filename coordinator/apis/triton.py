@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from coordinator.apis.fields import UINT32_MAX, MaxTokens, PositiveFloat, Seed, TgiTemperature, TopP, TypicalP
+from coordinator.apis.fields import INT32_MAX, MaxTokens, PositiveFloat, Seed, TgiTemperature, TopP, TypicalP
 from coordinator.apis.tgi import FINISH_REASONS, textgen_sampling
 from coordinator.errors import ApiError
 from coordinator.request import Finished, SamplingOptions, TokenDelta
@@ -17,8 +17,8 @@ REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,256}$")
 
 
 def _top_k(v: int) -> int:
-    if not 0 <= v <= UINT32_MAX:
-        raise ValueError(f"must be in [0, {UINT32_MAX}], got {v}")
+    if not 0 <= v <= INT32_MAX:
+        raise ValueError(f"must be in [0, {INT32_MAX}], got {v}")
     return v
 
 
@@ -41,7 +41,7 @@ class TritonParameters(BaseModel):
     temperature: TgiTemperature | None = None
     top_k: Annotated[int, AfterValidator(_top_k)] | None = None
     top_p: TopP | None = None
-    batch_size: int = Field(1, gt=0, le=UINT32_MAX)
+    batch_size: int = Field(1, gt=0, le=INT32_MAX)
     typical_p: TypicalP | None = None
     watermark: bool = False
     perf_stat: bool = False
@@ -81,8 +81,8 @@ class TritonTensor(BaseModel):
         n = len(self.data)
         if self.shape not in ([n], [1, n]):
             raise ValueError(f"shape {self.shape} does not describe {n} values: use [{n}] or [1, {n}]")
-        if any(not 0 <= t <= UINT32_MAX for t in self.data):
-            raise ValueError("data: token ids must be in [0, 2147483647]")
+        if any(not 0 <= t <= INT32_MAX for t in self.data):
+            raise ValueError(f"data: token ids must be in [0, {INT32_MAX}]")
         return self
 
 
