@@ -10,16 +10,18 @@ from pathlib import Path
 from aiohttp import web
 
 from coordinator.apis.openai_common import error_body
+from coordinator.apis.route_table import ROUTE_TABLE, ErrorStyle, RouteTable
+from coordinator.apis.tgi_family import error_frame
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import ApiError
-from coordinator.limits import ModelLimits
 from coordinator.health_monitor import HealthMonitor
 from coordinator.instances import InstanceRegistry
+from coordinator.limits import ModelLimits
 from coordinator.management import add_management_routes
 from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.pipeline import RequestPipeline
 from coordinator.request_queue import RequestQueue
-from coordinator.routes import add_routes
+from coordinator.routes import PREDICT_ROUTES
 from coordinator.scheduling.policies import make_policy
 from coordinator.scheduling.router import Router
 from coordinator.state import STATE, CoordinatorState
@@ -28,17 +30,13 @@ from coordinator.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/generate_stream", "/infer", "/v2/")
+ERROR_BODIES = {ErrorStyle.OPENAI: error_body, ErrorStyle.TGI: error_frame}
 
 
-NON_OPENAI_V1_PATHS = ("/v1/tokenizer",)
-
-
-def api_error_body(path: str, error: ApiError) -> dict:
-    """OpenAI's error object on OpenAI paths (/v1/...); TGI's `{error, error_type}` everywhere else."""
-    if path.startswith("/v1/") and path not in NON_OPENAI_V1_PATHS:
-        return error_body(error)
-    return {"error": error.message, "error_type": error.error_type}
+def error_response(request: web.Request, error: ApiError, headers: dict | None = None) -> web.Response:
+    """`error` in the body format of the route at the request's path."""
+    style = request.app[ROUTE_TABLE].error_style(request.path)
+    return web.json_response(ERROR_BODIES[style](error), status=error.status, headers=headers)
 
 
 @web.middleware
@@ -47,22 +45,21 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as exc:
-        return web.json_response(api_error_body(request.path, exc), status=exc.status)
+        return error_response(request, exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         reason = exc.reason
         if exc.status == 413:
             reason = f"request body exceeds request_limit.body_limit={request.app[STATE].body_limit_mb} MB"
-        error = ApiError(exc.status, reason)
-        return web.json_response(api_error_body(request.path, error), status=exc.status, headers={
+        return error_response(request, ApiError(exc.status, reason), headers={
             k: v for k, v in exc.headers.items() if k.lower() == "allow"
         })
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
-        return web.json_response(api_error_body(request.path, ApiError(500, "internal server error")), status=500)
+        return error_response(request, ApiError(500, "internal server error"))
 
 
 class InFlightLimit:
@@ -74,11 +71,11 @@ class InFlightLimit:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
-        if request.method != "POST" or not (request.path == "/" or request.path.startswith(GENERATION_PATHS)):
+        if not request.app[ROUTE_TABLE].is_generation(request.method, request.path):
             return await handler(request)
         if self.in_flight >= self.max_requests:
             error = ApiError(429, f"too many requests in flight: request_limit.max_requests={self.max_requests}")
-            return web.json_response(api_error_body(request.path, error), status=429, headers={"Retry-After": "1"})
+            return error_response(request, error, headers={"Retry-After": "1"})
         self.in_flight += 1
         try:
             return await handler(request)
@@ -135,8 +132,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
 
     app.cleanup_ctx.append(background)
     app[METRICS] = metrics
-    add_routes(app)
-    app.router.add_get("/metrics", metrics.handle_metrics)
+    app[ROUTE_TABLE] = PREDICT_ROUTES
+    PREDICT_ROUTES.add_to(app)
     return app
 
 
@@ -144,6 +141,7 @@ def create_management_app(main_app: web.Application) -> web.Application:
     """The management port: registration, instances, health and metrics, apart from client traffic."""
     app = web.Application(middlewares=[error_middleware])
     app[STATE] = main_app[STATE]
+    app[ROUTE_TABLE] = RouteTable([])  # the management routes are not client APIs: errors by path prefix
     add_management_routes(app)
     app.router.add_get("/metrics", main_app[METRICS].handle_metrics)
     return app

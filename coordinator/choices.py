@@ -13,7 +13,7 @@ import dataclasses
 from aiohttp import web
 
 from coordinator.errors import ApiError
-from coordinator.metrics import METRICS, api_of
+from coordinator.metrics import METRICS, api_label
 from coordinator.pipeline import RequestPipeline
 from coordinator.request import GenerationRequest, TokenDelta
 from coordinator.serving import Transcript, json_dumps, record, serve_generation
@@ -100,7 +100,7 @@ async def _stream_choices(http_request, pipeline, requests, formatters) -> web.S
             if isinstance(item, ApiError):
                 if response is None:
                     raise item
-                http_request.app[METRICS].fail(api_of(http_request.path), item.status)
+                http_request.app[METRICS].fail(api_label(http_request), item.status)
                 frames = formatters[i].error_frames(item, transcripts[i])
             else:
                 if response is None:

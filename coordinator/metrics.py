@@ -9,15 +9,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from coordinator.apis.route_table import ROUTE_TABLE, UNROUTED_LABEL
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-
-API_BY_PREFIX = (
-    ("/v1/chat/completions", "openai_chat"), ("/v1/completions", "openai_completions"),
-    ("/generate_stream", "tgi"), ("/generate", "generate"), ("/infer", "mindie"), ("/v2/", "triton"),
-    ("/v1/tokenizer", "tokenizer"),
-)
-
 
 FAILURE_REASONS = {400: "bad_request", 404: "not_found", 408: "timeout", 413: "too_large", 429: "rate_limited",
                    499: "client_disconnected", 500: "internal", 503: "worker_unavailable", 504: "timeout"}
@@ -45,13 +40,17 @@ class InstanceCollector:
         return [healthy, requests, tokens]
 
 
+def api_label(request: web.Request) -> str:
+    """The `api` label of a request: its route's metrics label in the app's route table."""
+    return request.app[ROUTE_TABLE].metrics_label(request.method, request.path) or UNROUTED_LABEL
+
+
 def api_of(path: str) -> str:
-    if path == "/":
-        return "tgi"
-    for prefix, api in API_BY_PREFIX:
-        if path.startswith(prefix):
-            return api
-    return "other"
+    """The `api` label of a POST to `path`, for callers that hold no request; prefer api_label."""
+    # Imported here: the predict routes import the API modules, which import this one.
+    from coordinator.routes import PREDICT_ROUTES
+
+    return PREDICT_ROUTES.metrics_label("POST", path)
 
 
 class CoordinatorMetrics:
@@ -116,9 +115,9 @@ class CoordinatorMetrics:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
-        if request.method != "POST":
+        api = request.app[ROUTE_TABLE].metrics_label(request.method, request.path)
+        if api is None:
             return await handler(request)
-        api = api_of(request.path)
         self.received.labels(api).inc()
         self.running.inc()
         started = time.perf_counter()

@@ -8,7 +8,7 @@ import uuid
 from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import AfterValidator, BaseModel, ValidationError
+from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
 from coordinator.errors import ApiError
 from coordinator.request import SamplingOptions
@@ -99,39 +99,7 @@ Seed = Annotated[int, AfterValidator(_seed)]
 MaxTokens = Annotated[int, AfterValidator(_max_tokens)]
 Stop = Annotated[str | list[str] | None, AfterValidator(_stop)]
 PositiveInt32 = MaxTokens  # (0, INT32_MAX]
-
-
-# The TGI family (TGI, MindIE, Triton) states some ranges differently from OpenAI/vLLM.
-def _positive(v: float) -> float:
-    if not math.isfinite(v) or v <= 0:
-        raise ValueError(f"must be > 0.0, got {v}")
-    return v
-
-
-def _tgi_temperature(v: float) -> float:
-    if not math.isfinite(v) or v <= 1e-6:
-        raise ValueError(f"must be > 1e-6, got {v}")
-    return v
-
-
-def _open_top_p(v: float) -> float:
-    if not 1e-6 < v < 1.0:
-        raise ValueError(f"must be in (1e-6, 1.0), got {v}")
-    return v
-
-
-def _typical_p(v: float) -> float:
-    if not 0.0 < v <= 1.0:
-        raise ValueError(f"must be in (0.0, 1.0], got {v}")
-    if v != 1.0:
-        raise ValueError("typical_p is not supported: only the default 1.0 is accepted")
-    return v
-
-
-PositiveFloat = Annotated[float, AfterValidator(_positive)]
-TgiTemperature = Annotated[float, AfterValidator(_tgi_temperature)]
-OpenTopP = Annotated[float, AfterValidator(_open_top_p)]
-TypicalP = Annotated[float, AfterValidator(_typical_p)]  # unsupported: accepted only at its default
+PromptInput = Annotated[str | list, Field(min_length=1)]  # text, or a list of typed items (see multimodal)
 
 
 def new_seed(requested: int | None) -> int:
@@ -191,6 +159,11 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> Any:
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
         raise ApiError(400, f"{field}: {msg}" if field else msg, param=field) from None
+
+
+async def read_request(request: web.Request, model_cls: type[BaseModel]) -> Any:
+    """The request's JSON body, validated into `model_cls`."""
+    return parse_request(model_cls, await read_json(request))
 
 
 async def read_json(request: web.Request) -> Any:

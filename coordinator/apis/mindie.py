@@ -2,52 +2,33 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict
 
-from coordinator.apis.fields import MaxTokens, OpenTopP, PositiveFloat, PositiveInt32, Seed, TgiTemperature, TypicalP
-from coordinator.apis.tgi import FINISH_REASONS, textgen_sampling
-from coordinator.errors import ApiError
-from coordinator.request import Finished, SamplingOptions, TokenDelta
-from coordinator.serving import SseFormatter, Transcript
+from coordinator.apis.fields import PromptInput, new_id, read_request
+from coordinator.apis.prompts import tokenize_input
+from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.apis.tgi_family import QueuedParameters, TextGenFormatter, finish_details, token_timing
+from coordinator.request import Finished, TokenDelta
+from coordinator.serving import Transcript, serve_generation
+from coordinator.state import STATE
 
 
-class MindieParameters(BaseModel):
+class MindieParameters(QueuedParameters):
     """`parameters` of a MindIE /infer request, with the seed's ranges."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    temperature: TgiTemperature | None = None
-    top_k: PositiveInt32 | None = None
-    top_p: OpenTopP | None = None
-    max_new_tokens: MaxTokens = 20
-    do_sample: bool | None = None
-    seed: Seed | None = None
-    repetition_penalty: PositiveFloat = 1.0
-    details: bool = False
-    typical_p: TypicalP = 1.0
-    watermark: bool = False
-    priority: int = Field(5, ge=1, le=5, description="1 highest ... 5 lowest")
-    timeout: float = Field(600, gt=0, le=3600, description="seconds until the request is ended")
-
-    @model_validator(mode="after")
-    def _unsupported(self):
-        if self.watermark:
-            raise ValueError("watermark is not supported: only false is accepted")
-        return self
-
-    def sampling(self) -> SamplingOptions:
-        return textgen_sampling(self)
 
 
 class MindieRequest(BaseModel):
+    """The body of a MindIE /infer request."""
+
     model_config = ConfigDict(extra="forbid")
 
-    inputs: str | list = Field(min_length=1)
+    inputs: PromptInput
     stream: bool = False
     parameters: MindieParameters = MindieParameters()
 
 
-class MindieFormatter(SseFormatter):
+class MindieFormatter(TextGenFormatter):
     """Per token `{prefill_time, decode_time, token: {id: [id], text}}`; the last adds the result."""
 
     def __init__(self, params: MindieParameters, seed: int, full_text: bool):
@@ -56,32 +37,31 @@ class MindieFormatter(SseFormatter):
         self.full_text = full_text
 
     def _details(self, finished: Finished) -> dict:
-        return {"finish_reason": FINISH_REASONS[finished.reason], "generated_tokens": finished.completion_tokens,
-                "seed": self.seed}
+        return {**finish_details(finished), "seed": self.seed}
 
-    def _event(self, delta: TokenDelta, text: str | None) -> dict:
-        first = delta.index == 0
-        return {"prefill_time": round(delta.time_ms, 3) if first else None,
-                "decode_time": None if first else round(delta.time_ms, 3),
-                "token": {"id": [delta.token_id], "text": text}}
-
-    def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]:
-        if delta.final:
-            return []  # written with the result by final_frames
-        return [self._event(delta, transcript.text if self.full_text else delta.text)]
-
-    def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
+    def stream_event(self, delta: TokenDelta, transcript: Transcript, finished: Finished | None) -> dict:
         # As in the seed, the last event's token has no text: generated_text carries all of it.
-        event = self._event(transcript.deltas[-1], None)
-        event["generated_text"] = transcript.text
-        event["details"] = self._details(finished)
-        return [event]
-
-    def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
-        return [{"error": error.message, "error_type": error.error_type}]
+        text = self.streamed_text(delta, transcript) if finished is None else None
+        event = {**token_timing(delta), "token": {"id": [delta.token_id], "text": text}}
+        if finished is not None:
+            event["generated_text"] = transcript.text
+            event["details"] = self._details(finished)
+        return event
 
     def response(self, transcript: Transcript) -> dict:
         body = {"generated_text": transcript.text}
         if self.params.details:
             body["details"] = self._details(transcript.finished)
         return body
+
+
+async def infer(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = await read_request(request, MindieRequest)
+    _, prompt_ids = await tokenize_input(state, req.inputs, "inputs")
+    gen = req.parameters.generation(new_id("infer"), prompt_ids)
+    formatter = MindieFormatter(req.parameters, gen.sampling.seed, state.full_text)
+    return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
+
+
+ROUTES = [Route("POST", "/infer", infer, ErrorStyle.TGI, "mindie", generation=True)]

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 from typing import Literal
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from coordinator.apis import multimodal
 from coordinator.apis.chat_output import ChatOutputParser, ChatPiece, split_whole
-from coordinator.apis.fields import MaxTokens, new_id
+from coordinator.apis.fields import MaxTokens, new_id, read_request
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
     OpenAIRequest,
+    check_model,
     error_body,
     finish_reason,
+    serve_openai,
     usage,
 )
+from coordinator.apis.route_table import ErrorStyle, Route
 from coordinator.errors import ApiError
-from coordinator.request import Finished, TokenDelta
+from coordinator.request import Finished, GenerationRequest, TokenDelta
 from coordinator.serving import Transcript
+from coordinator.state import STATE
 
 
 class FunctionSpec(BaseModel):
@@ -216,5 +222,21 @@ class ChatFormatter(OpenAIFormatter):
         return body
 
 
-def new_request_id() -> str:
-    return new_id("chatcmpl")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_request(request, ChatCompletionRequest)
+    check_model(body.model, state.model_name)
+    messages = body.template_messages(lambda parts, param: multimodal.text_of_items(parts, param, state.media_dir))
+    state.limits.check_text("".join(m["content"] for m in messages), "messages")
+    prompt_ids = await state.tokenizer.encode_chat(messages, body.template_tools())
+    state.limits.check_prompt(len(prompt_ids), "messages")
+    gen = GenerationRequest(new_id("chatcmpl"), prompt_ids, body.sampling(), body.max_tokens)
+
+    def formatter() -> ChatFormatter:
+        return ChatFormatter(gen.request_id, gen.created, state.model_name, state.full_text, body.return_token_ids,
+                             prompt_ids, state.tokenizer.token_text, body.stream_options, parse_tools=body.parse_tools)
+
+    return await serve_openai(request, body, gen, formatter)
+
+
+ROUTES = [Route("POST", "/v1/chat/completions", chat_completions, ErrorStyle.OPENAI, "openai_chat", generation=True)]

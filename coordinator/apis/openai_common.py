@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coordinator.apis.fields import MinTokens, VllmSamplingFields
+from coordinator.choices import fan_out, serve_choices
 from coordinator.errors import ApiError
-from coordinator.request import Finished, FinishReason, SamplingOptions, TokenDelta
+from coordinator.request import Finished, FinishReason, GenerationRequest, SamplingOptions, TokenDelta
 from coordinator.serving import SseFormatter
-
+from coordinator.state import STATE
 
 # Fields real clients send that later work will honour; until then a non-default value is a
 # clear 400, never silently ignored. Values listed are the defaults that change nothing.
@@ -87,7 +90,11 @@ class OpenAIRequest(VllmSamplingFields):
         return None
 
     def sampling(self) -> SamplingOptions:
-        return super().sampling(min_tokens=self.min_tokens, logprobs=self.logprobs_count())
+        """The request's sampling; with best_of > n, logprobs are computed to rank the candidates."""
+        sampling = super().sampling(min_tokens=self.min_tokens, logprobs=self.logprobs_count())
+        if self.num_generations > self.n and sampling.logprobs is None:
+            sampling = dataclasses.replace(sampling, logprobs=0)
+        return sampling
 
 
 def check_model(requested: str, served: str) -> None:
@@ -153,3 +160,13 @@ class OpenAIFormatter(SseFormatter):
             return []
         return [{"id": self.request_id, "object": self.chunk_object, "created": self.created, "model": self.model,
                  "choices": [], "usage": usage(finished)}]
+
+
+async def serve_openai(request: web.Request, body: OpenAIRequest, gen: GenerationRequest,
+                       make_formatter: Callable[[], OpenAIFormatter]) -> web.StreamResponse:
+    """Serve `body.num_generations` copies of `gen` and answer with the best `body.n` as choices."""
+    requests = fan_out(gen, body.num_generations)
+    formatters = [make_formatter() for _ in requests]
+    for formatter in formatters:
+        formatter.show_logprobs = body.logprobs_count() is not None
+    return await serve_choices(request, request.app[STATE].pipeline, requests, formatters, body.n, body.stream)

@@ -4,20 +4,26 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, Field, model_validator
+from aiohttp import web
+from pydantic import AfterValidator, model_validator
 
-from coordinator.apis.fields import new_id
+from coordinator.apis.fields import PromptInput, new_id, read_request
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
     OpenAIRequest,
+    check_model,
     error_body,
     finish_reason,
+    serve_openai,
     stop_reason,
     usage,
 )
+from coordinator.apis.prompts import tokenize_input
+from coordinator.apis.route_table import ErrorStyle, Route
 from coordinator.errors import ApiError
-from coordinator.request import Finished, TokenDelta
+from coordinator.request import Finished, GenerationRequest, TokenDelta
 from coordinator.serving import Transcript
+from coordinator.state import STATE
 
 
 def _logprobs(v: int | None) -> int | None:
@@ -29,7 +35,7 @@ def _logprobs(v: int | None) -> int | None:
 class CompletionRequest(OpenAIRequest):
     """The body of a completion request."""
 
-    prompt: str | list = Field(min_length=1)
+    prompt: PromptInput
     logprobs: Annotated[int | None, AfterValidator(_logprobs)] = None
     echo: bool = False
 
@@ -102,5 +108,20 @@ class CompletionFormatter(OpenAIFormatter):
         return self._body(choice, usage=usage(finished))
 
 
-def new_request_id() -> str:
-    return new_id("cmpl")
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = await read_request(request, CompletionRequest)
+    check_model(body.model, state.model_name)
+    prompt, prompt_ids = await tokenize_input(state, body.prompt, "prompt")
+    gen = GenerationRequest(new_id("cmpl"), prompt_ids, body.sampling(), body.max_tokens)
+
+    def formatter() -> CompletionFormatter:
+        f = CompletionFormatter(gen.request_id, gen.created, state.model_name, state.full_text, body.return_token_ids,
+                                prompt_ids, state.tokenizer.token_text, body.stream_options)
+        f.echo_text = prompt if body.echo else ""
+        return f
+
+    return await serve_openai(request, body, gen, formatter)
+
+
+ROUTES = [Route("POST", "/v1/completions", completions, ErrorStyle.OPENAI, "openai_completions", generation=True)]

@@ -1,6 +1,12 @@
-"""GET /health and GET /v1/models."""
+"""GET /health, GET /v1/models and GET /metrics."""
 
 from __future__ import annotations
+
+from aiohttp import web
+
+from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.metrics import METRICS
+from coordinator.state import STATE
 
 
 def models_body(model_name: str, created: int, max_model_len: int) -> dict:
@@ -19,3 +25,27 @@ def health_body(instances: dict[str, list[dict]]) -> tuple[int, dict]:
     everyone = all(state == "healthy" for group in states.values() for state in group.values())
     status = "healthy" if serving and everyone else "degraded" if serving else "unhealthy"
     return (200 if serving else 503), {"status": status, "instances": states}
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(models_body(state.model_name, state.started_at, state.limits.max_seq_len))
+
+
+async def health(request: web.Request) -> web.Response:
+    """Every known instance probed now; 200 while at least one prefill and one decode can serve."""
+    state = request.app[STATE]
+    await state.health_monitor.check_all()
+    status, body = health_body(state.registry.snapshot())
+    return web.json_response(body, status=status)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return await request.app[METRICS].handle_metrics(request)
+
+
+ROUTES = [
+    Route("GET", "/v1/models", models, ErrorStyle.OPENAI),
+    Route("GET", "/health", health, ErrorStyle.TGI),
+    Route("GET", "/metrics", metrics, ErrorStyle.TGI),
+]

@@ -1,4 +1,4 @@
-"""TGI text generation: POST /generate and /generate_stream (seed 002), and POST / for TGI clients.
+"""TGI text generation: POST /generate_stream (seed 002), POST / for TGI clients, and /generate's TGI half.
 
 `POST /` is what `huggingface_hub.InferenceClient(base_url=...)` calls, with `stream` in the body;
 it answers in real TGI's shapes (token `id` an int). `/generate_stream` follows the seed, whose
@@ -10,23 +10,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from aiohttp import web
+from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
-from coordinator.apis.fields import (
-    MaxTokens,
-    OpenTopP,
-    PositiveFloat,
-    PositiveInt32,
-    Seed,
-    TgiTemperature,
-    TypicalP,
-    new_id,
-    new_seed,
-    stop_tuple,
-)
+from coordinator.apis.fields import PositiveInt32, PromptInput, new_id, parse_request, read_json, stop_tuple
+from coordinator.apis.prompts import tokenize_input
+from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.apis.tgi_family import TextGenFormatter, TextGenParameters, finish_details
 from coordinator.errors import ApiError
-from coordinator.request import Finished, FinishReason, SamplingOptions, TokenDelta
-from coordinator.serving import SseFormatter, Transcript
+from coordinator.request import Finished, SamplingOptions, TokenDelta
+from coordinator.serving import Transcript, serve_generation
+from coordinator.state import STATE
 
 STOP_ITEM_CHARS = 1024
 STOP_MAX_ITEMS = 1024
@@ -44,50 +38,24 @@ def _stop(v: str | list[str] | None) -> str | list[str] | None:
     return v
 
 
-def textgen_sampling(params, **extra) -> SamplingOptions:
-    """TGI-family sampling (TGI, MindIE, Triton): greedy unless do_sample, or a sampling
-    parameter, asks for sampling; `do_sample: false` is greedy whatever else is set."""
-    wants_sampling = params.do_sample if params.do_sample is not None else any(
-        v is not None for v in (params.temperature, params.top_k, params.top_p))
-    return SamplingOptions(
-        temperature=(params.temperature or 1.0) if wants_sampling else 0.0,
-        top_p=params.top_p or 1.0, top_k=params.top_k or 0, seed=new_seed(params.seed),
-        repetition_penalty=params.repetition_penalty, **extra,
-    )
-
-
-class TgiParameters(BaseModel):
+class TgiParameters(TextGenParameters):
     """`parameters` of a TGI request, with the seed's ranges."""
 
-    model_config = ConfigDict(extra="forbid")
-
     decoder_input_details: bool = False
-    details: bool = False
-    do_sample: bool | None = None
-    max_new_tokens: MaxTokens = 20
-    repetition_penalty: PositiveFloat = 1.0
     return_full_text: bool = False
-    seed: Seed | None = None
-    temperature: TgiTemperature | None = None
-    top_k: PositiveInt32 | None = None
-    top_p: OpenTopP | None = None
     truncate: PositiveInt32 | None = None
-    typical_p: TypicalP = 1.0
-    watermark: bool = False
     stop: Annotated[str | list[str] | None, AfterValidator(_stop)] = None
     adapter_id: str = "None"
 
     @model_validator(mode="after")
-    def _unsupported(self):
-        if self.watermark:
-            raise ValueError("watermark is not supported: only false is accepted")
+    def _no_adapter(self):
         if self.adapter_id not in ("None", ""):
             raise ValueError(f"adapter_id={self.adapter_id!r}: LoRA adapters are not supported")
         return self
 
     def sampling(self) -> SamplingOptions:
         # logprobs=0: TGI reports each token's logprob.
-        return textgen_sampling(self, stop=stop_tuple(self.stop), logprobs=0)
+        return super().sampling(stop=stop_tuple(self.stop), logprobs=0)
 
 
 class TgiRequest(BaseModel):
@@ -95,7 +63,7 @@ class TgiRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    inputs: str | list = Field(min_length=1)
+    inputs: PromptInput
     parameters: TgiParameters = TgiParameters()
     stream: bool = False
 
@@ -106,15 +74,7 @@ class TgiRequest(BaseModel):
         return self
 
 
-FINISH_REASONS = {
-    FinishReason.EOS: "eos_token",
-    FinishReason.STOP_STRING: "stop_sequence",
-    FinishReason.STOP_TOKEN: "stop_sequence",
-    FinishReason.LENGTH: "length",
-}
-
-
-class TgiFormatter(SseFormatter):
+class TgiFormatter(TextGenFormatter):
     """TGI responses; `list_ids` writes stream token ids as `[id]`, as the seed does."""
 
     def __init__(self, request: TgiRequest, prompt_text: str, prompt_token_ids: list[int], seed: int,
@@ -137,28 +97,17 @@ class TgiFormatter(SseFormatter):
     def _generated_text(self, transcript: Transcript) -> str:
         return (self.prompt_text if self.params.return_full_text else "") + transcript.text
 
-    def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]:
-        # The last token's event also carries generated_text and details: written at the finish.
-        return [] if delta.final else [self._stream_event(delta, transcript, None)]
-
-    def _stream_event(self, delta: TokenDelta, transcript: Transcript, finished: Finished | None) -> dict:
-        token = self._token(delta.token_id, transcript.text if self.full_text else delta.text, delta.logprob)
+    def stream_event(self, delta: TokenDelta, transcript: Transcript, finished: Finished | None) -> dict:
+        token = self._token(delta.token_id, self.streamed_text(delta, transcript), delta.logprob)
         if self.list_ids:
             token["id"] = [delta.token_id]
         event = {"token": token, "generated_text": None, "details": None}
         if finished is not None:
             event["generated_text"] = self._generated_text(transcript)
             if self.params.details:
-                event["details"] = {"prompt_tokens": finished.prompt_tokens,
-                                    "finish_reason": FINISH_REASONS[finished.reason],
-                                    "generated_tokens": finished.completion_tokens, "seed": self.seed}
+                event["details"] = {"prompt_tokens": finished.prompt_tokens, **finish_details(finished),
+                                    "seed": self.seed}
         return event
-
-    def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
-        return [self._stream_event(transcript.deltas[-1], transcript, finished)]
-
-    def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
-        return [{"error": error.message, "error_type": error.error_type}]
 
     def response(self, transcript: Transcript) -> dict | list:
         finished = transcript.finished
@@ -168,8 +117,7 @@ class TgiFormatter(SseFormatter):
             if self.params.decoder_input_details:
                 prefill = [self._token(t, self.token_text(t), None) for t in self.prompt_token_ids]
             body["details"] = {
-                "finish_reason": FINISH_REASONS[finished.reason],
-                "generated_tokens": finished.completion_tokens,
+                **finish_details(finished),
                 "prefill": prefill,
                 "prompt_tokens": finished.prompt_tokens,
                 "seed": self.seed,
@@ -178,5 +126,36 @@ class TgiFormatter(SseFormatter):
         return [body] if self.wrap_in_list else body
 
 
-def new_request_id() -> str:
-    return new_id("tgi")
+async def serve_tgi(request: web.Request, body, stream: bool, native_shapes: bool) -> web.StreamResponse:
+    """Serve a TGI body; `native_shapes` answers as real TGI does, else as the seed does."""
+    state = request.app[STATE]
+    if isinstance(body, dict):
+        body = {**body, "stream": stream}
+    req = parse_request(TgiRequest, body)
+    params = req.parameters
+    text, prompt_ids = await tokenize_input(state, req.inputs, "inputs", keep_last=params.truncate)
+    gen = params.generation(new_id("tgi"), prompt_ids)
+    formatter = TgiFormatter(req, text, prompt_ids, gen.sampling.seed, state.full_text,
+                             state.tokenizer.token_text, state.tokenizer.special_ids,
+                             list_ids=not native_shapes, wrap_in_list=native_shapes)
+    return await serve_generation(request, state.pipeline, gen, formatter, stream)
+
+
+async def generate_stream(request: web.Request) -> web.StreamResponse:
+    body = await read_json(request)
+    if isinstance(body, dict) and body.get("stream") is False:
+        raise ApiError(400, "stream: /generate_stream always streams; omit stream or send true", param="stream")
+    return await serve_tgi(request, body, stream=True, native_shapes=False)
+
+
+async def tgi_compat(request: web.Request) -> web.StreamResponse:
+    """POST /: what TGI clients (huggingface_hub.InferenceClient) call; `stream` picks the mode."""
+    body = await read_json(request)
+    stream = bool(body.get("stream")) if isinstance(body, dict) else False
+    return await serve_tgi(request, body, stream=stream, native_shapes=True)
+
+
+ROUTES = [
+    Route("POST", "/generate_stream", generate_stream, ErrorStyle.TGI, "tgi", generation=True),
+    Route("POST", "/", tgi_compat, ErrorStyle.TGI, "tgi", generation=True),
+]

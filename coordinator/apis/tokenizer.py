@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.apis.fields import read_request
+from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.state import STATE
 
 
 class TokenizeRequest(BaseModel):
@@ -13,3 +18,15 @@ class TokenizeRequest(BaseModel):
 
 def tokenize_body(token_texts: list[str]) -> dict:
     return {"token_number": len(token_texts), "tokens": token_texts}
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = await read_request(request, TokenizeRequest)
+    state.limits.check_text(req.inputs, "inputs")
+    ids = await state.tokenizer.encode_text(req.inputs)
+    return web.json_response(tokenize_body([state.tokenizer.token_text(i) for i in ids]))
+
+
+# A /v1/ path that answers in TGI's error format, as MindIE's tokenizer does.
+ROUTES = [Route("POST", "/v1/tokenizer", tokenize, ErrorStyle.TGI, "tokenizer")]

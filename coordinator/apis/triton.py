@@ -5,13 +5,25 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
+from aiohttp import web
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from coordinator.apis.fields import INT32_MAX, MaxTokens, PositiveFloat, Seed, TgiTemperature, TopP, TypicalP
-from coordinator.apis.tgi import FINISH_REASONS, textgen_sampling
+from coordinator.apis.fields import INT32_MAX, PromptInput, TopP, new_id, read_request
+from coordinator.apis.prompts import tokenize_input
+from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.apis.tgi_family import (
+    QueuedParameters,
+    TextGenFormatter,
+    TypicalP,
+    check_model,
+    error_frame,
+    finish_details,
+    token_timing,
+)
 from coordinator.errors import ApiError
-from coordinator.request import Finished, SamplingOptions, TokenDelta
-from coordinator.serving import SseFormatter, Transcript
+from coordinator.request import Finished, TokenDelta
+from coordinator.serving import SseFormatter, Transcript, serve_generation
+from coordinator.state import STATE
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,256}$")
 
@@ -28,43 +40,32 @@ def _request_id(v: str | None) -> str | None:
     return v
 
 
-class TritonParameters(BaseModel):
-    """`parameters` of a Triton request, with the seed's ranges."""
+RequestId = Annotated[str | None, AfterValidator(_request_id)]
 
-    model_config = ConfigDict(extra="forbid")
 
-    details: bool = False
-    do_sample: bool | None = None
-    max_new_tokens: MaxTokens = 20
-    repetition_penalty: PositiveFloat = 1.0
-    seed: Seed | None = None
-    temperature: TgiTemperature | None = None
+class TritonParameters(QueuedParameters):
+    """`parameters` of a Triton request, with the seed's ranges (Triton's top_k, top_p and typical_p differ)."""
+
     top_k: Annotated[int, AfterValidator(_top_k)] | None = None
     top_p: TopP | None = None
-    batch_size: int = Field(1, gt=0, le=INT32_MAX)
     typical_p: TypicalP | None = None
-    watermark: bool = False
+    batch_size: int = Field(1, gt=0, le=INT32_MAX)
     perf_stat: bool = False
-    priority: int = Field(5, ge=1, le=5)
-    timeout: float = Field(600, gt=0, le=3600)
 
     @model_validator(mode="after")
-    def _unsupported(self):
-        if self.watermark:
-            raise ValueError("watermark is not supported: only false is accepted")
+    def _one_input(self):
         if self.batch_size != 1:
             raise ValueError(f"batch_size={self.batch_size}: one input per request, so only 1 is accepted")
         return self
 
-    def sampling(self) -> SamplingOptions:
-        return textgen_sampling(self)
-
 
 class TritonGenerateRequest(BaseModel):
+    """The body of a Triton text request."""
+
     model_config = ConfigDict(extra="forbid")
 
-    id: Annotated[str | None, AfterValidator(_request_id)] = None
-    text_input: str | list = Field(min_length=1)
+    id: RequestId = None
+    text_input: PromptInput
     parameters: TritonParameters = TritonParameters()
 
 
@@ -93,9 +94,11 @@ class TritonOutputSpec(BaseModel):
 
 
 class TritonInferRequest(BaseModel):
+    """The body of a Triton token request: one UINT32 tensor of prompt token ids."""
+
     model_config = ConfigDict(extra="forbid")
 
-    id: Annotated[str | None, AfterValidator(_request_id)] = None
+    id: RequestId = None
     inputs: list[TritonTensor] = Field(min_length=1, max_length=1)
     outputs: list[TritonOutputSpec] = Field(min_length=1, max_length=1)
     parameters: TritonParameters = TritonParameters()
@@ -108,12 +111,7 @@ class TritonInferRequest(BaseModel):
         return inputs
 
 
-def check_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise ApiError(404, f"model {requested!r} is not served here; this server serves {served!r}")
-
-
-class TritonFormatter(SseFormatter):
+class TritonFormatter(TextGenFormatter):
     """Triton text responses: `text_output` plus details with per-token `perf_stat`."""
 
     def __init__(self, request_id: str, model: str, params: TritonParameters, full_text: bool):
@@ -134,39 +132,28 @@ class TritonFormatter(SseFormatter):
         decode = sum(d.time_ms for d in transcript.deltas[1:])
         return {"first_token_cost": round(first, 3) if first is not None else None, "decode_cost": round(decode, 3)}
 
-    def _stream_event(self, delta: TokenDelta, transcript: Transcript, finished: Finished | None) -> dict:
+    def stream_event(self, delta: TokenDelta, transcript: Transcript, finished: Finished | None) -> dict:
         details = {"generated_tokens": delta.index + 1, **self._costs(transcript),
                    "perf_stat": self._perf_stat(transcript.deltas), "batch_size": delta.batch_size,
                    "queue_wait_time": int(delta.queue_wait_ms * 1000)}
         if finished is not None:
-            details = {"finish_reason": FINISH_REASONS[finished.reason], **details}
-        first = delta.index == 0
-        return {**self._head(transcript.text if self.full_text else delta.text), "details": details,
-                "prefill_time": round(delta.time_ms, 3) if first else None,
-                "decode_time": None if first else round(delta.time_ms, 3)}
-
-    def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]:
-        return [] if delta.final else [self._stream_event(delta, transcript, None)]
-
-    def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
-        return [self._stream_event(transcript.deltas[-1], transcript, finished)]
+            details = {**finish_details(finished), **details}
+        return {**self._head(self.streamed_text(delta, transcript)), "details": details, **token_timing(delta)}
 
     def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
-        return [{"id": self.request_id, "error": error.message, "error_type": error.error_type}]
+        return [{"id": self.request_id, **error_frame(error)}]
 
     def response(self, transcript: Transcript) -> dict:
         body = self._head(transcript.text)
         if self.params.details:
-            finished = transcript.finished
-            body["details"] = {"finish_reason": FINISH_REASONS[finished.reason],
-                               "generated_tokens": finished.completion_tokens, **self._costs(transcript)}
+            body["details"] = {**finish_details(transcript.finished), **self._costs(transcript)}
             if self.params.perf_stat:
                 body["details"]["perf_stat"] = self._perf_stat(transcript.deltas)
         return body
 
 
 class TritonTokenFormatter(SseFormatter):
-    """Triton /infer: the input ids followed by the generated ids, as one UINT32 tensor."""
+    """Triton /infer: the input ids followed by the generated ids, as one UINT32 tensor; never streamed."""
 
     def __init__(self, request_id: str, request: TritonInferRequest):
         self.request_id = request_id
@@ -179,9 +166,45 @@ class TritonTokenFormatter(SseFormatter):
         return []
 
     def error_frames(self, error, transcript):
-        return [{"error": error.message, "error_type": error.error_type}]
+        return [error_frame(error)]
 
     def response(self, transcript: Transcript) -> dict:
         data = self.request.inputs[0].data + transcript.token_ids
         return {"id": self.request_id, "outputs": [{"name": self.request.outputs[0].name, "shape": [1, len(data)],
                                                     "datatype": "UINT32", "data": data}]}
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """Triton text generation; `/generate_stream` streams."""
+    state = request.app[STATE]
+    check_model(request.match_info["model"], state.model_name)
+    req = await read_request(request, TritonGenerateRequest)
+    _, prompt_ids = await tokenize_input(state, req.text_input, "text_input")
+    request_id = req.id or new_id("triton")
+    gen = req.parameters.generation(request_id, prompt_ids)
+    formatter = TritonFormatter(request_id, state.model_name, req.parameters, state.full_text)
+    stream = request.path.endswith("/generate_stream")
+    return await serve_generation(request, state.pipeline, gen, formatter, stream)
+
+
+async def infer(request: web.Request) -> web.Response:
+    """Triton token inference: token ids in, token ids out."""
+    state = request.app[STATE]
+    check_model(request.match_info["model"], state.model_name)
+    req = await read_request(request, TritonInferRequest)
+    prompt_ids = req.inputs[0].data
+    vocab = len(state.tokenizer.tokenizer)
+    if max(prompt_ids) >= vocab:
+        raise ApiError(400, f"inputs.0.data: token id {max(prompt_ids)} is outside the vocabulary [0, {vocab})",
+                       param="inputs")
+    state.limits.check_prompt(len(prompt_ids), "inputs.0.data")
+    request_id = req.id or new_id("triton")
+    gen = req.parameters.generation(request_id, list(prompt_ids))
+    return await serve_generation(request, state.pipeline, gen, TritonTokenFormatter(request_id, req), False)
+
+
+ROUTES = [
+    Route("POST", "/v2/models/{model}/generate", generate, ErrorStyle.TGI, "triton", generation=True),
+    Route("POST", "/v2/models/{model}/generate_stream", generate, ErrorStyle.TGI, "triton", generation=True),
+    Route("POST", "/v2/models/{model}/infer", infer, ErrorStyle.TGI, "triton", generation=True),
+]

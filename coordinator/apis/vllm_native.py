@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 
-from pydantic import ConfigDict, Field
+from aiohttp import web
+from pydantic import ConfigDict
 
-from coordinator.apis.fields import VllmSamplingFields
+from coordinator.apis.fields import PromptInput, VllmSamplingFields, new_id, parse_request
+from coordinator.apis.prompts import tokenize_input
+from coordinator.apis.tgi_family import error_frame
 from coordinator.errors import ApiError
-from coordinator.request import Finished, TokenDelta
-from coordinator.serving import Transcript
+from coordinator.request import Finished, GenerationRequest, TokenDelta
+from coordinator.serving import Transcript, serve_generation
+from coordinator.state import STATE
 
 
 class VllmGenerateRequest(VllmSamplingFields):
@@ -17,7 +21,7 @@ class VllmGenerateRequest(VllmSamplingFields):
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    prompt: str | list = Field(min_length=1)
+    prompt: PromptInput
     stream: bool = False
     model: str | None = None  # a LoRA id in the seed; only the served model (or "None") is accepted
 
@@ -48,8 +52,18 @@ class VllmFormatter:
         return []
 
     def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
-        return [{"error": error.message, "error_type": error.error_type}]
+        return [error_frame(error)]
 
     def response(self, transcript: Transcript) -> dict:
         # As the seed's example shows, the answer repeats the prompt before the generated text.
         return {"text": [self.prompt + transcript.text]}
+
+
+async def serve_vllm(request: web.Request, body: dict) -> web.StreamResponse:
+    """Serve a vLLM /generate body (POST /generate routes here when the body has `prompt`)."""
+    state = request.app[STATE]
+    req = parse_request(VllmGenerateRequest, body)
+    check_lora(req.model, state.model_name)
+    text, prompt_ids = await tokenize_input(state, req.prompt, "prompt")
+    gen = GenerationRequest(new_id("vllm"), prompt_ids, req.sampling(), req.max_tokens)
+    return await serve_generation(request, state.pipeline, gen, VllmFormatter(text, state.full_text), req.stream)

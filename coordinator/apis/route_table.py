@@ -1,0 +1,85 @@
+"""The HTTP route table: one entry per route, read by the app, the middlewares and the metrics."""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Metrics label of a POST that matches no route (GETs of unknown paths are not counted).
+UNROUTED_LABEL = "other"
+
+
+class ErrorStyle(enum.Enum):
+    """Which error body a route answers with."""
+
+    OPENAI = "openai"  # {"error": {"message", "type", "param", "code"}}
+    TGI = "tgi"  # {"error", "error_type"}: TGI, vLLM native, Triton, MindIE, tokenizer, operations
+
+
+@dataclass(frozen=True)
+class Route:
+    """One HTTP route: where it is, what serves it, its error body and its metrics label."""
+
+    method: str
+    path: str  # an aiohttp pattern: `{name}` stands for one path segment
+    handler: Handler
+    error_style: ErrorStyle
+    metrics_label: str | None = None  # None: not counted in the request metrics
+    generation: bool = False  # runs a generation, so counts against request_limit.max_requests
+
+    def pattern(self) -> re.Pattern:
+        parts = re.split(r"(\{[^}]+\})", self.path)
+        return re.compile("".join("[^/]+" if p.startswith("{") else re.escape(p) for p in parts) + r"\Z")
+
+
+class RouteTable:
+    """An app's routes, looked up by path as the middlewares need them."""
+
+    def __init__(self, routes: Iterable[Route]):
+        self.routes = tuple(routes)
+        keys = [(r.method, r.path) for r in self.routes]
+        duplicates = sorted({k for k in keys if keys.count(k) > 1})
+        if duplicates:
+            raise ValueError(f"routes declared twice: {duplicates}")
+        self._static = [r for r in self.routes if "{" not in r.path]
+        self._dynamic = [(r.pattern(), r) for r in self.routes if "{" in r.path]
+
+    def add_to(self, app: web.Application) -> None:
+        for r in self.routes:
+            if r.method == "GET":
+                app.router.add_get(r.path, r.handler)  # answers HEAD too
+            else:
+                app.router.add_route(r.method, r.path, r.handler)
+
+    def at_path(self, path: str) -> list[Route]:
+        """The routes at `path`, whatever their method."""
+        return [r for r in self._static if r.path == path] + [r for p, r in self._dynamic if p.match(path)]
+
+    def find(self, method: str, path: str) -> Route | None:
+        return next((r for r in self.at_path(path) if r.method == method), None)
+
+    def error_style(self, path: str) -> ErrorStyle:
+        """The style of the route at `path`; an unknown path under /v1/ is OpenAI's, any other TGI's."""
+        routes = self.at_path(path)
+        if routes:
+            return routes[0].error_style
+        return ErrorStyle.OPENAI if path.startswith("/v1/") else ErrorStyle.TGI
+
+    def metrics_label(self, method: str, path: str) -> str | None:
+        route = self.find(method, path)
+        if route is not None:
+            return route.metrics_label
+        return UNROUTED_LABEL if method == "POST" else None
+
+    def is_generation(self, method: str, path: str) -> bool:
+        route = self.find(method, path)
+        return route is not None and route.generation
+
+
+ROUTE_TABLE = web.AppKey("route_table", RouteTable)
