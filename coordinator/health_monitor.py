@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from coordinator.instances import Instance, InstanceRegistry, InstanceState, ReportedLoad
+from coordinator.failures import WorkerCallError
+from coordinator.instances import Instance, InstanceRegistry, InstanceState
 from coordinator.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -26,18 +27,16 @@ class HealthMonitor:
 
     async def check(self, instance: Instance) -> None:
         try:
-            reply = await self.client.health(instance.address, instance.role, timeout=self.timeout_s)
+            report = await self.client.health(instance.address, instance.role, timeout=self.timeout_s)
         except Exception as exc:  # any failure to answer counts against the instance
+            why = exc.failure.code if isinstance(exc, WorkerCallError) else type(exc).__name__
             was = instance.state
-            self.registry.record_failure(instance, f"health check failed: {type(exc).__name__}")
+            self.registry.record_failure(instance, f"health check failed: {why}")
             if was is InstanceState.HEALTHY and instance.state is not InstanceState.HEALTHY:
                 logger.warning("%s instance %s taken out: %s", instance.role, instance.address, instance.reason)
             return
         was = instance.state
-        self.registry.record_health(instance, ReportedLoad(
-            num_running=reply.num_running, num_waiting=reply.num_waiting, kv_used_tokens=reply.kv_used_tokens,
-            kv_capacity_tokens=reply.kv_capacity_tokens, queued_prompt_tokens=reply.queued_prompt_tokens,
-        ), draining=reply.draining)
+        self.registry.record_health(instance, report.load, draining=report.draining)
         if was is not instance.state:
             logger.warning("%s instance %s is now %s", instance.role, instance.address, instance.state.value)
 

@@ -1,9 +1,17 @@
-"""gRPC calls from the coordinator to workers; the only place coordinator types meet protobuf."""
+"""gRPC calls from the coordinator to workers; the only place coordinator types meet protobuf.
+
+Calls return domain objects (DecodeAccepted, DecodedToken, PrefillDone, HealthReport) and raise
+WorkerCallError, carrying a classifiable WorkerFailure, instead of gRPC's own error.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
 
+from coordinator.failures import WorkerCallError, WorkerFailure
+from coordinator.instances import ReportedLoad
 from coordinator.request import FinishReason, GenerationRequest
 from kv_transfer.grpc_transport import GRPC_OPTIONS
 from proto import worker_pb2 as pb
@@ -15,6 +23,47 @@ FINISH_FROM_PB = {
     pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
     pb.FINISH_REASON_STOP_TOKEN: FinishReason.STOP_TOKEN,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAccepted:
+    """The decode worker holds KV budget for the request and waits for its cache."""
+
+    kv_data_address: str  # its raw-TCP KV receiver; "" = push over gRPC
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedToken:
+    """One token of a decode stream; `index` counts from 0 within this stream."""
+
+    token_id: int
+    text: str
+    index: int
+    time_ms: float  # prefill time for the first token, step latency after
+    finish_reason: FinishReason | None  # set on the last token only
+    matched_stop: str | None
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
+    batch_size: int
+    queue_wait_ms: float
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """A prefill that ran and handed its KV cache to the decode worker."""
+
+    first_token_id: int
+    prefill_time_ms: float
+    kv_bytes: int
+    kv_transfer_ms: float
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """A worker's answer to a health check."""
+
+    load: ReportedLoad
+    draining: bool
 
 
 def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingParams:
@@ -40,6 +89,48 @@ def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingPa
     )
 
 
+def token_from_pb(token: pb.TokenEvent) -> DecodedToken:
+    return DecodedToken(
+        token_id=token.token_id,
+        text=token.text,
+        index=token.index,
+        time_ms=token.time_ms,
+        finish_reason=FINISH_FROM_PB.get(token.finish_reason),
+        matched_stop=token.matched_stop or None,
+        logprob=token.logprob,
+        top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs),
+        batch_size=token.batch_size or 1,
+        queue_wait_ms=token.queue_wait_ms,
+    )
+
+
+def _call_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> WorkerCallError:
+    return WorkerCallError(WorkerFailure(stage, address, exc.code().name, exc.details() or ""))
+
+
+class DecodeStream:
+    """An open Decode call: `DecodeAccepted` first, then one `DecodedToken` per token."""
+
+    def __init__(self, address: str, call):
+        self.address = address
+        self._call = call
+
+    async def read(self) -> DecodeAccepted | DecodedToken | None:
+        """The next event; None when the worker ended the stream."""
+        try:
+            msg = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise _call_error("decode", self.address, exc) from None
+        if msg is grpc.aio.EOF:
+            return None
+        if msg.WhichOneof("event") == "accepted":
+            return DecodeAccepted(msg.accepted.kv_data_address)
+        return token_from_pb(msg.token)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 class WorkerClient:
     """One channel per worker address, opened on first use and closed at shutdown."""
 
@@ -54,12 +145,11 @@ class WorkerClient:
         return channel
 
     def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float,
-                    local_prefill: bool = False):
-        """Start a Decode stream (with `local_prefill`, the decode worker prefills the prompt itself);
-        the caller reads events from the returned call."""
+                    local_prefill: bool = False) -> DecodeStream:
+        """Start a Decode stream (with `local_prefill`, the decode worker prefills the prompt itself)."""
         stub = pb_grpc.DecodeServiceStub(self._channel(address))
         send_prompt = local_prefill or request.sampling.repetition_penalty != 1.0
-        return stub.Decode(
+        call = stub.Decode(
             pb.DecodeRequest(
                 request_id=request.request_id,
                 prompt_len=len(request.prompt_token_ids),
@@ -70,27 +160,39 @@ class WorkerClient:
             ),
             timeout=timeout,
         )
+        return DecodeStream(address, call)
 
     async def prefill(
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
         kv_data_address: str = "",
-    ) -> pb.PrefillResponse:
+    ) -> PrefillDone:
         stub = pb_grpc.PrefillServiceStub(self._channel(address))
-        return await stub.Prefill(
-            pb.PrefillRequest(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling=sampling_to_pb(request, max_tokens),
-                decode_address=decode_address,
-                kv_data_address=kv_data_address,
-            ),
-            timeout=timeout,
-        )
+        try:
+            reply = await stub.Prefill(
+                pb.PrefillRequest(
+                    request_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    sampling=sampling_to_pb(request, max_tokens),
+                    decode_address=decode_address,
+                    kv_data_address=kv_data_address,
+                ),
+                timeout=timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _call_error("prefill", address, exc) from None
+        return PrefillDone(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms)
 
-    async def health(self, address: str, role: str, timeout: float = 2.0) -> pb.HealthResponse:
+    async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
         channel = self._channel(address)
         stub = pb_grpc.PrefillServiceStub(channel) if role == "prefill" else pb_grpc.DecodeServiceStub(channel)
-        return await stub.Health(pb.HealthRequest(), timeout=timeout)
+        try:
+            reply = await stub.Health(pb.HealthRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _call_error(role, address, exc) from None
+        return HealthReport(ReportedLoad(
+            num_running=reply.num_running, num_waiting=reply.num_waiting, kv_used_tokens=reply.kv_used_tokens,
+            kv_capacity_tokens=reply.kv_capacity_tokens, queued_prompt_tokens=reply.queued_prompt_tokens,
+        ), draining=reply.draining)
 
     async def forget(self, address: str) -> None:
         """Close the channel of an instance that left."""

@@ -16,6 +16,9 @@ class Route:
     prefill: Instance | None
     decode: Instance
 
+    def instance(self, role: str) -> Instance | None:
+        return self.prefill if role == "prefill" else self.decode
+
 
 class Router:
     """Applies the configured policy to the instances that are routable right now."""

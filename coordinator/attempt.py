@@ -1,0 +1,210 @@
+"""One attempt at a request on one route: open the decode stream, wait until it is accepted, run
+the prefill, relay the tokens. Any failure ends it as an AttemptFailed that says whether another
+route could do better, after the circuit breaker has counted it against the instance at fault."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+
+from coordinator.errors import WorkerError
+from coordinator.failures import FailureKind, WorkerCallError, WorkerFailure, deadline_error
+from coordinator.instances import Instance, InstanceRegistry
+from coordinator.limits import ModelLimits
+from coordinator.metrics import CoordinatorMetrics, NullMetrics
+from coordinator.request import Finished, GenerationEvent, GenerationRequest, TokenDelta
+from coordinator.scheduling.router import Route
+from coordinator.worker_client import DecodeAccepted, DecodedToken, DecodeStream, PrefillDone, WorkerClient
+
+
+class AttemptFailed(Exception):
+    """One attempt failed; `blame` is the instance at fault when another one could do better."""
+
+    def __init__(self, error: WorkerError, blame: Instance | None = None, retryable: bool = False):
+        super().__init__(error.message)
+        self.error = error
+        self.blame = blame
+        self.retryable = retryable and blame is not None
+
+
+@dataclasses.dataclass
+class Progress:
+    """What the client has already been sent, across attempts."""
+
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    decode_times: list[float] = dataclasses.field(default_factory=list)
+    prefill_ms: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Deadlines:
+    """The clocks of one attempt and what the client is told when each runs out."""
+
+    timeout: float  # the request's own limit in seconds, for messages
+    first_token: float  # monotonic time by which the first token must have come
+    late: WorkerError
+
+    def left(self) -> float:
+        return max(self.first_token - time.monotonic(), 0.0)
+
+
+class AttemptRunner:
+    """Runs attempts on the workers a router picked, keeping each instance's lease and circuit breaker."""
+
+    def __init__(self, client: WorkerClient, registry: InstanceRegistry, limits: ModelLimits,
+                 first_token_timeout: float, metrics: CoordinatorMetrics | NullMetrics):
+        self.client = client
+        self.registry = registry
+        self.limits = limits
+        self.first_token_timeout = first_token_timeout
+        self.metrics = metrics
+
+    async def run(self, request: GenerationRequest, route: Route, max_tokens: int, deadline: float, timeout: float,
+                  progress: Progress, original_prompt_len: int) -> AsyncIterator[GenerationEvent]:
+        """Yield the attempt's events, continuing `progress`; raises AttemptFailed."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AttemptFailed(deadline_error(timeout))
+        first_deadline = min(deadline, time.monotonic() + self.first_token_timeout)
+        # Which limit ends the wait for the first token decides what the client is told.
+        late = deadline_error(timeout) if first_deadline == deadline else self._first_token_late(route)
+        clocks = _Deadlines(timeout, first_deadline, late)
+        prefill_task: asyncio.Task | None = None
+        try:
+            with self.registry.lease(route.decode):
+                # The Decode call's deadline ends the request everywhere: the decode worker cancels and frees it.
+                stream = self.client.open_decode(route.decode.address, request, max_tokens, self.limits.max_seq_len,
+                                                 remaining, local_prefill=route.prefill is None)
+                try:
+                    started = time.monotonic()
+                    accepted = await self._read_within(stream, route, clocks)
+                    if accepted is None:
+                        raise AttemptFailed(WorkerError(f"decode worker {route.decode.address} closed the stream "
+                                                        "before accepting"), route.decode, retryable=True)
+                    admission_ms = (time.monotonic() - started) * 1000
+                    # The decode worker now holds KV budget for this request and waits for its cache.
+                    if route.prefill is not None:
+                        prefill_task = asyncio.create_task(self._prefill(route, request, max_tokens, accepted))
+                    first = await self._first_token(stream, prefill_task, route, clocks)
+                    async for event in self._relay(stream, first, route, progress, original_prompt_len,
+                                                   request.sampling.logprobs is not None, admission_ms, clocks):
+                        yield event
+                finally:
+                    stream.cancel()
+        finally:
+            if prefill_task is not None:
+                if not prefill_task.done():
+                    prefill_task.cancel()
+                # Retrieve the outcome so a failed prefill is never reported as unhandled.
+                await asyncio.gather(prefill_task, return_exceptions=True)
+
+    async def _prefill(self, route: Route, request: GenerationRequest, max_tokens: int,
+                       accepted: DecodeAccepted) -> PrefillDone:
+        with self.registry.lease(route.prefill, prompt_tokens=len(request.prompt_token_ids)):
+            return await self.client.prefill(route.prefill.address, request, max_tokens, route.decode.address,
+                                             self.first_token_timeout, kv_data_address=accepted.kv_data_address)
+
+    async def _read_within(self, stream: DecodeStream, route: Route, clocks: _Deadlines):
+        try:
+            return await asyncio.wait_for(stream.read(), clocks.left())
+        except TimeoutError:
+            raise AttemptFailed(clocks.late) from None
+        except WorkerCallError as exc:
+            raise self._failed(route, exc.failure, clocks) from None
+
+    async def _first_token(self, stream: DecodeStream, prefill_task: asyncio.Task | None, route: Route,
+                           clocks: _Deadlines) -> DecodedToken | None:
+        """The first token event, racing the decode stream against the prefill and the clock."""
+        if prefill_task is None:
+            return await self._read_within(stream, route, clocks)
+        read = asyncio.ensure_future(stream.read())
+        try:
+            done, _ = await asyncio.wait({read, prefill_task}, timeout=clocks.left(),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if read not in done and prefill_task in done:
+                # A failed prefill fails the attempt at once; a finished one hands over to the decode worker.
+                self._raise_if_prefill_failed(prefill_task, route, clocks)
+                await asyncio.wait({read}, timeout=clocks.left())
+            if not read.done():
+                raise AttemptFailed(clocks.late)
+            exc = read.exception()
+            if exc is None:
+                return read.result()
+            if not isinstance(exc, WorkerCallError):
+                raise exc
+            # A failed prefill explains a failed decode better than the decode error does.
+            self._raise_if_prefill_failed(prefill_task, route, clocks)
+            raise self._failed(route, exc.failure, clocks)
+        finally:
+            if not read.done():
+                read.cancel()
+
+    async def _relay(self, stream: DecodeStream, token: DecodedToken | None, route: Route, progress: Progress,
+                     prompt_len: int, wants_logprobs: bool, admission_ms: float, clocks: _Deadlines):
+        loop_time = time.monotonic
+        started = last = loop_time()
+        offset = progress.count
+        while True:
+            if token is None:
+                raise AttemptFailed(WorkerError(f"decode worker {route.decode.address} ended the stream without "
+                                                "a final token"), route.decode, retryable=True)
+            index = offset + token.index
+            if index == 0:
+                progress.prefill_ms = token.time_ms
+            else:
+                progress.decode_times.append(token.time_ms)
+            now = loop_time()
+            self.metrics.token(index, now - started, now - last)
+            last = now
+            progress.token_ids.append(token.token_id)
+            yield TokenDelta(
+                token_id=token.token_id, text=token.text, index=index, time_ms=token.time_ms,
+                logprob=token.logprob if wants_logprobs else None, top_logprobs=token.top_logprobs,
+                final=token.finish_reason is not None, batch_size=token.batch_size,
+                queue_wait_ms=admission_ms if token.index == 0 else token.queue_wait_ms,
+            )
+            if token.finish_reason is not None:
+                self.metrics.generation_done(prompt_len)
+                yield Finished(
+                    reason=token.finish_reason,
+                    prompt_tokens=prompt_len,
+                    completion_tokens=index + 1,
+                    matched_stop=token.matched_stop,
+                    prefill_time_ms=progress.prefill_ms,
+                    decode_time_ms=tuple(progress.decode_times),
+                )
+                return
+            try:
+                token = await stream.read()
+            except WorkerCallError as exc:
+                raise self._failed(route, exc.failure, clocks) from None
+
+    def _first_token_late(self, route: Route) -> WorkerError:
+        where = f"prefill {route.prefill.address} / " if route.prefill is not None else ""
+        return WorkerError(f"no first token from {where}decode {route.decode.address} within "
+                           f"first_token_timeout={self.first_token_timeout}s", status=504)
+
+    def _raise_if_prefill_failed(self, prefill_task: asyncio.Task, route: Route, clocks: _Deadlines) -> None:
+        if not prefill_task.done() or prefill_task.cancelled() or prefill_task.exception() is None:
+            return
+        exc = prefill_task.exception()
+        if not isinstance(exc, WorkerCallError):
+            raise AttemptFailed(WorkerError(f"prefill worker {route.prefill.address} failed: {exc}"))
+        raise self._failed(route, exc.failure, clocks)
+
+    def _failed(self, route: Route, failure: WorkerFailure, clocks: _Deadlines) -> AttemptFailed:
+        """Count a classified failure against the instance at fault; whether to retry follows from the blame."""
+        kind = failure.kind
+        if kind is FailureKind.DEADLINE:
+            return AttemptFailed(deadline_error(clocks.timeout))
+        role = kind.blamed_role(failure.stage)
+        blamed = route.instance(role) if role is not None else None
+        if blamed is not None:
+            self.registry.record_failure(blamed, failure.circuit_reason, gone=kind.opens_circuit)
+        return AttemptFailed(failure.error(), blamed, retryable=True)

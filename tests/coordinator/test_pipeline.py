@@ -1,0 +1,169 @@
+"""The request pipeline's attempts, retries and migrations, driven by scripted workers (no servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+
+from coordinator.errors import WorkerError
+from coordinator.failures import WorkerCallError, WorkerFailure
+from coordinator.instances import InstanceRegistry
+from coordinator.limits import ModelLimits
+from coordinator.metrics import CoordinatorMetrics, NullMetrics
+from coordinator.pipeline import RequestPipeline
+from coordinator.request import Finished, FinishReason, GenerationRequest, SamplingOptions, TokenDelta
+from coordinator.request_queue import RequestQueue
+from coordinator.scheduling.policies import RoundRobinPolicy
+from coordinator.scheduling.router import Router
+from coordinator.worker_client import DecodeAccepted, DecodedToken, PrefillDone
+
+HANG = object()  # a stream that sends nothing more
+PROMPT = [1, 2, 3]
+
+
+def token(index: int, token_id: int, final: bool = False) -> DecodedToken:
+    return DecodedToken(token_id=token_id, text=f"<{token_id}>", index=index, time_ms=1.0,
+                        finish_reason=FinishReason.LENGTH if final else None, matched_stop=None, logprob=-0.5,
+                        top_logprobs=(), batch_size=1, queue_wait_ms=0.0)
+
+
+def failure(stage: str, address: str, code: str, details: str = "") -> WorkerCallError:
+    return WorkerCallError(WorkerFailure(stage, address, code, details))
+
+
+class ScriptedStream:
+    def __init__(self, events: list):
+        self.events = list(events)
+
+    async def read(self):
+        item = self.events.pop(0) if self.events else HANG
+        if item is HANG:
+            await asyncio.get_running_loop().create_future()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        pass
+
+
+class ScriptedWorkers:
+    """WorkerClient stand-in: each decode call plays the next script of its address; prefills fail as told."""
+
+    def __init__(self, decode_scripts: dict[str, list[list]], prefill_errors: dict[str, Exception] | None = None):
+        self.decode_scripts = decode_scripts
+        self.prefill_errors = prefill_errors or {}
+        self.decode_calls: list[tuple[str, GenerationRequest]] = []
+
+    def open_decode(self, address, request, max_tokens, max_seq_len, timeout, local_prefill=False):
+        self.decode_calls.append((address, request))
+        return ScriptedStream(self.decode_scripts[address].pop(0))
+
+    async def prefill(self, address, request, max_tokens, decode_address, timeout, kv_data_address=""):
+        if address in self.prefill_errors:
+            raise self.prefill_errors[address]
+        return PrefillDone(first_token_id=0, prefill_time_ms=1.0, kv_bytes=0, kv_transfer_ms=0.0)
+
+
+class CountingMetrics(NullMetrics):
+    def __init__(self):
+        self.num_retries = self.num_migrations = 0
+
+    def retried(self) -> None:
+        self.num_retries += 1
+
+    def migrated(self) -> None:
+        self.num_migrations += 1
+
+
+def make_pipeline(workers, prefill: list[str], decode: list[str], first_token_timeout: float = 5.0):
+    registry = InstanceRegistry(prefill, decode)
+    limits = ModelLimits(max_seq_len=64, max_input_token_len=32, max_iter_times=16, max_position_embeddings=64)
+    metrics = CountingMetrics()
+    pipeline = RequestPipeline(workers, Router(registry, RoundRobinPolicy()), registry, limits, RequestQueue(4),
+                               first_token_timeout, 10.0, metrics, max_retry=2, max_migrations=1)
+    return pipeline, registry, metrics
+
+
+async def run(pipeline, max_tokens: int) -> list:
+    request = GenerationRequest("r", PROMPT, SamplingOptions(), max_tokens)
+    return [event async for event in pipeline.generate(request)]
+
+
+def assert_all_leases_returned(registry: InstanceRegistry) -> None:
+    for instance in registry.instances("prefill") + registry.instances("decode"):
+        assert (instance.outstanding_requests, instance.outstanding_prompt_tokens) == (0, 0), instance.address
+
+
+async def test_a_prefill_worker_gone_before_the_first_token_is_retried_on_another_and_taken_out():
+    accepted = DecodeAccepted("")
+    workers = ScriptedWorkers({"d0:1": [[accepted, HANG], [accepted, token(0, 7), token(1, 8, final=True)]]},
+                              {"p0:1": failure("prefill", "p0:1", "UNAVAILABLE", "connection refused")})
+    pipeline, registry, metrics = make_pipeline(workers, ["p0:1", "p1:1"], ["d0:1"])
+    events = await run(pipeline, max_tokens=2)
+    assert [e.token_id for e in events if isinstance(e, TokenDelta)] == [7, 8]
+    assert events[-1] == Finished(FinishReason.LENGTH, prompt_tokens=3, completion_tokens=2, prefill_time_ms=1.0,
+                                  decode_time_ms=(1.0,))
+    assert metrics.num_retries == 1 and metrics.num_migrations == 0
+    assert registry.get("prefill", "p0:1").reason == "UNAVAILABLE: connection refused"
+    assert [i.address for i in registry.available("prefill")] == ["p1:1"]
+    assert_all_leases_returned(registry)
+
+
+async def test_a_decode_worker_lost_mid_stream_is_replaced_and_the_stream_continues():
+    accepted = DecodeAccepted("")
+    workers = ScriptedWorkers({
+        "d0:1": [[accepted, token(0, 7), token(1, 8), failure("decode", "d0:1", "UNAVAILABLE", "killed")]],
+        "d1:1": [[accepted, token(0, 9), token(1, 10, final=True)]],
+    })
+    pipeline, registry, metrics = make_pipeline(workers, ["p0:1"], ["d0:1", "d1:1"])
+    events = await run(pipeline, max_tokens=4)
+    deltas = [e for e in events if isinstance(e, TokenDelta)]
+    assert [(d.index, d.token_id) for d in deltas] == [(0, 7), (1, 8), (2, 9), (3, 10)]
+    assert events[-1].completion_tokens == 4
+    address, resumed = workers.decode_calls[-1]
+    assert address == "d1:1" and resumed.request_id == "r.1" and resumed.prompt_token_ids == PROMPT + [7, 8]
+    assert metrics.num_migrations == 1
+    assert not registry.get("decode", "d0:1").available
+    assert_all_leases_returned(registry)
+
+
+async def test_a_kv_cache_that_never_arrived_counts_against_the_prefill_instance_and_is_retried():
+    accepted = DecodeAccepted("")
+    lost = failure("decode", "d0:1", "DEADLINE_EXCEEDED", "KV cache did not arrive within 5s")
+    workers = ScriptedWorkers({"d0:1": [[accepted, lost], [accepted, token(0, 7, final=True)]]})
+    pipeline, registry, metrics = make_pipeline(workers, ["p0:1", "p1:1"], ["d0:1"])
+    events = await run(pipeline, max_tokens=1)
+    assert isinstance(events[-1], Finished) and metrics.num_retries == 1
+    p0 = registry.get("prefill", "p0:1")
+    assert p0.available and p0.consecutive_failures == 1  # one slow transfer does not prove it gone
+    assert registry.get("decode", "d0:1").consecutive_failures == 0
+    assert_all_leases_returned(registry)
+
+
+async def test_the_decode_calls_own_deadline_ends_the_request_without_a_retry():
+    expired = failure("decode", "d0:1", "DEADLINE_EXCEEDED", "Deadline Exceeded")
+    workers = ScriptedWorkers({"d0:1": [[DecodeAccepted(""), expired]]})
+    pipeline, registry, metrics = make_pipeline(workers, ["p0:1", "p1:1"], ["d0:1"])
+    with pytest.raises(WorkerError) as err:
+        await run(pipeline, max_tokens=1)
+    assert err.value.status == 504 and "exceeded its deadline of 10.0s" in err.value.message
+    assert metrics.num_retries == 0 and all(i.consecutive_failures == 0 for i in registry.instances("prefill"))
+    assert_all_leases_returned(registry)
+
+
+async def test_no_first_token_within_first_token_timeout_fails_with_504():
+    workers = ScriptedWorkers({"d0:1": [[DecodeAccepted(""), HANG]]})
+    pipeline, registry, _ = make_pipeline(workers, ["p0:1"], ["d0:1"], first_token_timeout=0.05)
+    with pytest.raises(WorkerError) as err:
+        await run(pipeline, max_tokens=1)
+    assert err.value.status == 504
+    assert err.value.message == "no first token from prefill p0:1 / decode d0:1 within first_token_timeout=0.05s"
+    assert_all_leases_returned(registry)
+
+
+def test_null_metrics_has_the_same_pipeline_methods_as_coordinator_metrics():
+    for name, method in inspect.getmembers(NullMetrics, inspect.isfunction):
+        assert inspect.signature(getattr(CoordinatorMetrics, name)) == inspect.signature(method), name
