@@ -23,9 +23,11 @@ import torch  # noqa: E402
 
 from embedded_model import ModelSpec, build_model, default_model_dir  # noqa: E402
 from kv_transfer.base import TransferredKv  # noqa: E402
-from worker.engine import DecodeEngine, PrefillEngine  # noqa: E402
-from worker.model_runner import ModelRunner  # noqa: E402
-from worker.sequence import SamplingParams  # noqa: E402
+from worker.engine.decode_engine import DecodeEngine  # noqa: E402
+from worker.engine.messages import KvLayerReady, PrefillDone  # noqa: E402
+from worker.engine.model_runner import ModelRunner  # noqa: E402
+from worker.engine.prefill_engine import PrefillEngine  # noqa: E402
+from worker.engine.sequence import SamplingParams  # noqa: E402
 
 BENCH_SPEC = ModelSpec(name="pdserve-bench-512x8", hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
                        num_attention_heads=8, num_key_value_heads=4)
@@ -88,14 +90,13 @@ async def run_engine(prefill_runner, decode_runner, prompts, new_tokens, concurr
             await decode.admit(handle)
             job = await prefill.submit(rid, prompt, params)
             layers = {}
-            while True:
-                item = await job.events.get()
-                if item[0] == "layer":
-                    layers[item[1]] = (item[2].clone(), item[3].clone())
-                else:
-                    break
+            while isinstance(event := await job.events.get(), KvLayerReady):
+                layers[event.layer.index] = (event.layer.key.clone(), event.layer.value.clone())
             prefill.release(job)
-            decode.on_kv(TransferredKv(rid, [layers[i] for i in range(len(layers))], item[1], item[2]))
+            if not isinstance(event, PrefillDone):
+                raise RuntimeError(event.message)
+            decode.on_kv(TransferredKv(rid, [layers[i] for i in range(len(layers))], event.first_token_id,
+                                       event.prefill_ms))
             while True:
                 out = await handle.events.get()
                 if isinstance(out, Exception):

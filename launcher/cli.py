@@ -7,7 +7,7 @@ import asyncio
 import sys
 
 from launcher.logs import setup_logging
-from launcher.simulated_worker import add_simulation_flags, run_simulated_worker
+from launcher.simulated_worker import add_simulation_flags, simulated_backend
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -28,23 +28,30 @@ def _coordinator(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    if args.simulate:  # before the real worker's imports: a simulated worker never loads torch
-        return run_simulated_worker(args)
-    from worker.server import WorkerOptions, serve
+    # Only worker.service here: it imports no torch, so a simulated worker never loads it.
+    from worker.service.options import ModelBackend, WorkerOptions
+    from worker.service.serve import serve
 
-    model = args.model
-    if model is None:
-        from embedded_model import ensure_default_model
+    if args.simulate:
+        try:
+            backend = simulated_backend(args)
+        except ValueError as exc:
+            print(f"pdserve worker --simulate: {exc}", file=sys.stderr)
+            return 2
+    else:
+        model = args.model
+        if model is None:
+            from embedded_model import ensure_default_model
 
-        model = str(ensure_default_model())
-    options = WorkerOptions(role=args.role, model_dir=model, host=args.host, port=args.port, dtype=args.dtype,
+            model = str(ensure_default_model())
+        backend = ModelBackend(model_dir=model, dtype=args.dtype)
+    options = WorkerOptions(role=args.role, backend=backend, host=args.host, port=args.port,
                             kv_trans_timeout_s=args.kv_trans_timeout, kv_lease_timeout_s=args.kv_lease_timeout,
                             kv_budget_tokens=args.kv_budget_tokens, max_prefill_tokens=args.max_prefill_tokens,
                             max_prefill_batch_size=args.max_prefill_batch_size, max_running=args.max_running,
                             kv_data_port=args.kv_data_port, metrics_port=args.metrics_port,
                             coordinator_url=args.coordinator, heartbeat_interval_s=args.heartbeat_interval,
-                            advertise_host=args.advertise_host,
-                            drain_seconds=args.drain_seconds)
+                            advertise_host=args.advertise_host, drain_seconds=args.drain_seconds)
     asyncio.run(serve(options))
     return 0
 

@@ -1,10 +1,8 @@
-"""`pdserve worker --simulate`: its flags, and the worker options they make (no torch imported)."""
+"""`pdserve worker --simulate`: its flags, and the simulated backend they describe (no torch imported)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 
 SIMULATED_DTYPE_AUTO = "float16"  # what a served model's KV cache is on an accelerator
 
@@ -26,27 +24,13 @@ def add_simulation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-vocab-size", type=int, default=32000, help="simulate: synthetic token ids are below this")
 
 
-def run_simulated_worker(args: argparse.Namespace) -> int:
-    from worker.cost_model import CostModel, KvShape
-    from worker.simulated import SimulatedOptions, serve_simulated
+def simulated_backend(args: argparse.Namespace):
+    """The SimulatedBackend the --sim-* flags describe; ValueError names a flag value out of range."""
+    from worker.service.options import SimulatedBackend
+    from worker.simulated.cost_model import CostModel, KvShape
 
-    try:
-        cost = CostModel(prefill_base_ms=args.sim_prefill_base_ms, prefill_per_token_ms=args.sim_prefill_ms_per_token,
-                         decode_base_ms=args.sim_decode_base_ms, decode_per_seq_ms=args.sim_decode_ms_per_seq)
-        shape = KvShape(num_layers=args.sim_layers, kv_heads=args.sim_kv_heads, head_dim=args.sim_head_dim,
-                        dtype=SIMULATED_DTYPE_AUTO if args.dtype == "auto" else args.dtype)
-    except ValueError as exc:
-        print(f"pdserve worker --simulate: {exc}", file=sys.stderr)
-        return 2
-    options = SimulatedOptions(
-        role=args.role, host=args.host, port=args.port, cost=cost, kv_shape=shape, vocab_size=args.sim_vocab_size,
-        kv_budget_tokens=args.kv_budget_tokens or SimulatedOptions.kv_budget_tokens,
-        max_prefill_tokens=args.max_prefill_tokens, max_prefill_batch_size=args.max_prefill_batch_size,
-        max_running=args.max_running, kv_trans_timeout_s=args.kv_trans_timeout,
-        kv_lease_timeout_s=args.kv_lease_timeout, kv_data_port=args.kv_data_port, metrics_port=args.metrics_port,
-        coordinator_url=args.coordinator, advertise_host=args.advertise_host,
-        heartbeat_interval_s=args.heartbeat_interval,
-        drain_seconds=args.drain_seconds,
-    )
-    asyncio.run(serve_simulated(options))
-    return 0
+    cost = CostModel(prefill_base_ms=args.sim_prefill_base_ms, prefill_per_token_ms=args.sim_prefill_ms_per_token,
+                     decode_base_ms=args.sim_decode_base_ms, decode_per_seq_ms=args.sim_decode_ms_per_seq)
+    shape = KvShape(num_layers=args.sim_layers, kv_heads=args.sim_kv_heads, head_dim=args.sim_head_dim,
+                    dtype=SIMULATED_DTYPE_AUTO if args.dtype == "auto" else args.dtype)
+    return SimulatedBackend(cost=cost, kv_shape=shape, vocab_size=args.sim_vocab_size)

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one worker, served on its own port (`--metrics-port`)."""
+"""Prometheus metrics of one worker, served on its own port (`--metrics-port`), and their no-op stand-in."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ class WorkerMetrics:
         self.kv_duration = Histogram("pdserve_kv_transfer_duration_seconds", "Prefill worker: KV send time, "
                                      "first byte to the decode worker's ack.", buckets=TRANSFER_BUCKETS, registry=r)
         self.kv_failures = Counter("pdserve_kv_transfer_failures_total", "KV transfers that failed.", registry=r)
+        self.requests = Counter("pdserve_worker_requests_total", "Requests this worker admitted (gave KV budget to).",
+                                registry=r)
         self.step = Histogram("pdserve_worker_step_duration_seconds", "One engine forward (prefill or decode).",
                               ["kind"], buckets=STEP_BUCKETS, registry=r)
         self.batch = Histogram("pdserve_worker_batch_size", "Sequences per engine forward.", ["kind"],
@@ -47,3 +49,23 @@ class WorkerMetrics:
         """Start the /metrics HTTP server; return the bound port."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+
+class _NoOp:
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+
+class NullMetrics:
+    """WorkerMetrics' methods doing nothing: what an engine records into before (or without) a metrics server."""
+
+    kv_bytes = kv_duration = kv_failures = requests = _NoOp()
+
+    def observe_step(self, kind: str, seconds: float, batch_size: int) -> None:
+        pass
+
+
+NULL_METRICS = NullMetrics()

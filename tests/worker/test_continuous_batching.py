@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from worker.model_runner import ModelRunner
-from worker.sequence import SamplingParams, Sequence
+from worker.engine.model_runner import ModelRunner
+from worker.engine.sequence import SamplingParams, Sequence
 
 NUM_NEW = 12
 

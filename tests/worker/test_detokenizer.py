@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from worker.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 def test_incremental_text_equals_full_decode_with_multibyte_characters(hf_model):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.output import OutputProcessor
-from worker.sequence import FinishReason, SamplingParams, Sequence
+from worker.engine.output import OutputProcessor
+from worker.engine.sequence import FinishReason, SamplingParams, Sequence
 
 
 @pytest.fixture(scope="module")

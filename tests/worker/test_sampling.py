@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.sampling import apply_penalties, choose, mask_early_stops, sample_token, token_logprobs
-from worker.sequence import SamplingParams
+from worker.engine.sampling import apply_penalties, choose, mask_early_stops, sample_token, token_logprobs
+from worker.engine.sequence import SamplingParams
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5, 1.0])
 

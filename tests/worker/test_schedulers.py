@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from worker.kv_budget import KvAdmission, KvBudget, KvCapacityError
-from worker.scheduler import DecodeScheduler, PrefillScheduler
-from worker.sequence import SamplingParams, Sequence
+from worker.engine.kv_budget import KvAdmission, KvBudget, KvCapacityError
+from worker.engine.scheduler import DecodeScheduler, PrefillScheduler
+from worker.engine.sequence import SamplingParams, Sequence
 
 
 @dataclass(eq=False)

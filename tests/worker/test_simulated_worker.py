@@ -19,7 +19,7 @@ from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from tests.helpers import (REPO, ServerProcess, health, metrics_url, pdserve_argv, scrape, sse_events,
                           start_coordinator, wait_for_idle, write_config)
-from worker.simulated_kv import VerifyingKvSink, synthetic_layer
+from worker.simulated.kv import VerifyingKvSink, synthetic_layer
 
 pytestmark = pytest.mark.system
 

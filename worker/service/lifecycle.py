@@ -1,5 +1,5 @@
-"""A worker process's life around its gRPC server, shared by real and simulated workers: listen,
-announce, register with the coordinator; on SIGTERM deregister, drain, stop."""
+"""A worker process's life around its gRPC server, whatever its backend: listen, announce, register with
+the coordinator; on SIGTERM deregister, drain, stop."""
 
 from __future__ import annotations
 
@@ -9,24 +9,23 @@ import signal
 
 import grpc
 
-from worker.drain import DrainGate
+from worker.service.drain import DrainGate
 
 logger = logging.getLogger(__name__)
 
 
-async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate, metrics, public_host: str,
-                              closers: list, engine) -> None:
+async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate, metrics, closers: list,
+                              engine) -> None:
     """Run `server` until SIGTERM/SIGINT, then drain for up to `options.drain_seconds` and stop.
 
-    `options` carries role, host, port, metrics_port, coordinator_url, heartbeat_interval_s and
-    drain_seconds (WorkerOptions or SimulatedWorkerOptions)."""
+    `options` is the process's WorkerOptions."""
     port = server.add_insecure_port(f"{options.host}:{options.port}")
     if port == 0:
         raise OSError(f"cannot listen on {options.host}:{options.port}")
     await server.start()
     metrics_url = ""
     if options.metrics_port >= 0:
-        metrics_url = f"http://{public_host}:{metrics.serve(options.host, options.metrics_port)}"
+        metrics_url = f"http://{options.public_host}:{metrics.serve(options.host, options.metrics_port)}"
         print(f"pdserve worker metrics: {metrics_url}", flush=True)
 
     stop = asyncio.Event()
@@ -44,9 +43,9 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
     print(f"pdserve worker ready: role={options.role} address={options.host}:{port}", flush=True)
     registration = None
     if options.coordinator_url:
-        from worker.registration import CoordinatorRegistration  # aiohttp: only paid when registering
+        from worker.service.registration import CoordinatorRegistration  # aiohttp: only paid when registering
 
-        registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{public_host}:{port}",
+        registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{options.public_host}:{port}",
                                                metrics_url, options.heartbeat_interval_s)
         await registration.start()
 

@@ -1,4 +1,4 @@
-"""One request's state inside a worker, and the parameters that shape its tokens."""
+"""One request's state inside a worker, and the parameters that shape its tokens (no torch)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,25 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
 
 
-class SequenceStatus(enum.Enum):
-    """Where a sequence is in the decode worker's life cycle."""
+class DecodeState(enum.Enum):
+    """Where a decode request is in its life cycle; the same for every backend (as SGLang's KVPoll).
 
-    WAITING_FOR_KV = "waiting_for_kv"
-    RUNNING = "running"
+    WAITING_FOR_BUDGET -> WAITING_FOR_KV -> DECODING -> FINISHED, or
+    WAITING_FOR_BUDGET -> WAITING_FOR_KV -> PREFILLING_LOCALLY -> DECODING -> FINISHED;
+    CANCELLED (the stream ended first) or FAILED (its KV or a forward failed) from any state.
+    """
+
+    WAITING_FOR_BUDGET = "waiting_for_budget"  # in the KV admission line
+    WAITING_FOR_KV = "waiting_for_kv"  # holds budget; its cache is on its way from a prefill worker
+    PREFILLING_LOCALLY = "prefilling_locally"  # holds budget; queued for (or in) a prefill on this worker
+    DECODING = "decoding"  # its cache is here: in the decode batch, or waiting for a seat in it
     FINISHED = "finished"
     CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (DecodeState.FINISHED, DecodeState.CANCELLED, DecodeState.FAILED)
 
 
 @dataclass(frozen=True)
@@ -76,14 +88,14 @@ class TokenOutput:
 
 @dataclass
 class Sequence:
-    """A request being decoded: its tokens so far, its KV cache and its stopping state."""
+    """A decode request from registration on: its tokens so far, its KV cache and its state."""
 
     request_id: str
     prompt_len: int
     sampling: SamplingParams
     max_seq_len: int
     prompt_token_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING_FOR_KV
+    status: DecodeState = DecodeState.WAITING_FOR_BUDGET
     output_token_ids: list[int] = field(default_factory=list)
     # The transferred KV cache until the sequence joins the decode batch; opaque to the scheduler.
     pending_kv: Any = None
@@ -99,4 +111,4 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (SequenceStatus.FINISHED, SequenceStatus.CANCELLED)
+        return self.status.is_final

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.utils import logging as hf_logging
 
-from worker.batch_cache import BatchedKvCache
-from worker.sequence import Sequence
+from worker.engine.batch_cache import BatchedKvCache
+from worker.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from worker.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from worker.sequence import FinishReason, Sequence, TokenLogprobs, TokenOutput
+from worker.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from worker.engine.sequence import FinishReason, Sequence, TokenLogprobs, TokenOutput
 
 
 class OutputProcessor:

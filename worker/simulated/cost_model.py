@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from kv_transfer.wire import DTYPE_SIZES
 
+SIMULATED_MODEL = "simulated"  # the model name a simulated worker reports
+
 
 @dataclass(frozen=True)
 class CostModel:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
-from worker.sequence import Sequence, SequenceStatus
+from worker.engine.sequence import DecodeState, Sequence
 
 
 class DecodeScheduler:
@@ -32,12 +32,11 @@ class DecodeScheduler:
         joined = []
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting.pop(0)
-            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             joined.append(seq)
         return joined, list(self.running)
 
-    def finish(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED) -> None:
+    def finish(self, seq: Sequence, status: DecodeState = DecodeState.FINISHED) -> None:
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)

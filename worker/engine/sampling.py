@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from worker.sequence import SamplingParams, TokenLogprobs
+from worker.engine.sequence import SamplingParams, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 

@@ -1,0 +1,167 @@
+"""What the decode servicer needs of an engine, and the request bookkeeping every backend shares.
+
+A request's state (`DecodeState`) lives on its Sequence and moves one way; the event loop moves it
+up to DECODING, the engine from there on. Health figures are counted from these states.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kv_transfer.base import KvTransferError
+from worker.engine.errors import DuplicateRequestError
+from worker.engine.kv_budget import KvAdmission, KvBudget
+from worker.engine.load import WorkerLoad
+from worker.engine.messages import LocalPrefill
+from worker.engine.scheduler import DecodeScheduler, PrefillScheduler
+from worker.engine.sequence import DecodeState, SamplingParams, Sequence, TokenOutput
+from worker.metrics import NULL_METRICS
+
+
+@dataclass(eq=False)
+class DecodeHandle:
+    """The asyncio side of one decode request: its sequence and the events its stream reads."""
+
+    seq: Sequence
+    events: asyncio.Queue[TokenOutput | Exception] = field(default_factory=asyncio.Queue)
+    # Set once nothing more is awaited from a KV transfer: the cache arrived, is made here, or failed.
+    kv_arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    registered_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return self.seq.prompt_len
+
+    @property
+    def state(self) -> DecodeState:
+        return self.seq.status
+
+    @property
+    def kv_reservation(self) -> int:
+        """Positions this request may fill: the prompt plus every token it may generate."""
+        return min(self.seq.prompt_len + self.seq.sampling.max_tokens, self.seq.max_seq_len)
+
+
+class DecodeBackend(abc.ABC):
+    """A decode engine: admits requests under a KV budget, takes their caches (or prefills them), and
+    decodes them in one continuous batch.
+
+    Subclasses run the steps: `_decode_arrived` (a cache is here), `_queue_local_prefill`, `_cancel`.
+    """
+
+    model_name: str
+    # What the KV receivers write incoming streams into (kv_transfer's `assembler`) and the buffers they lend.
+    kv_assembler: Callable[..., Any] | None = None
+    kv_pool: Any = None
+
+    def __init__(self, budget_tokens: int, max_running: int, max_prefill_tokens: int, max_prefill_batch_size: int):
+        self.admission = KvAdmission(KvBudget(budget_tokens))
+        self.scheduler = DecodeScheduler(max_running=max_running)
+        self.local_prefills = PrefillScheduler(max_prefill_tokens, max_prefill_batch_size)
+        self.metrics = NULL_METRICS  # a WorkerMetrics, when the process serves them
+        self._handles: dict[str, DecodeHandle] = {}
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start stepping (from the running event loop)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop stepping."""
+
+    @abc.abstractmethod
+    def _decode_arrived(self, seq: Sequence, kv) -> None:
+        """Emit the first token the KV cache carries and queue the sequence for the batch."""
+
+    @abc.abstractmethod
+    def _queue_local_prefill(self, job: LocalPrefill) -> None:
+        """Queue a prompt for prefill between decode steps."""
+
+    @abc.abstractmethod
+    def _cancel(self, request_id: str) -> None:
+        """Take a released request out of the batch at once."""
+
+    # asyncio side ------------------------------------------------------------------------
+    def register(self, request_id: str, prompt_len: int, sampling: SamplingParams, max_seq_len: int,
+                 prompt_token_ids: list[int] | None = None) -> DecodeHandle:
+        if request_id in self._handles:
+            raise DuplicateRequestError(f"request {request_id!r} is already registered on this decode worker")
+        handle = DecodeHandle(Sequence(request_id, prompt_len, sampling, max_seq_len,
+                                       prompt_token_ids=list(prompt_token_ids or [])))
+        self._handles[request_id] = handle
+        return handle
+
+    async def admit(self, handle: DecodeHandle) -> None:
+        """Wait until the KV budget holds this request (raises KvCapacityError if it never can)."""
+        try:
+            await self.admission.acquire(handle.request_id, handle.kv_reservation)
+        except Exception:
+            handle.seq.status = DecodeState.FAILED
+            raise
+        if handle.state is DecodeState.WAITING_FOR_BUDGET:
+            handle.seq.status = DecodeState.WAITING_FOR_KV
+
+    def on_kv(self, kv) -> None:
+        """Hand a verified KV cache to its waiting request; raise if nobody waits for it."""
+        handle = self._handles.get(kv.request_id)
+        if handle is None or handle.state is not DecodeState.WAITING_FOR_KV:
+            raise KvTransferError(f"no decode request {kv.request_id!r} is waiting for a KV cache")
+        if kv.seq_len != handle.prompt_len:
+            raise KvTransferError(f"KV cache holds {kv.seq_len} positions but the prompt has {handle.prompt_len} tokens")
+        handle.seq.status = DecodeState.DECODING
+        handle.kv_arrived.set()
+        self._decode_arrived(handle.seq, kv)
+
+    def prefill_locally(self, handle: DecodeHandle) -> None:
+        """Queue an admitted request's prompt for prefill on this worker (no prefill worker)."""
+        seq = handle.seq
+        if len(seq.prompt_token_ids) != seq.prompt_len:
+            raise ValueError(f"local prefill needs the whole prompt: {len(seq.prompt_token_ids)} "
+                             f"prompt_token_ids for prompt_len={seq.prompt_len}")
+        seq.status = DecodeState.PREFILLING_LOCALLY
+        handle.kv_arrived.set()  # its cache is made here, so nothing is awaited from a transfer
+        self._queue_local_prefill(LocalPrefill(seq, handle.registered_at))
+
+    def fail(self, request_id: str, message: str, error: type[Exception] = KvTransferError) -> None:
+        """End a registered request with an error (e.g. its KV stream was corrupt)."""
+        handle = self._handles.get(request_id)
+        if handle is not None:
+            handle.seq.status = DecodeState.FAILED
+            handle.events.put_nowait(error(message))
+            handle.kv_arrived.set()  # the stream reports the failure now, not after kv_trans_timeout
+
+    def release(self, request_id: str) -> None:
+        """Forget a request: it leaves the batch (or the prefill queue) at once and frees its budget."""
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            if handle.state is not DecodeState.DECODING and not handle.state.is_final:
+                handle.seq.status = DecodeState.CANCELLED  # not in the batch yet: nobody else moves it
+            self._cancel(request_id)
+        self.admission.release(request_id)
+
+    def load(self) -> WorkerLoad:
+        """Health figures: running = in the batch; waiting = for budget, for KV, for a local prefill, for a seat."""
+        states = Counter(handle.state for handle in self._handles.values())
+        budget = self.admission.budget
+        return WorkerLoad(
+            role="decode", model=self.model_name, num_running=self.scheduler.num_running,
+            num_waiting=states[DecodeState.WAITING_FOR_BUDGET] + states[DecodeState.WAITING_FOR_KV]
+            + states[DecodeState.PREFILLING_LOCALLY] + self.scheduler.num_waiting,
+            kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used,
+        )
+
+    def _deliver(self, request_id: str, item: TokenOutput | Exception) -> None:
+        """Hand a token (or an error) to the request's stream, on the event loop; a released one gets nothing."""
+        handle = self._handles.get(request_id)
+        if handle is not None:
+            handle.events.put_nowait(item)

@@ -1,0 +1,188 @@
+"""The real decode engine: continuous batching on its own thread, fed by KV arrivals or local prefills."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+
+from kv_transfer.base import KvTransferError, TransferredKv
+from kv_transfer.buffer_pool import KvBufferPool
+from kv_transfer.codec import KvAssembler
+from worker.engine.decode_backend import DecodeBackend
+from worker.engine.errors import RequestFailed
+from worker.engine.messages import AddSequence, CancelSequence, DecodeCommand, LocalPrefill, QueueLocalPrefill, Stop
+from worker.engine.model_runner import ModelRunner
+from worker.engine.output import OutputProcessor
+from worker.engine.sampling import choose
+from worker.engine.sequence import DecodeState, Sequence, TokenLogprobs, TokenOutput
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeEngine(DecodeBackend):
+    """Continuous batching on its own thread, fed by KV arrivals or local prefills, read by gRPC streams."""
+
+    kv_assembler = KvAssembler
+
+    def __init__(self, runner: ModelRunner, budget_tokens: int, max_running: int = 64,
+                 max_prefill_tokens: int = 8192, max_prefill_batch_size: int = 16):
+        # The scheduler and the local prefill queue are touched only by the engine thread.
+        super().__init__(budget_tokens, max_running, max_prefill_tokens, max_prefill_batch_size)
+        self.runner = runner
+        self.model_name = str(runner.model_dir)
+        self.kv_pool = KvBufferPool()
+        self._processors: dict[str, OutputProcessor] = {}
+        self._inbox: queue.SimpleQueue[DecodeCommand] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+
+    # asyncio side ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._inbox.put(Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _decode_arrived(self, seq: Sequence, kv: TransferredKv) -> None:
+        seq.pending_kv = kv
+        self._inbox.put(AddSequence(seq, kv))
+
+    def _queue_local_prefill(self, job: LocalPrefill) -> None:
+        self._inbox.put(QueueLocalPrefill(job))
+
+    def _cancel(self, request_id: str) -> None:
+        self._inbox.put(CancelSequence(request_id))
+
+    # engine thread -----------------------------------------------------------------------
+    def _emit(self, request_id: str, item: TokenOutput | Exception) -> None:
+        self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+
+    def _fail_soon(self, request_id: str, message: str, error: type[Exception]) -> None:
+        self._loop.call_soon_threadsafe(self.fail, request_id, message, error)
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                command = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            match command:
+                case AddSequence(seq, kv):
+                    self._admit(seq, kv)
+                case QueueLocalPrefill(job):
+                    self.local_prefills.add(job)
+                case CancelSequence(request_id):
+                    seq = self.scheduler.find(request_id)
+                    if seq is not None:
+                        self._retire(seq, DecodeState.CANCELLED)
+                        logger.info("cancelled request %s after %d tokens", request_id, seq.num_generated)
+                case Stop():
+                    return
+
+    def _admit(self, seq: Sequence, kv: TransferredKv) -> None:
+        processor = OutputProcessor(seq, self.runner.tokenizer, self.runner.eos_token_ids)
+        first_logprobs = None
+        if seq.sampling.return_logprobs and kv.first_logprobs is not None:
+            first_logprobs = TokenLogprobs(kv.first_logprobs[0], tuple(kv.first_logprobs[1]))
+        output = processor.append(kv.first_token_id, kv.prefill_time_ms, first_logprobs)
+        seq.last_step_at = time.perf_counter()
+        if output.finish_reason is None:
+            seq.status = DecodeState.DECODING  # before the batch sees it, so it is never counted twice
+            self._processors[seq.request_id] = processor
+            self.scheduler.add(seq)
+        else:
+            seq.status = DecodeState.FINISHED
+            kv.release()
+            seq.pending_kv = None
+        self._emit(seq.request_id, output)
+
+    def _retire(self, seq: Sequence, status: DecodeState, leave_batch: bool = True) -> None:
+        self.scheduler.finish(seq, status)
+        if leave_batch:
+            self.runner.leave(seq.request_id)
+        if seq.pending_kv is not None:
+            seq.pending_kv.release()
+            seq.pending_kv = None
+        self._processors.pop(seq.request_id, None)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            batch: list[Sequence] = []
+            try:
+                idle = not self.scheduler.running and not self.scheduler.waiting and not self.local_prefills.queue
+                self._drain_inbox(block=idle)
+                # One prefill forward per turn, between decode steps, so running sequences keep moving.
+                self._prefill_locally(self.local_prefills.next_batch())
+                joined, batch = self.scheduler.schedule()
+                if not batch:
+                    continue
+                for seq in joined:
+                    # The batch copies the rows in; the transferred buffers go back to the pool.
+                    self.runner.join(seq, seq.pending_kv.layers)
+                    seq.pending_kv.release()
+                    seq.pending_kv = None
+                self._step(batch)
+            except Exception:  # a failure must end the affected streams, never the engine thread
+                logger.exception("decode step failed; failing its %d sequences", len(batch))
+                self._fail_all(batch)
+
+    def _prefill_locally(self, jobs: list[LocalPrefill]) -> None:
+        # A request released while queued is not worth a forward.
+        jobs = [job for job in jobs if job.seq.status is DecodeState.PREFILLING_LOCALLY]
+        if not jobs:
+            return
+        try:
+            started = time.perf_counter()
+            logits, rows = self.runner.prefill([job.seq.prompt_token_ids for job in jobs])
+            self.metrics.observe_step("prefill", time.perf_counter() - started, len(jobs))
+            arrived = []
+            for row, job in enumerate(jobs):
+                seq = job.seq
+                first, logprobs = choose(logits[row], seq.sampling, seq.prompt_token_ids, [],
+                                         self.runner.eos_token_ids)
+                prefill_ms = (time.perf_counter() - job.submitted_at) * 1000
+                arrived.append(TransferredKv(seq.request_id, rows[row], first, prefill_ms,
+                                             (logprobs.logprob, logprobs.top) if logprobs else None))
+        except Exception as exc:  # a failed prefill fails its requests, never the engine thread
+            logger.exception("local prefill of %d prompts failed", len(jobs))
+            for job in jobs:
+                self._fail_soon(job.seq.request_id, f"local prefill failed on the worker: {exc}", RequestFailed)
+            return
+        # From here on a local prefill is a sequence whose KV has just arrived.
+        for job, kv in zip(jobs, arrived):
+            job.seq.pending_kv = kv
+            self._admit(job.seq, kv)
+
+    def _fail_all(self, batch: list[Sequence]) -> None:
+        # The batch may be inconsistent after a failed step: drop it whole instead of row by row.
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + batch:
+            if not seq.is_finished:
+                self._retire(seq, DecodeState.CANCELLED, leave_batch=False)
+                # KvTransferError (DATA_LOSS) keeps this worker's long-standing answer to a failed step.
+                self._fail_soon(seq.request_id, "decode step failed on the worker", KvTransferError)
+        self.runner.reset_batch()
+
+    def _step(self, batch: list[Sequence]) -> None:
+        started = time.perf_counter()
+        all_logits = self.runner.decode(batch)
+        now = time.perf_counter()
+        self.metrics.observe_step("decode", now - started, len(batch))
+        for seq in batch:
+            token, logprobs = choose(all_logits[seq.request_id], seq.sampling, seq.prompt_token_ids,
+                                     seq.output_token_ids, self.runner.eos_token_ids)
+            output = self._processors[seq.request_id].append(
+                token, (now - seq.last_step_at) * 1000, logprobs, batch_size=len(batch),
+                queue_wait_ms=max(0.0, started - seq.last_step_at) * 1000)
+            seq.last_step_at = now
+            self._emit(seq.request_id, output)
+            if output.finish_reason is not None:
+                self._retire(seq, DecodeState.FINISHED)

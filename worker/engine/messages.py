@@ -1,0 +1,83 @@
+"""What an engine's worker (thread or task) tells the event loop, and what the loop tells a decode thread.
+
+Plain dataclasses, dispatched with `match`; no torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_transfer.base import TransferredKv
+from kv_transfer.wire import LayerBytes
+from worker.engine.sequence import Sequence, TokenLogprobs
+
+
+# Prefill engine -> the job's KV stream, in order: KvLayerReady per layer, then PrefillDone or PrefillFailed.
+@dataclass(frozen=True)
+class KvLayerReady:
+    """One layer of a prompt's KV cache, ready to send (tensors on the real backend, bytes on the simulated one)."""
+
+    layer: LayerBytes
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """The prefill ran: its first token, and the time from submission to that token."""
+
+    first_token_id: int
+    prefill_ms: float
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class PrefillFailed:
+    """The forward failed; the stream ends without a trailer, so the decode worker refuses it."""
+
+    message: str
+
+
+PrefillEvent = KvLayerReady | PrefillDone | PrefillFailed
+
+
+@dataclass(eq=False)
+class LocalPrefill:
+    """A prompt the decode worker prefills itself (conditional disaggregation)."""
+
+    seq: Sequence
+    # Its first-token time counts from here, admission wait included, as on a prefill worker.
+    submitted_at: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seq.prompt_len
+
+
+# Event loop -> real decode engine thread (its inbox).
+@dataclass(frozen=True)
+class AddSequence:
+    """A sequence whose KV cache arrived joins the decode batch."""
+
+    seq: Sequence
+    kv: TransferredKv
+
+
+@dataclass(frozen=True)
+class QueueLocalPrefill:
+    """A prompt this decode worker prefills itself."""
+
+    job: LocalPrefill
+
+
+@dataclass(frozen=True)
+class CancelSequence:
+    """The request's stream ended: leave the batch now."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The engine shuts down."""
+
+
+DecodeCommand = AddSequence | QueueLocalPrefill | CancelSequence | Stop

@@ -1,0 +1,100 @@
+"""The real prefill engine: batched forwards on a dedicated thread, each layer's KV handed out as it is made."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import torch
+
+from kv_transfer.codec import KvLayer, make_header
+from proto import worker_pb2 as pb
+from worker.engine.messages import KvLayerReady, PrefillDone, PrefillEvent, PrefillFailed
+from worker.engine.model_runner import ModelRunner
+from worker.engine.prefill_backend import PrefillBackend, PrefillJob
+from worker.engine.sampling import choose
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillEngine(PrefillBackend):
+    """Batched prefill on a dedicated thread, behind a KV budget with leases."""
+
+    def __init__(self, runner: ModelRunner, budget_tokens: int, max_batch_tokens: int = 8192,
+                 max_batch_size: int = 16):
+        super().__init__(budget_tokens, max_batch_tokens, max_batch_size)
+        self.runner = runner
+        self.model_name = str(runner.model_dir)
+        self._cond = threading.Condition()  # guards the scheduler's queue, shared with the engine thread
+        self._stopped = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def kv_header(self, job: PrefillJob) -> pb.KvHeader:
+        return make_header(job.request_id, self.runner.dtype, self.runner.num_layers,
+                           self.runner.kv_shape(job.num_tokens))
+
+    @property
+    def num_queued_tokens(self) -> int:
+        with self._cond:
+            return self.scheduler.num_queued_tokens
+
+    def _enqueue(self, job: PrefillJob) -> None:
+        with self._cond:
+            self.scheduler.add(job)
+            self._cond.notify()
+
+    def _dequeue(self, job: PrefillJob) -> None:
+        with self._cond:
+            self.scheduler.remove(job)
+
+    # engine thread -----------------------------------------------------------------------
+    def _emit(self, job: PrefillJob, event: PrefillEvent) -> None:
+        if not job.cancelled:
+            self._loop.call_soon_threadsafe(self._post, job, event)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and not self.scheduler.queue:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                batch = [job for job in self.scheduler.next_batch() if not job.cancelled]
+                self.num_running = len(batch)
+            if batch:
+                self._prefill(batch)
+            self.num_running = 0
+
+    def _prefill(self, batch: list[PrefillJob]) -> None:
+        lengths = [job.num_tokens for job in batch]
+
+        def on_layer(i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            for row, (job, n) in enumerate(zip(batch, lengths)):
+                self._emit(job, KvLayerReady(KvLayer(i, keys[row : row + 1, :, :n], values[row : row + 1, :, :n])))
+
+        try:
+            started = time.perf_counter()
+            logits, _ = self.runner.prefill([job.prompt_token_ids for job in batch], on_layer)
+            self.metrics.observe_step("prefill", time.perf_counter() - started, len(batch))
+            for row, job in enumerate(batch):
+                first, logprobs = choose(logits[row], job.sampling, job.prompt_token_ids, [],
+                                         self.runner.eos_token_ids)
+                self._emit(job, PrefillDone(first, (time.perf_counter() - job.submitted_at) * 1000, logprobs))
+        except Exception as exc:  # a failed forward must fail its requests, not hang them
+            logger.exception("prefill of %d prompts failed", len(batch))
+            for job in batch:
+                self._emit(job, PrefillFailed(f"prefill failed on the worker: {exc}"))

@@ -1,0 +1,60 @@
+"""Command-line settings of one worker process: the shared ones, and the backend that runs the forwards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kv_transfer.wire import DEFAULT_CHUNK_BYTES
+from worker.simulated.cost_model import CostModel, KvShape
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class ModelBackend:
+    """The real engines: a checkpoint run with torch."""
+
+    model_dir: str
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class SimulatedBackend:
+    """No model (and no torch): forwards timed by `cost`, synthetic tokens, KV streams sized as `kv_shape`."""
+
+    cost: CostModel = field(default_factory=CostModel)
+    kv_shape: KvShape = field(default_factory=KvShape)
+    vocab_size: int = 32000
+    kv_budget_tokens: int = 1 << 20  # the default budget: there is no device memory to size it from
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Settings of one worker process, whatever its backend."""
+
+    role: str
+    backend: ModelBackend | SimulatedBackend
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_trans_timeout_s: float = 10.0
+    kv_lease_timeout_s: float = 30.0
+    kv_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    kv_budget_tokens: int | None = None  # None: the backend's default (real: a share of the memory free at start-up)
+    max_prefill_tokens: int = 8192
+    max_prefill_batch_size: int = 16
+    max_running: int = 64
+    kv_data_port: int = 0  # decode: raw-TCP KV receiver port; 0 picks one, -1 disables (gRPC PushKv only)
+    metrics_port: int = 0  # Prometheus /metrics; 0 picks one, -1 disables
+    coordinator_url: str | None = None  # the coordinator's management URL to register with; None: no registration
+    advertise_host: str | None = None  # the host others reach this worker at (e.g. a pod IP); None: `host`
+    heartbeat_interval_s: float = 2.0  # until the coordinator's register answer names its own interval
+    drain_seconds: float = 30.0  # on SIGTERM: longest wait for requests in flight before stopping anyway
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+
+    @property
+    def public_host(self) -> str:
+        """The host others dial: a worker listening on 0.0.0.0 must tell them an address they can reach."""
+        return self.advertise_host or self.host

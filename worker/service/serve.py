@@ -1,0 +1,66 @@
+"""`pdserve worker`: build the chosen backend's engine, wire it to the servicers and KV transports, serve.
+
+The backend is picked like SGLang's KV transports: one set of servicers, engines from
+`worker.engine` (torch, imported only when chosen) or `worker.simulated` (no torch).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverServicer
+from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
+from proto import worker_pb2_grpc as pb_grpc
+from worker.engine.decode_backend import DecodeBackend
+from worker.engine.prefill_backend import PrefillBackend
+from worker.metrics import WorkerMetrics
+from worker.service.drain import DrainGate
+from worker.service.lifecycle import serve_until_stopped
+from worker.service.options import SimulatedBackend, WorkerOptions
+from worker.service.servicers import DecodeServicer, PrefillServicer
+
+
+def build_engine(options: WorkerOptions) -> PrefillBackend | DecodeBackend:
+    """The engine for the options' role from the options' backend."""
+    if isinstance(options.backend, SimulatedBackend):
+        from worker.simulated.build import build_engine
+    else:
+        from worker.engine.build import build_engine  # torch and the checkpoint: only for a real worker
+    return build_engine(options)
+
+
+async def serve(options: WorkerOptions) -> None:
+    """Serve (registered with the coordinator if one is named) until SIGTERM/SIGINT, then deregister,
+    drain the requests in flight for up to `drain_seconds`, and stop."""
+    engine = build_engine(options)
+    metrics = engine.metrics = WorkerMetrics(options.role, engine)
+    engine.start()
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    gate = DrainGate()
+    closers = []
+    if options.role == "prefill":
+        grpc_sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s)
+        servicer = PrefillServicer(engine, grpc_sender, TcpKvSender(options.kv_chunk_bytes), options.kv_lease_timeout_s,
+                                   metrics, gate)
+        pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+        closers.append(grpc_sender.close)
+    else:
+        def on_kv(kv):
+            engine.on_kv(kv)
+            metrics.kv_bytes.inc(kv.num_bytes)
+
+        def on_failure(request_id: str, message: str):
+            metrics.kv_failures.inc()
+            engine.fail(request_id, message)
+
+        sink = {"assembler": engine.kv_assembler, "pool": engine.kv_pool}
+        kv_data_address = ""
+        if options.kv_data_port >= 0:
+            receiver = TcpKvReceiver(on_kv, on_failure, timeout_s=options.kv_trans_timeout_s, **sink)
+            kv_data_address = f"{options.public_host}:{await receiver.start(options.host, options.kv_data_port)}"
+            closers.append(receiver.stop)
+        servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, metrics, gate)
+        pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+        pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(on_kv, on_failure, **sink), server)
+
+    await serve_until_stopped(server, options, gate, metrics, closers, engine)

@@ -1,0 +1,229 @@
+"""The worker's gRPC servicers, thin and backend-agnostic: convert from protobuf, call the engine, convert back.
+
+Conversion between protobuf and the engines' domain objects happens only here (`*_from_pb`, `*_to_pb`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+
+from kv_transfer.base import KV_SEND_FAILED, KvTransferError
+from kv_transfer.grpc_transport import GrpcKvSender
+from kv_transfer.tcp_transport import TcpKvSender
+from kv_transfer.wire import make_trailer
+from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
+from worker.engine.decode_backend import DecodeBackend, DecodeHandle
+from worker.engine.load import WorkerLoad
+from worker.engine.messages import KvLayerReady, PrefillDone, PrefillFailed
+from worker.engine.prefill_backend import PrefillBackend, PrefillJob
+from worker.engine.sequence import FinishReason, SamplingParams, TokenOutput
+from worker.metrics import WorkerMetrics
+from worker.service.drain import DrainGate, refuse_if_draining
+from worker.service.errors import abort_with, engine_errors_as_status
+
+_FINISH_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
+}
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.has_seed else None,
+        max_tokens=msg.max_tokens,
+        stop=tuple(msg.stop),
+        skip_special_tokens=msg.skip_special_tokens,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        return_logprobs=msg.return_logprobs,
+        top_logprobs=msg.top_logprobs,
+    )
+
+
+def token_to_pb(output: TokenOutput) -> pb.DecodeEvent:
+    event = pb.TokenEvent(
+        token_id=output.token_id,
+        text=output.text,
+        time_ms=output.time_ms,
+        finish_reason=_FINISH_TO_PB[output.finish_reason],
+        index=output.index,
+        matched_stop=output.matched_stop or "",
+        batch_size=output.batch_size,
+        queue_wait_ms=output.queue_wait_ms,
+    )
+    if output.logprobs is not None:
+        event.logprob = output.logprobs.logprob
+        event.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in output.logprobs.top)
+    return pb.DecodeEvent(token=event)
+
+
+def load_to_pb(load: WorkerLoad, draining: bool) -> pb.HealthResponse:
+    return pb.HealthResponse(
+        role=load.role, model=load.model, num_running=load.num_running, num_waiting=load.num_waiting,
+        kv_capacity_tokens=load.kv_capacity_tokens, kv_used_tokens=load.kv_used_tokens,
+        num_kv_leases=load.num_kv_leases, queued_prompt_tokens=load.queued_prompt_tokens, draining=draining,
+    )
+
+
+class PrefillKvStream:
+    """The KV items of one prefill job, produced while its forward runs: header, layers, trailer."""
+
+    def __init__(self, job: PrefillJob, header: pb.KvHeader):
+        self.job = job
+        self.header = header
+        self.first_token_id = -1
+        self.prefill_time_ms = 0.0
+        self.error: str | None = None
+
+    async def items(self):
+        yield self.header
+        while True:
+            match await self.job.events.get():
+                case KvLayerReady(layer):
+                    yield layer
+                case PrefillDone(first_token_id, prefill_ms, logprobs):
+                    self.first_token_id, self.prefill_time_ms = first_token_id, prefill_ms
+                    yield make_trailer(first_token_id, prefill_ms, (logprobs.logprob, logprobs.top) if logprobs else None)
+                    return
+                case PrefillFailed(message):
+                    # Ending without a trailer makes the decode worker reject the stream as truncated.
+                    self.error = message
+                    return
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    """Prefill, then push the KV cache to the decode worker the coordinator chose."""
+
+    def __init__(self, engine: PrefillBackend, grpc_sender: GrpcKvSender, tcp_sender: TcpKvSender,
+                 lease_timeout_s: float, metrics: WorkerMetrics, gate: DrainGate):
+        self.engine = engine
+        self.grpc_sender = grpc_sender
+        self.tcp_sender = tcp_sender
+        self.lease_timeout_s = lease_timeout_s
+        self.metrics = metrics
+        self.gate = gate
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        await refuse_if_draining(self.gate, context)
+        with self.gate.request():
+            return await self._prefill(request, context)
+
+    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        if not request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        async with engine_errors_as_status(context):
+            job = await self.engine.submit(request.request_id, list(request.prompt_token_ids),
+                                           sampling_from_pb(request.sampling))
+        self.metrics.requests.inc()
+        stream = PrefillKvStream(job, self.engine.kv_header(job))
+        if request.kv_data_address:
+            send = self.tcp_sender.send_items(request.kv_data_address, stream.items())
+        else:
+            send = self.grpc_sender.send_items(request.decode_address, stream.items())
+        start = time.perf_counter()
+        try:
+            sent = await asyncio.wait_for(send, self.lease_timeout_s)
+            self.metrics.kv_bytes.inc(sent)
+            self.metrics.kv_duration.observe(time.perf_counter() - start)
+        except asyncio.TimeoutError:
+            self.metrics.kv_failures.inc()
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"KV lease of request {request.request_id} expired after {self.lease_timeout_s}s before "
+                f"decode worker {request.decode_address} confirmed receipt",
+            )
+        except KvTransferError as exc:
+            self.metrics.kv_failures.inc()
+            reason = stream.error or str(exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{KV_SEND_FAILED} {request.decode_address}: {reason}")
+        finally:
+            self.engine.release(job)
+        return pb.PrefillResponse(first_token_id=stream.first_token_id, prefill_time_ms=stream.prefill_time_ms,
+                                  kv_bytes=sent, kv_transfer_ms=(time.perf_counter() - start) * 1000)
+
+    async def Health(self, request, context) -> pb.HealthResponse:
+        return load_to_pb(self.engine.load(), self.gate.draining)
+
+
+class DecodeServicer(pb_grpc.DecodeServiceServicer):
+    """Register a request, wait for its KV cache (or prefill it here), stream its tokens."""
+
+    def __init__(self, engine: DecodeBackend, kv_trans_timeout_s: float, kv_data_address: str,
+                 metrics: WorkerMetrics, gate: DrainGate):
+        self.engine = engine
+        self.kv_trans_timeout_s = kv_trans_timeout_s
+        self.kv_data_address = kv_data_address
+        self.metrics = metrics
+        self.gate = gate
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        await refuse_if_draining(self.gate, context)
+        if request.prompt_len <= 0 or request.prompt_len >= request.max_seq_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_len={request.prompt_len} must be in [1, max_seq_len={request.max_seq_len})",
+            )
+        if request.local_prefill and len(request.prompt_token_ids) != request.prompt_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"local_prefill needs the whole prompt: got {len(request.prompt_token_ids)} prompt_token_ids "
+                f"for prompt_len={request.prompt_len}",
+            )
+        with self.gate.request():
+            # aclosing: a stream ended early still runs _decode's cleanup now, not at garbage collection.
+            async with contextlib.aclosing(self._decode(request, context)) as events:
+                async for event in events:
+                    yield event
+
+    async def _decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        async with engine_errors_as_status(context):
+            handle = self.engine.register(request.request_id, request.prompt_len, sampling_from_pb(request.sampling),
+                                          request.max_seq_len, list(request.prompt_token_ids))
+        try:
+            async with engine_errors_as_status(context):
+                await self.engine.admit(handle)
+            self.metrics.requests.inc()
+            yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address))
+            if request.local_prefill:
+                self.engine.prefill_locally(handle)
+            await self._wait_for_kv(handle, context)
+            while True:
+                item = await handle.events.get()
+                if isinstance(item, Exception):
+                    await abort_with(context, item)
+                yield token_to_pb(item)
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self.engine.release(request.request_id)
+
+    async def _wait_for_kv(self, handle: DecodeHandle, context: grpc.aio.ServicerContext) -> None:
+        """Wait for the request's KV cache; abort with DEADLINE_EXCEEDED if nothing came in time."""
+        try:
+            await asyncio.wait_for(handle.kv_arrived.wait(), self.kv_trans_timeout_s)
+        except asyncio.TimeoutError:
+            if handle.events.empty():
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"KV cache for request {handle.request_id} did not arrive within "
+                    f"kv_trans_timeout={self.kv_trans_timeout_s}s",
+                )
+
+    async def Health(self, request, context) -> pb.HealthResponse:
+        return load_to_pb(self.engine.load(), self.gate.draining)
