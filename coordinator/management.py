@@ -9,10 +9,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from coordinator.apis.fields import parse_request, read_json
 from coordinator.config import check_host_port
@@ -26,12 +26,8 @@ class InstanceIdentity(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["prefill", "decode"]
-    address: str = Field(description="host:port of the worker's gRPC server")
-
-    @field_validator("address")
-    @classmethod
-    def _host_port(cls, value: str) -> str:
-        return check_host_port(value)
+    address: Annotated[str, AfterValidator(check_host_port)] = Field(
+        description="host:port of the worker's gRPC server")
 
 
 class Registration(InstanceIdentity):
