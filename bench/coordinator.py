@@ -33,7 +33,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
-import grpc  # noqa: E402
 
 from coordinator.request import GenerationRequest, SamplingOptions  # noqa: E402
 from coordinator.worker_client import WorkerClient  # noqa: E402
@@ -140,13 +139,13 @@ def direct_request(client: WorkerClient, prefill: list[str], decode: list[str], 
         call = client.open_decode(d, request, max_tokens, 4096, 60)
         accepted = await call.read()
         prefill_task = asyncio.create_task(client.prefill(
-            p, request, max_tokens, d, 60, kv_data_address=accepted.accepted.kv_data_address))
+            p, request, max_tokens, d, 60, kv_data_address=accepted.kv_data_address))
         ttft, tokens = None, 0
-        while (event := await call.read()) is not grpc.aio.EOF:
+        while (event := await call.read()) is not None:
             if ttft is None:
                 ttft = time.perf_counter() - start
             tokens += 1
-            if event.token.finish_reason:
+            if event.finish_reason is not None:
                 break
         await prefill_task
         return Sample(ttft, time.perf_counter() - start, tokens)

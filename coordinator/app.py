@@ -10,14 +10,14 @@ from pathlib import Path
 from aiohttp import web
 
 from coordinator.apis.openai_common import error_body
-from coordinator.apis.route_table import ROUTE_TABLE, ErrorStyle, RouteTable
+from coordinator.apis.route_table import ROUTE_TABLE, ErrorStyle
 from coordinator.apis.tgi_family import error_frame
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import ApiError
 from coordinator.health_monitor import HealthMonitor
 from coordinator.instances import InstanceRegistry
 from coordinator.limits import ModelLimits
-from coordinator.management import add_management_routes
+from coordinator.management import MANAGEMENT_ROUTES
 from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.pipeline import RequestPipeline
 from coordinator.request_queue import RequestQueue
@@ -141,9 +141,9 @@ def create_management_app(main_app: web.Application) -> web.Application:
     """The management port: registration, instances, health and metrics, apart from client traffic."""
     app = web.Application(middlewares=[error_middleware])
     app[STATE] = main_app[STATE]
-    app[ROUTE_TABLE] = RouteTable([])  # the management routes are not client APIs: errors by path prefix
-    add_management_routes(app)
-    app.router.add_get("/metrics", main_app[METRICS].handle_metrics)
+    app[METRICS] = main_app[METRICS]
+    app[ROUTE_TABLE] = MANAGEMENT_ROUTES
+    MANAGEMENT_ROUTES.add_to(app)
     return app
 
 

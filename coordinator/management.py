@@ -14,7 +14,9 @@ from typing import Annotated, Literal
 from aiohttp import web
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from coordinator.apis import operations
 from coordinator.apis.fields import parse_request, read_json
+from coordinator.apis.route_table import ErrorStyle, Route, RouteTable
 from coordinator.config import check_host_port
 from coordinator.errors import ApiError
 from coordinator.state import STATE
@@ -64,11 +66,11 @@ async def list_instances(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATE].registry.snapshot())
 
 
-def add_management_routes(app: web.Application) -> None:
-    from coordinator.routes import health
-
-    app.router.add_post("/v1/instances/register", register)
-    app.router.add_post("/v1/instances/heartbeat", heartbeat)
-    app.router.add_post("/v1/instances/deregister", deregister)
-    app.router.add_get("/v1/instances", list_instances)
-    app.router.add_get("/health", health)
+MANAGEMENT_ROUTES = RouteTable([
+    Route("POST", "/v1/instances/register", register, ErrorStyle.OPENAI),
+    Route("POST", "/v1/instances/heartbeat", heartbeat, ErrorStyle.OPENAI),
+    Route("POST", "/v1/instances/deregister", deregister, ErrorStyle.OPENAI),
+    Route("GET", "/v1/instances", list_instances, ErrorStyle.OPENAI),
+    Route("GET", "/health", operations.health, ErrorStyle.TGI),
+    Route("GET", "/metrics", operations.metrics, ErrorStyle.TGI),
+])

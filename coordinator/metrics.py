@@ -45,14 +45,6 @@ def api_label(request: web.Request) -> str:
     return request.app[ROUTE_TABLE].metrics_label(request.method, request.path) or UNROUTED_LABEL
 
 
-def api_of(path: str) -> str:
-    """The `api` label of a POST to `path`, for callers that hold no request; prefer api_label."""
-    # Imported here: the predict routes import the API modules, which import this one.
-    from coordinator.routes import PREDICT_ROUTES
-
-    return PREDICT_ROUTES.metrics_label("POST", path)
-
-
 class CoordinatorMetrics:
     """Request counts and latencies, by client API and outcome."""
 

@@ -12,7 +12,6 @@ from coordinator.apis import (
     tokenizer,
     triton,
 )
-from coordinator.apis.operations import health  # noqa: F401  (management.py imports it from here)
 from coordinator.apis.route_table import RouteTable
 
 PREDICT_ROUTES = RouteTable([

@@ -14,7 +14,7 @@ from typing import Protocol
 from aiohttp import web
 
 from coordinator.errors import ApiError
-from coordinator.metrics import METRICS, api_of
+from coordinator.metrics import METRICS, api_label
 from coordinator.pipeline import RequestPipeline
 from coordinator.request import Finished, GenerationRequest, TokenDelta
 from coordinator.sse import encode_event, open_stream
@@ -84,7 +84,7 @@ async def serve_generation(
         if response is None:
             raise
         logger.warning("request %s failed mid-stream: %s", request.request_id, error.message)
-        http_request.app[METRICS].fail(api_of(http_request.path), error.status)
+        http_request.app[METRICS].fail(api_label(http_request), error.status)
         for frame in formatter.error_frames(error, transcript):
             await response.write(formatter.encode(frame))
     finally:
