@@ -93,7 +93,8 @@ class AttemptRunner:
                         prefill_task = asyncio.create_task(self._prefill(route, request, max_tokens, accepted))
                     first = await self._first_token(stream, prefill_task, route, clocks)
                     async for event in self._relay(stream, first, route, progress, original_prompt_len,
-                                                   request.sampling.logprobs is not None, admission_ms, clocks):
+                                                   request.sampling.logprobs is not None, admission_ms, clocks,
+                                                   request.arrived_at):
                         yield event
                 finally:
                     stream.cancel()
@@ -146,9 +147,10 @@ class AttemptRunner:
                 read.cancel()
 
     async def _relay(self, stream: DecodeStream, token: DecodedToken | None, route: Route, progress: Progress,
-                     prompt_len: int, wants_logprobs: bool, admission_ms: float, clocks: _Deadlines):
+                     prompt_len: int, wants_logprobs: bool, admission_ms: float, clocks: _Deadlines,
+                     arrived_at: float):
         loop_time = time.monotonic
-        started = last = loop_time()
+        last = loop_time()
         offset = progress.count
         while True:
             if token is None:
@@ -160,7 +162,7 @@ class AttemptRunner:
             else:
                 progress.decode_times.append(token.time_ms)
             now = loop_time()
-            self.metrics.token(index, now - started, now - last)
+            self.metrics.token(index, now - arrived_at, now - last)  # TTFT counts from arrival
             last = now
             progress.token_ids.append(token.token_id)
             yield TokenDelta(

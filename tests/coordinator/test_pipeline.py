@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 
 import pytest
 
@@ -167,3 +168,21 @@ async def test_no_first_token_within_first_token_timeout_fails_with_504():
 def test_null_metrics_has_the_same_pipeline_methods_as_coordinator_metrics():
     for name, method in inspect.getmembers(NullMetrics, inspect.isfunction):
         assert inspect.signature(getattr(CoordinatorMetrics, name)) == inspect.signature(method), name
+
+
+class TokenTimes(NullMetrics):
+    def __init__(self):
+        self.calls: list[tuple[int, float]] = []
+
+    def token(self, index: int, since_start_s: float, since_last_s: float) -> None:
+        self.calls.append((index, since_start_s))
+
+
+async def test_time_to_first_token_counts_from_the_requests_arrival():
+    workers = ScriptedWorkers({"d0:1": [[DecodeAccepted(""), token(0, 7), token(1, 8, final=True)]]})
+    pipeline, _, _ = make_pipeline(workers, ["p0:1"], ["d0:1"])
+    pipeline.metrics = pipeline.attempts.metrics = metrics = TokenTimes()
+    request = GenerationRequest("r", PROMPT, SamplingOptions(), 2, arrived_at=time.monotonic() - 0.5)
+    [event async for event in pipeline.generate(request)]
+    assert [index for index, _ in metrics.calls] == [0, 1]
+    assert metrics.calls[0][1] >= 0.5
