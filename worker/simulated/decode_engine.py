@@ -8,7 +8,7 @@ from worker.engine.decode_backend import DecodeBackend
 from worker.engine.messages import LocalPrefill
 from worker.engine.sequence import DecodeState, FinishReason, Sequence, TokenOutput
 from worker.simulated.cost_model import SIMULATED_MODEL, CostModel
-from worker.simulated.engine_task import EngineTask, sleep_until
+from worker.simulated.engine_task import EngineTask, RunsOnEventLoop, sleep_until
 from worker.simulated.kv import VerifiedKv, VerifyingKvSink
 from worker.simulated.tokens import synthetic_token, token_key, token_text
 
@@ -18,7 +18,7 @@ def token_limit(seq: Sequence) -> int:
     return max(1, min(seq.sampling.max_tokens, seq.max_seq_len - seq.prompt_len))
 
 
-class SimulatedDecodeEngine(DecodeBackend):
+class SimulatedDecodeEngine(RunsOnEventLoop, DecodeBackend):
     """Continuous batching on a timer: every step, each running sequence gets one token.
 
     Sequences join at the next step (up to `max_running`) and leave at once when finished or
@@ -35,12 +35,6 @@ class SimulatedDecodeEngine(DecodeBackend):
         self.cost = cost
         self.vocab_size = vocab_size
         self._task = EngineTask(self._run)
-
-    def start(self) -> None:
-        self._task.start()
-
-    def shutdown(self) -> None:
-        self._task.stop()
 
     def _decode_arrived(self, seq: Sequence, kv: VerifiedKv) -> None:
         self._start(seq, kv.first_token_id, kv.prefill_time_ms)

@@ -34,6 +34,18 @@ class EngineTask:
         await self._wake.wait()
 
 
+class RunsOnEventLoop:
+    """`start` and `shutdown` of a simulated engine whose loop is `self._task`, an EngineTask."""
+
+    _task: EngineTask
+
+    def start(self) -> None:
+        self._task.start()
+
+    def shutdown(self) -> None:
+        self._task.stop()
+
+
 def _report_crash(task: asyncio.Task) -> None:
     # An engine loop that dies would hang every request quietly; say so loudly instead.
     if not task.cancelled() and task.exception() is not None:

@@ -9,12 +9,12 @@ from proto import worker_pb2 as pb
 from worker.engine.messages import KvLayerReady, PrefillDone
 from worker.engine.prefill_backend import PrefillBackend, PrefillJob
 from worker.simulated.cost_model import SIMULATED_MODEL, CostModel, KvShape
-from worker.simulated.engine_task import EngineTask, sleep_until
+from worker.simulated.engine_task import EngineTask, RunsOnEventLoop, sleep_until
 from worker.simulated.kv import synthetic_layer
 from worker.simulated.tokens import synthetic_token, token_key
 
 
-class SimulatedPrefillEngine(PrefillBackend):
+class SimulatedPrefillEngine(RunsOnEventLoop, PrefillBackend):
     """Batched prefill as the real PrefillEngine schedules it; layer i is out at (i+1)/L of the forward."""
 
     model_name = SIMULATED_MODEL
@@ -26,12 +26,6 @@ class SimulatedPrefillEngine(PrefillBackend):
         self.kv_shape = kv_shape
         self.vocab_size = vocab_size
         self._task = EngineTask(self._run)
-
-    def start(self) -> None:
-        self._task.start()
-
-    def shutdown(self) -> None:
-        self._task.stop()
 
     def kv_header(self, job: PrefillJob) -> pb.KvHeader:
         shape = self.kv_shape
