@@ -108,3 +108,17 @@ async def test_cancelled_waiter_leaves_the_line_and_holds_nothing():
         await task
     admission.release("a")
     assert admission.num_waiting == 0 and admission.budget.used == 0
+
+
+async def test_budget_released_before_a_cancelled_waiter_runs_skips_that_waiter():
+    admission = KvAdmission(KvBudget(100))
+    await admission.acquire("a", 100)
+    cancelled = asyncio.create_task(admission.acquire("b", 50))
+    waiting = asyncio.create_task(admission.acquire("c", 50))
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    admission.release("a")  # before `cancelled` has run to leave the line
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await waiting
+    assert admission.num_waiting == 0 and admission.budget.used == 50

@@ -85,6 +85,9 @@ class KvAdmission:
         self.budget.free(request_id)
         while self._waiting:
             rid, (tokens, future) = next(iter(self._waiting.items()))
+            if future.done():  # cancelled, and its waiter has not yet run to leave the line
+                del self._waiting[rid]
+                continue
             if not self.budget.can_allocate(tokens):
                 break
             del self._waiting[rid]
