@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kv_transfer.base import TransferredKv  # noqa: E402
+from kv_transfer.sink import KvSink
 
 NUM_LAYERS = 16
 
@@ -49,7 +50,7 @@ def grpc_receiver(port_queue) -> None:
     async def main():
         server = grpc.aio.server(options=GRPC_OPTIONS)
         pool = KvBufferPool()
-        servicer = KvReceiverServicer(lambda kv: kv.release(), lambda *a: None, pool=pool)
+        servicer = KvReceiverServicer(KvSink(lambda kv: kv.release(), lambda *a: None, pool=pool))
         pb_grpc.add_KvReceiverServicer_to_server(servicer, server)
         port_queue.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
@@ -64,7 +65,7 @@ def tcp_receiver(port_queue) -> None:
 
     async def main():
         # As in a decode worker: the cache is copied into the batch, then its buffer is reused.
-        rx = TcpKvReceiver(lambda kv: kv.release(), lambda *a: None, timeout_s=600, pool=KvBufferPool())
+        rx = TcpKvReceiver(KvSink(lambda kv: kv.release(), lambda *a: None, pool=KvBufferPool()), timeout_s=600)
         port_queue.put(await rx.start("127.0.0.1", 0))
         await asyncio.Event().wait()
 

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import grpc
 
 from kv_transfer.base import KvTransferError, TransferredKv
-from kv_transfer.wire import DEFAULT_CHUNK_BYTES, KvStreamVerifier, messages_from_items
+from kv_transfer.sink import KvSink
+from kv_transfer.wire import DEFAULT_CHUNK_BYTES, messages_from_items
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:  # torch-backed; this module itself stays torch-free for the simulated worker
-    from kv_transfer.buffer_pool import KvBufferPool
-
-logger = logging.getLogger(__name__)
 
 # Chunks are bounded, but headers and framing need headroom above the chunk size.
 GRPC_MESSAGE_LIMIT = 64 * 1024 * 1024
@@ -69,46 +61,26 @@ class GrpcKvSender:
 
 
 class KvReceiverServicer(pb_grpc.KvReceiverServicer):
-    """Verifies an incoming KV stream block by block and hands the whole cache on (`assembler` as in
-    TcpKvReceiver)."""
+    """Verifies an incoming KV stream block by block and hands the whole cache to `sink`."""
 
-    def __init__(
-        self,
-        on_kv: Callable[[TransferredKv], None],
-        on_failure: Callable[[str, str], None],
-        max_bytes: int | None = None,
-        pool: KvBufferPool | None = None,
-        assembler: Callable[..., KvStreamVerifier] | None = None,
-    ):
-        if assembler is None:
-            from kv_transfer.codec import KvAssembler as assembler  # torch, only when receiving tensors
-        self._assembler = assembler
-        self._pool = pool
-        self._on_kv = on_kv
-        self._on_failure = on_failure
-        self._max_bytes = max_bytes
+    def __init__(self, sink: KvSink):
+        self._sink = sink
 
     async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.KvAck:
         request_id = ""
-        assembler = None
+        verifier = None
         try:
             async for message in request_iterator:
-                if assembler is not None:
-                    assembler.add_message(message)
+                if verifier is not None:
+                    verifier.add_message(message)
                 elif message.HasField("header"):
                     request_id = message.header.request_id
-                    assembler = self._assembler(message.header, self._max_bytes, self._pool)
+                    verifier = self._sink.open(message.header)
                 else:
                     raise KvTransferError("KV stream does not start with a header")
-            if assembler is None:
+            if verifier is None:
                 raise KvTransferError("KV stream is empty")
-            kv = assembler.finish()
-            self._on_kv(kv)
-            return pb.KvAck(bytes_received=assembler.bytes_received)
+            return pb.KvAck(bytes_received=self._sink.deliver(verifier))
         except KvTransferError as exc:
-            if assembler is not None:
-                assembler.discard()
-            logger.warning("rejected KV stream for request %s: %s", request_id or "?", exc)
-            if request_id:
-                self._on_failure(request_id, str(exc))
+            self._sink.reject(request_id, verifier, str(exc))
             await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))

@@ -13,23 +13,20 @@ The receiver answers once: status u8 (0 ok, 1 refused), bytes received u64, u32 
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 import queue
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from kv_transfer.base import KvTransferError, TransferredKv
+from kv_transfer.sink import KvSink
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES, KvStreamVerifier, byte_blocks, checksum
 from proto import worker_pb2 as pb
 
 if TYPE_CHECKING:  # torch-backed types; this module itself stays torch-free for the simulated worker
-    from kv_transfer.buffer_pool import KvBufferPool
     from kv_transfer.codec import KvItem
-
-logger = logging.getLogger(__name__)
 
 PREAMBLE = b"PDKV1\n"
 LENGTH = struct.Struct("<I")
@@ -138,23 +135,11 @@ def _recv_exactly_blocking(sock: socket.socket, n: int) -> bytes:
 
 
 class TcpKvReceiver:
-    """Accepts KV connections, verifies every block in place, hands whole caches on.
+    """Accepts KV connections, verifies every block in place, hands whole caches to `sink`."""
 
-    `assembler(header, max_bytes, pool)` makes what each stream is written into: by default a
-    KvAssembler (tensors); the simulated worker passes one that verifies and keeps nothing.
-    """
-
-    def __init__(self, on_kv: Callable[[TransferredKv], None], on_failure: Callable[[str, str], None],
-                 timeout_s: float = 30.0, max_bytes: int | None = None, pool: KvBufferPool | None = None,
-                 assembler: Callable[..., KvStreamVerifier] | None = None):
-        if assembler is None:
-            from kv_transfer.codec import KvAssembler as assembler  # torch, only when receiving tensors
-        self._assembler = assembler
-        self._pool = pool
-        self._on_kv = on_kv
-        self._on_failure = on_failure
+    def __init__(self, sink: KvSink, timeout_s: float = 30.0):
+        self._sink = sink
         self._timeout_s = timeout_s
-        self._max_bytes = max_bytes
         self._server: socket.socket | None = None
         self._verifier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-verify")
         self._accept_task: asyncio.Task | None = None
@@ -195,18 +180,12 @@ class TcpKvReceiver:
         try:
             try:
                 assembler = await asyncio.to_thread(self._receive, conn, seen, loop.time() + self._timeout_s, loop)
-                self._on_kv(assembler.finish())
-                reply = ACK.pack(0, assembler.bytes_received, 0)
+                reply = ACK.pack(0, self._sink.deliver(assembler), 0)
             except (KvTransferError, OSError) as exc:
-                if "assembler" in seen:
-                    seen["assembler"].discard()
                 if isinstance(exc, socket.timeout):
                     exc = KvTransferError(f"KV stream did not complete within {self._timeout_s}s")
                 message = str(exc)
-                request_id = seen.get("request_id", "")
-                logger.warning("rejected KV stream for request %s: %s", request_id or "?", message)
-                if request_id:
-                    self._on_failure(request_id, message)
+                self._sink.reject(seen.get("request_id", ""), seen.get("assembler"), message)
                 body = message.encode()
                 reply = ACK.pack(1, 0, len(body)) + body
             await asyncio.to_thread(conn.sendall, reply)
@@ -224,7 +203,7 @@ class TcpKvReceiver:
         length = LENGTH.unpack(_recv_exactly_blocking(conn, 4))[0]
         header = pb.KvHeader.FromString(_recv_exactly_blocking(conn, length))
         seen["request_id"] = header.request_id
-        assembler = seen["assembler"] = self._assembler(header, self._max_bytes, self._pool)
+        assembler = seen["assembler"] = self._sink.open(header)
         block_head = bytearray(BLOCK.size)
         digest = bytearray(DIGEST.size)
         pending = None  # the previous block's verification, running while this block arrives

@@ -8,6 +8,7 @@ import torch
 
 from kv_transfer.base import KvTransferError
 from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverServicer
+from kv_transfer.sink import KvSink
 from proto import worker_pb2_grpc as pb_grpc
 from tests.helpers import bits, make_kv
 
@@ -17,7 +18,7 @@ async def receiver():
     received, failures = [], []
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_KvReceiverServicer_to_server(
-        KvReceiverServicer(received.append, lambda rid, msg: failures.append((rid, msg))), server
+        KvReceiverServicer(KvSink(received.append, lambda rid, msg: failures.append((rid, msg)))), server
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -44,7 +45,7 @@ async def test_rejected_kv_stream_fails_the_sender_with_the_reason():
         raise KvTransferError("no decode request 'req-1' is waiting for a KV cache")
 
     server = grpc.aio.server()
-    pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(on_kv, lambda *a: None), server)
+    pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(KvSink(on_kv, lambda *a: None)), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     sender = GrpcKvSender()

@@ -11,13 +11,14 @@ import torch
 from kv_transfer.base import KvTransferError
 from kv_transfer.codec import KvLayer, checksum, kv_items, tensor_bytes
 from kv_transfer.tcp_transport import ACK, BLOCK, DIGEST, LENGTH, PREAMBLE, TcpKvReceiver, TcpKvSender
+from kv_transfer.sink import KvSink
 from tests.helpers import bits, make_kv
 
 
 @pytest.fixture
 async def receiver():
     received, failures = [], []
-    rx = TcpKvReceiver(received.append, lambda rid, msg: failures.append((rid, msg)), timeout_s=5)
+    rx = TcpKvReceiver(KvSink(received.append, lambda rid, msg: failures.append((rid, msg))), timeout_s=5)
     port = await rx.start("127.0.0.1", 0)
     yield f"127.0.0.1:{port}", received, failures
     await rx.stop()
@@ -93,7 +94,7 @@ async def test_refusal_by_the_engine_reaches_the_sender():
     def on_kv(kv):
         raise KvTransferError("no decode request 'req-1' is waiting for a KV cache")
 
-    rx = TcpKvReceiver(on_kv, lambda *a: None)
+    rx = TcpKvReceiver(KvSink(on_kv, lambda *a: None))
     port = await rx.start("127.0.0.1", 0)
     try:
         with pytest.raises(KvTransferError, match="refused: no decode request"):
@@ -112,7 +113,7 @@ async def test_sender_to_a_closed_port_fails_clearly():
 
 async def test_stalled_sender_times_out_on_the_receiver():
     failures = []
-    rx = TcpKvReceiver(lambda kv: None, lambda rid, msg: failures.append(rid), timeout_s=0.5)
+    rx = TcpKvReceiver(KvSink(lambda kv: None, lambda rid, msg: failures.append(rid)), timeout_s=0.5)
     port = await rx.start("127.0.0.1", 0)
     try:
         frames = frames_for(make_kv(torch.float32))

@@ -11,6 +11,7 @@ import torch
 from kv_transfer.codec import KvAssembler
 from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
 from kv_transfer.wire import RawKvLayer, header, make_trailer
+from kv_transfer.sink import KvSink
 from tests.helpers import REPO
 
 
@@ -28,7 +29,7 @@ async def test_raw_byte_layers_arrive_as_the_tensors_they_encode(chunk_bytes):
     tensors = [(torch.randn(1, 2, 9, 8, generator=g).half(), torch.randn(1, 2, 9, 8, generator=g).half())
                for _ in range(3)]
     received, failures = [], []
-    rx = TcpKvReceiver(received.append, lambda rid, msg: failures.append(msg), timeout_s=5)
+    rx = TcpKvReceiver(KvSink(received.append, lambda rid, msg: failures.append(msg)), timeout_s=5)
     port = await rx.start("127.0.0.1", 0)
 
     async def items():

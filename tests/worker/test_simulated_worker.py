@@ -19,7 +19,7 @@ from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from tests.helpers import (REPO, ServerProcess, health, metrics_url, pdserve_argv, scrape, sse_events,
                           start_coordinator, wait_for_idle, write_config)
-from worker.simulated.kv import VerifyingKvSink, synthetic_layer
+from worker.simulated.kv import VerifyOnlyKvAssembler, synthetic_layer
 
 pytestmark = pytest.mark.system
 
@@ -276,13 +276,13 @@ def test_simulated_receiver_verifies_every_block(flip):
     if flip:
         block = messages[4].block
         block.data = bytes([block.data[0] ^ 1]) + block.data[1:]
-    sink = VerifyingKvSink(messages[0].header)
+    assembler = VerifyOnlyKvAssembler(messages[0].header)
     if flip:
         with pytest.raises(KvTransferError, match="layer 0 key offset 144: checksum mismatch"):
             for m in messages[1:]:
-                sink.add_message(m)
+                assembler.add_message(m)
         return
     for m in messages[1:]:
-        sink.add_message(m)
-    kv = sink.finish()
+        assembler.add_message(m)
+    kv = assembler.finish()
     assert (kv.seq_len, kv.num_bytes, kv.first_token_id) == (5, 2 * 2 * 160, 3)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 
 from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverServicer
+from kv_transfer.sink import KvSink
 from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
 from proto import worker_pb2_grpc as pb_grpc
 from worker.engine.decode_backend import DecodeBackend
@@ -53,14 +54,14 @@ async def serve(options: WorkerOptions) -> None:
             metrics.kv_failures.inc()
             engine.fail(request_id, message)
 
-        sink = {"assembler": engine.kv_assembler, "pool": engine.kv_pool}
+        sink = KvSink(on_kv, on_failure, pool=engine.kv_pool, assembler=engine.kv_assembler)
         kv_data_address = ""
         if options.kv_data_port >= 0:
-            receiver = TcpKvReceiver(on_kv, on_failure, timeout_s=options.kv_trans_timeout_s, **sink)
+            receiver = TcpKvReceiver(sink, timeout_s=options.kv_trans_timeout_s)
             kv_data_address = f"{options.public_host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
         servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, metrics, gate)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-        pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(on_kv, on_failure, **sink), server)
+        pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(sink), server)
 
     await serve_until_stopped(server, options, gate, metrics, closers, engine)

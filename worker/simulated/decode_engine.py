@@ -9,7 +9,7 @@ from worker.engine.messages import LocalPrefill
 from worker.engine.sequence import DecodeState, FinishReason, Sequence, TokenOutput
 from worker.simulated.cost_model import SIMULATED_MODEL, CostModel
 from worker.simulated.engine_task import EngineTask, RunsOnEventLoop, sleep_until
-from worker.simulated.kv import VerifiedKv, VerifyingKvSink
+from worker.simulated.kv import VerifiedKv, VerifyOnlyKvAssembler
 from worker.simulated.tokens import synthetic_token, token_key, token_text
 
 
@@ -27,7 +27,7 @@ class SimulatedDecodeEngine(RunsOnEventLoop, DecodeBackend):
     """
 
     model_name = SIMULATED_MODEL
-    kv_assembler = VerifyingKvSink  # verifies every block, keeps only the stream's size
+    kv_assembler = VerifyOnlyKvAssembler  # verifies every block, keeps only the stream's size
 
     def __init__(self, cost: CostModel, budget_tokens: int, max_running: int = 64, max_prefill_tokens: int = 8192,
                  max_prefill_batch_size: int = 16, vocab_size: int = 32000):

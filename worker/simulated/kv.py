@@ -41,7 +41,7 @@ class VerifiedKv:
         """Nothing to give back: the bytes were never kept."""
 
 
-class VerifyingKvSink(KvStreamVerifier):
+class VerifyOnlyKvAssembler(KvStreamVerifier):
     """Receives a KV stream into scratch memory, checking every block, and keeps only its size.
 
     Two scratch buffers in turn: the TCP receiver reads block N+1 while block N is verified.
