@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 
-from kv_transfer.base import KvTransferError, TransferredKv
+from kv_transfer.base import TransferredKv
 from kv_transfer.buffer_pool import KvBufferPool
 from kv_transfer.codec import KvAssembler
 from worker.engine.decode_backend import DecodeBackend
@@ -167,8 +167,8 @@ class DecodeEngine(DecodeBackend):
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + batch:
             if not seq.is_finished:
                 self._retire(seq, DecodeState.CANCELLED, leave_batch=False)
-                # KvTransferError (DATA_LOSS) keeps this worker's long-standing answer to a failed step.
-                self._fail_soon(seq.request_id, "decode step failed on the worker", KvTransferError)
+                # This worker failed, not the KV it was sent: the coordinator blames it and moves the request.
+                self._fail_soon(seq.request_id, "decode step failed on the worker", RequestFailed)
         self.runner.reset_batch()
 
     def _step(self, batch: list[Sequence]) -> None:
