@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kv_transfer.base import TransferredKv  # noqa: E402
-from kv_transfer.sink import KvSink
+from kv_transfer.sink import KvSink  # noqa: E402
 
 NUM_LAYERS = 16
 

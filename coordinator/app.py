@@ -10,7 +10,7 @@ from pathlib import Path
 from aiohttp import web
 
 from coordinator.apis.openai_common import error_body
-from coordinator.apis.route_table import ROUTE_TABLE, ErrorStyle
+from coordinator.route_table import ROUTE_TABLE, ErrorStyle
 from coordinator.apis.tgi_family import error_frame
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import ApiError

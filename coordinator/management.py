@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from coordinator.apis import operations
 from coordinator.apis.fields import parse_request, read_json
-from coordinator.apis.route_table import ErrorStyle, Route, RouteTable
+from coordinator.route_table import ErrorStyle, Route, RouteTable
 from coordinator.config import check_host_port
 from coordinator.errors import ApiError
 from coordinator.state import STATE

@@ -12,7 +12,7 @@ from coordinator.apis import (
     tokenizer,
     triton,
 )
-from coordinator.apis.route_table import RouteTable
+from coordinator.route_table import RouteTable
 
 PREDICT_ROUTES = RouteTable([
     *openai_chat.ROUTES,

@@ -6,7 +6,7 @@ from aiohttp import web
 
 from coordinator.apis import tgi, vllm_native
 from coordinator.apis.fields import read_json
-from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.route_table import ErrorStyle, Route
 from coordinator.errors import ApiError
 
 

@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict
 
 from coordinator.apis.fields import PromptInput, new_id, read_request
 from coordinator.apis.prompts import tokenize_input
-from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.route_table import ErrorStyle, Route
 from coordinator.apis.tgi_family import QueuedParameters, TextGenFormatter, finish_details, token_timing
 from coordinator.request import Finished, TokenDelta
 from coordinator.serving import Transcript, serve_generation

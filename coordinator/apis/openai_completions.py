@@ -19,7 +19,7 @@ from coordinator.apis.openai_common import (
     usage,
 )
 from coordinator.apis.prompts import tokenize_input
-from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.route_table import ErrorStyle, Route
 from coordinator.errors import ApiError
 from coordinator.request import Finished, GenerationRequest, TokenDelta
 from coordinator.serving import Transcript

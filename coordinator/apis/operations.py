@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.route_table import ErrorStyle, Route
 from coordinator.metrics import METRICS
 from coordinator.state import STATE
 

@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 from coordinator.apis.fields import PositiveInt32, PromptInput, new_id, parse_request, read_json, stop_tuple
 from coordinator.apis.prompts import tokenize_input
-from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.route_table import ErrorStyle, Route
 from coordinator.apis.tgi_family import TextGenFormatter, TextGenParameters, finish_details
 from coordinator.errors import ApiError
 from coordinator.request import Finished, SamplingOptions, TokenDelta

@@ -1,5 +1,5 @@
-"""What TGI, MindIE, Triton and vLLM's native API share: parameter fields and their ranges, the
-sampling rule, finish reasons, the `{error, error_type}` error frame and the model check."""
+"""What the TGI family shares: TGI, MindIE and Triton their parameter fields and ranges, the sampling
+rule, finish reasons and the model check; vLLM's native API too, the `{error, error_type}` error frame."""
 
 from __future__ import annotations
 

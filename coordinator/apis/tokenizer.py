@@ -6,7 +6,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.apis.fields import read_request
-from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.route_table import ErrorStyle, Route
 from coordinator.state import STATE
 
 

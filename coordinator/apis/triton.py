@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from coordinator.apis.fields import INT32_MAX, PromptInput, TopP, new_id, read_request
 from coordinator.apis.prompts import tokenize_input
-from coordinator.apis.route_table import ErrorStyle, Route
+from coordinator.route_table import ErrorStyle, Route
 from coordinator.apis.tgi_family import (
     QueuedParameters,
     TextGenFormatter,

@@ -8,7 +8,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from coordinator.apis.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
+from coordinator.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
 from coordinator.app import InFlightLimit, create_app, error_middleware
 from coordinator.config import parse_config
 from coordinator.errors import ApiError

@@ -1,7 +1,9 @@
 """What the decode servicer needs of an engine, and the request bookkeeping every backend shares.
 
-A request's state (`DecodeState`) lives on its Sequence and moves one way; the event loop moves it
-up to DECODING, the engine from there on. Health figures are counted from these states.
+A request's state (`DecodeState`) lives on its Sequence and moves one way. The event loop moves it
+until it is DECODING; from then on only the engine does, so a sequence in the batch never changes
+state under the engine. A local prefill the loop cancels or fails is dropped by the engine, which
+checks the state before and after the forward. Health figures are counted from these states.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from worker.engine.messages import LocalPrefill
 from worker.engine.scheduler import DecodeScheduler, PrefillScheduler
 from worker.engine.sequence import DecodeState, SamplingParams, Sequence, TokenOutput
 from worker.metrics import NULL_METRICS
+
+# States the event loop moves a request out of; from DECODING on, only the engine does.
+BEFORE_DECODING = frozenset({DecodeState.WAITING_FOR_BUDGET, DecodeState.WAITING_FOR_KV, DecodeState.PREFILLING_LOCALLY})
 
 
 @dataclass(eq=False)
@@ -136,7 +141,8 @@ class DecodeBackend(abc.ABC):
         """End a registered request with an error (e.g. its KV stream was corrupt)."""
         handle = self._handles.get(request_id)
         if handle is not None:
-            handle.seq.status = DecodeState.FAILED
+            if handle.state in BEFORE_DECODING:
+                handle.seq.status = DecodeState.FAILED  # once DECODING, the engine retires it
             handle.events.put_nowait(error(message))
             handle.kv_arrived.set()  # the stream reports the failure now, not after kv_trans_timeout
 
@@ -144,8 +150,8 @@ class DecodeBackend(abc.ABC):
         """Forget a request: it leaves the batch (or the prefill queue) at once and frees its budget."""
         handle = self._handles.pop(request_id, None)
         if handle is not None:
-            if handle.state is not DecodeState.DECODING and not handle.state.is_final:
-                handle.seq.status = DecodeState.CANCELLED  # not in the batch yet: nobody else moves it
+            if handle.state in BEFORE_DECODING:
+                handle.seq.status = DecodeState.CANCELLED  # once DECODING, the engine retires it on `_cancel`
             self._cancel(request_id)
         self.admission.release(request_id)
 

@@ -157,8 +157,10 @@ class DecodeEngine(DecodeBackend):
             for job in jobs:
                 self._fail_soon(job.seq.request_id, f"local prefill failed on the worker: {exc}", RequestFailed)
             return
-        # From here on a local prefill is a sequence whose KV has just arrived.
+        # From here on a local prefill is a sequence whose KV has just arrived (unless released meanwhile).
         for job, kv in zip(jobs, arrived):
+            if job.seq.status is not DecodeState.PREFILLING_LOCALLY:
+                continue
             job.seq.pending_kv = kv
             self._admit(job.seq, kv)
 
@@ -166,7 +168,7 @@ class DecodeEngine(DecodeBackend):
         # The batch may be inconsistent after a failed step: drop it whole instead of row by row.
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + batch:
             if not seq.is_finished:
-                self._retire(seq, DecodeState.CANCELLED, leave_batch=False)
+                self._retire(seq, DecodeState.FAILED, leave_batch=False)
                 # This worker failed, not the KV it was sent: the coordinator blames it and moves the request.
                 self._fail_soon(seq.request_id, "decode step failed on the worker", RequestFailed)
         self.runner.reset_batch()

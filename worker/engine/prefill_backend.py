@@ -7,7 +7,6 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from proto import worker_pb2 as pb
 from worker.engine.errors import DuplicateRequestError
 from worker.engine.kv_budget import KvAdmission, KvBudget
 from worker.engine.load import WorkerLoad
@@ -15,6 +14,15 @@ from worker.engine.messages import PrefillEvent
 from worker.engine.scheduler import PrefillScheduler
 from worker.engine.sequence import SamplingParams
 from worker.metrics import NULL_METRICS
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """A KV stream's header fields: the cache's dtype (its wire name), layer count and per-layer tensor shape."""
+
+    dtype_name: str
+    num_layers: int
+    shape: tuple[int, ...]
 
 
 @dataclass(eq=False)
@@ -37,7 +45,7 @@ class PrefillBackend(abc.ABC):
     """A prefill engine: admits prompts under a KV budget, batches them, and emits each job's KV stream.
 
     Subclasses run the forwards (`start`/`shutdown`, `_enqueue`/`_dequeue`) and name the stream's
-    header (`kv_header`); a job's layers and its result arrive on `job.events`.
+    layout (`kv_layout`); a job's layers and its result arrive on `job.events`.
     """
 
     model_name: str
@@ -58,8 +66,8 @@ class PrefillBackend(abc.ABC):
         """Stop running forwards."""
 
     @abc.abstractmethod
-    def kv_header(self, job: PrefillJob) -> pb.KvHeader:
-        """The header of the job's KV stream: dtype, layers and tensor shape of this backend's cache."""
+    def kv_layout(self, job: PrefillJob) -> KvLayout:
+        """How the job's KV cache is laid out on the wire: dtype, layers and tensor shape of this backend's cache."""
 
     @abc.abstractmethod
     def _enqueue(self, job: PrefillJob) -> None:

@@ -9,11 +9,10 @@ import time
 
 import torch
 
-from kv_transfer.codec import KvLayer, make_header
-from proto import worker_pb2 as pb
+from kv_transfer.codec import DTYPE_NAMES, KvLayer
 from worker.engine.messages import KvLayerReady, PrefillDone, PrefillEvent, PrefillFailed
 from worker.engine.model_runner import ModelRunner
-from worker.engine.prefill_backend import PrefillBackend, PrefillJob
+from worker.engine.prefill_backend import KvLayout, PrefillBackend, PrefillJob
 from worker.engine.sampling import choose
 
 logger = logging.getLogger(__name__)
@@ -43,9 +42,10 @@ class PrefillEngine(PrefillBackend):
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
-    def kv_header(self, job: PrefillJob) -> pb.KvHeader:
-        return make_header(job.request_id, self.runner.dtype, self.runner.num_layers,
-                           self.runner.kv_shape(job.num_tokens))
+    def kv_layout(self, job: PrefillJob) -> KvLayout:
+        # An unsupported dtype keeps its torch name, which the stream header refuses.
+        dtype_name = DTYPE_NAMES.get(self.runner.dtype, str(self.runner.dtype))
+        return KvLayout(dtype_name, self.runner.num_layers, tuple(self.runner.kv_shape(job.num_tokens)))
 
     @property
     def num_queued_tokens(self) -> int:

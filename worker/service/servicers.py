@@ -14,7 +14,7 @@ import grpc
 from kv_transfer.base import KV_SEND_FAILED, KvTransferError
 from kv_transfer.grpc_transport import GrpcKvSender
 from kv_transfer.tcp_transport import TcpKvSender
-from kv_transfer.wire import make_trailer
+from kv_transfer.wire import header, make_trailer
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
@@ -131,7 +131,19 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             job = await self.engine.submit(request.request_id, list(request.prompt_token_ids),
                                            sampling_from_pb(request.sampling))
         self.metrics.requests.inc()
-        stream = PrefillKvStream(job, self.engine.kv_header(job))
+        try:
+            return await self._send_kv(request, job, context)
+        finally:
+            self.engine.release(job)  # the lease ends whatever happened: sent, expired, refused or cancelled
+
+    async def _send_kv(self, request: pb.PrefillRequest, job: PrefillJob,
+                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        layout = self.engine.kv_layout(job)
+        try:
+            kv_header = header(job.request_id, layout.dtype_name, layout.num_layers, layout.shape)
+        except KvTransferError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"this prefill worker cannot stream its KV cache: {exc}")
+        stream = PrefillKvStream(job, kv_header)
         if request.kv_data_address:
             send = self.tcp_sender.send_items(request.kv_data_address, stream.items())
         else:
@@ -152,8 +164,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.metrics.kv_failures.inc()
             reason = stream.error or str(exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{KV_SEND_FAILED} {request.decode_address}: {reason}")
-        finally:
-            self.engine.release(job)
         return pb.PrefillResponse(first_token_id=stream.first_token_id, prefill_time_ms=stream.prefill_time_ms,
                                   kv_bytes=sent, kv_transfer_ms=(time.perf_counter() - start) * 1000)
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import time
 
-from kv_transfer.wire import header
-from proto import worker_pb2 as pb
 from worker.engine.messages import KvLayerReady, PrefillDone
-from worker.engine.prefill_backend import PrefillBackend, PrefillJob
+from worker.engine.prefill_backend import KvLayout, PrefillBackend, PrefillJob
 from worker.simulated.cost_model import SIMULATED_MODEL, CostModel, KvShape
 from worker.simulated.engine_task import EngineTask, RunsOnEventLoop, sleep_until
 from worker.simulated.kv import synthetic_layer
@@ -27,9 +25,9 @@ class SimulatedPrefillEngine(RunsOnEventLoop, PrefillBackend):
         self.vocab_size = vocab_size
         self._task = EngineTask(self._run)
 
-    def kv_header(self, job: PrefillJob) -> pb.KvHeader:
+    def kv_layout(self, job: PrefillJob) -> KvLayout:
         shape = self.kv_shape
-        return header(job.request_id, shape.dtype, shape.num_layers, shape.tensor_shape(job.num_tokens))
+        return KvLayout(shape.dtype, shape.num_layers, tuple(shape.tensor_shape(job.num_tokens)))
 
     def _enqueue(self, job: PrefillJob) -> None:
         self.scheduler.add(job)

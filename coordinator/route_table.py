@@ -19,7 +19,7 @@ class ErrorStyle(enum.Enum):
     """Which error body a route answers with."""
 
     OPENAI = "openai"  # {"error": {"message", "type", "param", "code"}}
-    TGI = "tgi"  # {"error", "error_type"}: TGI, vLLM native, Triton, MindIE, tokenizer, operations
+    TGI = "tgi"  # {"error", "error_type"}: TGI, vLLM native, Triton, MindIE, tokenizer, /health, /metrics
 
 
 @dataclass(frozen=True)
@@ -82,4 +82,5 @@ class RouteTable:
         return route is not None and route.generation
 
 
+# The app's own table (the predict port's or the management port's), read by its middlewares.
 ROUTE_TABLE = web.AppKey("route_table", RouteTable)
