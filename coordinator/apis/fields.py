@@ -167,10 +167,13 @@ async def read_request(request: web.Request, model_cls: type[BaseModel]) -> Any:
 
 
 async def read_json(request: web.Request) -> Any:
+    """The request's body as JSON, or a 400 that says why it is not."""
     try:
         return await request.json()
     except ValueError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # the parser recurses per nesting level; a hostile body must not become a 500
+        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
 
 
 def new_id(prefix: str) -> str:

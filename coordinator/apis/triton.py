@@ -180,9 +180,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     check_model(request.match_info["model"], state.model_name)
     req = await read_request(request, TritonGenerateRequest)
     _, prompt_ids = await tokenize_input(state, req.text_input, "text_input")
-    request_id = req.id or new_id("triton")
-    gen = req.parameters.generation(request_id, prompt_ids)
-    formatter = TritonFormatter(request_id, state.model_name, req.parameters, state.full_text)
+    # The client's id is only echoed: two clients may choose the same one, so workers key on ours.
+    gen = req.parameters.generation(new_id("triton"), prompt_ids)
+    formatter = TritonFormatter(req.id or gen.request_id, state.model_name, req.parameters, state.full_text)
     stream = request.path.endswith("/generate_stream")
     return await serve_generation(request, state.pipeline, gen, formatter, stream)
 
@@ -198,9 +198,9 @@ async def infer(request: web.Request) -> web.Response:
         raise ApiError(400, f"inputs.0.data: token id {max(prompt_ids)} is outside the vocabulary [0, {vocab})",
                        param="inputs")
     state.limits.check_prompt(len(prompt_ids), "inputs.0.data")
-    request_id = req.id or new_id("triton")
-    gen = req.parameters.generation(request_id, list(prompt_ids))
-    return await serve_generation(request, state.pipeline, gen, TritonTokenFormatter(request_id, req), False)
+    gen = req.parameters.generation(new_id("triton"), list(prompt_ids))
+    return await serve_generation(request, state.pipeline, gen, TritonTokenFormatter(req.id or gen.request_id, req),
+                                  False)
 
 
 ROUTES = [

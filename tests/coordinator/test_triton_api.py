@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -42,6 +43,17 @@ def test_generate_stream_events_grow_perf_stat_and_end_with_finish_reason(http):
     assert events[-1]["details"]["finish_reason"] == "length"
     whole = generate(http, parameters={"max_new_tokens": 4, "do_sample": False}).json()["text_output"]
     assert "".join(e["text_output"] for e in events) == whole
+
+
+def test_two_clients_may_use_the_same_id_at_once_and_each_gets_it_back(cluster):
+    def call(_):
+        with cluster.client() as client:
+            return generate(client, id="same", parameters={"max_new_tokens": 8, "do_sample": False})
+
+    with ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(call, range(4)))
+    assert [r.status_code for r in responses] == [200] * 4
+    assert all(r.json()["id"] == "same" for r in responses)
 
 
 def test_token_infer_returns_inputs_then_generated_ids(http):

@@ -77,6 +77,18 @@ def test_invalid_json_is_400(http):
     assert "not valid JSON" in resp.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate", "/v2/models/pdserve-tiny/generate"])
+def test_deeply_nested_json_is_400_in_the_apis_format_and_the_server_keeps_serving(http, path):
+    depth = 100_000
+    body = b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
+    resp = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    message = error["message"] if path.startswith("/v1/") else error  # OpenAI's body, else the TGI family's
+    assert message == "request body is not valid JSON: nested too deeply"
+    assert http.post("/v1/completions", json={**COMPLETION, "max_tokens": 2}).status_code == 200
+
+
 def test_non_object_body_is_400(http):
     assert http.post("/v1/completions", json=[1, 2]).status_code == 400
 
