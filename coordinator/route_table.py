@@ -47,7 +47,8 @@ class RouteTable:
         duplicates = sorted({k for k in keys if keys.count(k) > 1})
         if duplicates:
             raise ValueError(f"routes declared twice: {duplicates}")
-        self._static = [r for r in self.routes if "{" not in r.path]
+        # Every request looks itself up (metrics, request limit): static paths by key, no scan.
+        self._static = {(r.method, r.path): r for r in self.routes if "{" not in r.path}
         self._dynamic = [(r.pattern(), r) for r in self.routes if "{" in r.path]
 
     def add_to(self, app: web.Application) -> None:
@@ -59,10 +60,14 @@ class RouteTable:
 
     def at_path(self, path: str) -> list[Route]:
         """The routes at `path`, whatever their method."""
-        return [r for r in self._static if r.path == path] + [r for p, r in self._dynamic if p.match(path)]
+        static = [r for (_, p), r in self._static.items() if p == path]
+        return static + [r for pattern, r in self._dynamic if pattern.match(path)]
 
     def find(self, method: str, path: str) -> Route | None:
-        return next((r for r in self.at_path(path) if r.method == method), None)
+        route = self._static.get((method, path))
+        if route is not None:
+            return route
+        return next((r for pattern, r in self._dynamic if r.method == method and pattern.match(path)), None)
 
     def error_style(self, path: str) -> ErrorStyle:
         """The style of the route at `path`; an unknown path under /v1/ is OpenAI's, any other TGI's."""

@@ -53,7 +53,7 @@ class DecodeEngine(DecodeBackend):
 
     def _decode_arrived(self, seq: Sequence, kv: TransferredKv) -> None:
         seq.pending_kv = kv
-        self._inbox.put(AddSequence(seq, kv))
+        self._inbox.put(AddSequence(seq))
 
     def _queue_local_prefill(self, job: LocalPrefill) -> None:
         self._inbox.put(QueueLocalPrefill(job))
@@ -76,8 +76,8 @@ class DecodeEngine(DecodeBackend):
                 return
             block = False
             match command:
-                case AddSequence(seq, kv):
-                    self._admit(seq, kv)
+                case AddSequence(seq):
+                    self._admit(seq)
                 case QueueLocalPrefill(job):
                     self.local_prefills.add(job)
                 case CancelSequence(request_id):
@@ -88,7 +88,8 @@ class DecodeEngine(DecodeBackend):
                 case Stop():
                     return
 
-    def _admit(self, seq: Sequence, kv: TransferredKv) -> None:
+    def _admit(self, seq: Sequence) -> None:
+        kv = seq.pending_kv
         processor = OutputProcessor(seq, self.runner.tokenizer, self.runner.eos_token_ids)
         first_logprobs = None
         if seq.sampling.return_logprobs and kv.first_logprobs is not None:
@@ -162,7 +163,7 @@ class DecodeEngine(DecodeBackend):
             if job.seq.status is not DecodeState.PREFILLING_LOCALLY:
                 continue
             job.seq.pending_kv = kv
-            self._admit(job.seq, kv)
+            self._admit(job.seq)
 
     def _fail_all(self, batch: list[Sequence]) -> None:
         # The batch may be inconsistent after a failed step: drop it whole instead of row by row.

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kv_transfer.base import TransferredKv
 from kv_transfer.wire import LayerBytes
 from worker.engine.sequence import Sequence, TokenLogprobs
 
@@ -55,10 +54,9 @@ class LocalPrefill:
 # Event loop -> real decode engine thread (its inbox).
 @dataclass(frozen=True)
 class AddSequence:
-    """A sequence whose KV cache arrived joins the decode batch."""
+    """A sequence whose KV cache arrived (its `pending_kv`) joins the decode batch."""
 
     seq: Sequence
-    kv: TransferredKv
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,11 @@ class SimulatedPrefillEngine(RunsOnEventLoop, PrefillBackend):
         padded = max(job.num_tokens for job in batch) * len(batch)
         duration_s = self.cost.prefill_ms(padded) / 1000
         num_layers = self.kv_shape.num_layers
+        layer_bytes = [self.kv_shape.tensor_bytes(job.num_tokens) for job in batch]
         for i in range(num_layers):
             await sleep_until(started + duration_s * (i + 1) / num_layers)
-            for job in batch:
-                self._post(job, KvLayerReady(synthetic_layer(i, self.kv_shape.tensor_bytes(job.num_tokens))))
+            for job, nbytes in zip(batch, layer_bytes):
+                self._post(job, KvLayerReady(synthetic_layer(i, nbytes)))
         self.metrics.observe_step("prefill", time.perf_counter() - started, len(batch))
         for job in batch:
             first = synthetic_token(token_key(job.request_id, job.sampling.seed), 0, self.vocab_size)
