@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from security.settings import AuthConfig, TlsConfig
+
 
 class _Section(BaseModel):
     # Unknown keys are typos until proven otherwise: fail start-up and name them.
@@ -22,6 +24,12 @@ class HttpConfig(_Section):
     manage_ip: str = Field("127.0.0.1", description="Address of the management API (health, metrics).")
     manage_port: int = Field(1026, ge=0, le=65535, description="Port of the management API; 0 picks a free one.")
     drain_seconds: float = Field(30, ge=0, le=3600, description="On SIGTERM, how long running requests may finish.")
+    keepalive_timeout_s: float = Field(15, gt=0, le=3600, description="A connection idle this long, or still "
+                                       "sending its request headers, is closed.")
+    body_timeout_s: float = Field(30, gt=0, le=3600, description="A request body not fully received this long "
+                                  "after its headers is a 408.")
+    tls_handshake_timeout_s: float = Field(10, gt=0, le=600, description="A TLS connection must start and "
+                                           "finish its handshake within this.")
 
 
 class ModelConfig(_Section):
@@ -120,6 +128,8 @@ class CoordinatorConfig(_Section):
     digs_scheduler_config: SchedulerConfig = SchedulerConfig()
     request_limit: RequestLimitConfig = RequestLimitConfig()
     exception_config: ExceptionConfig = ExceptionConfig()
+    tls_config: TlsConfig = TlsConfig()
+    auth_config: AuthConfig = AuthConfig()
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
 
@@ -155,4 +165,9 @@ def load_config(path: Path | str) -> CoordinatorConfig:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON: {exc}") from None
-    return parse_config(data, str(path))
+    config = parse_config(data, str(path))
+    # Certificate, key and secret paths are read relative to the config file, as an operator writes them.
+    base = path.resolve().parent
+    config.tls_config = config.tls_config.resolved(base)
+    config.auth_config = config.auth_config.resolved(base)
+    return config

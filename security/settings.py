@@ -1,0 +1,73 @@
+"""The TLS and authentication settings of ms_coordinator.json, shared by the coordinator and the workers.
+
+`tls_config` has one `TlsLink` group per link; both ends of a link read the same group shape with their
+own files (the server side presents `tls_cert`, the client side presents it too when `mutual_tls`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class TlsLink(_Section):
+    """TLS on one link: CA, certificate, key, key password file, CRL, and whether peers must show a certificate."""
+
+    tls_enable: bool = Field(False, description="Speak TLS on this link.")
+    ca_cert: str = Field("", description="PEM CA bundle peers' certificates must chain to.")
+    tls_cert: str = Field("", description="PEM certificate (chain) this side presents.")
+    tls_key: str = Field("", description="PEM private key of tls_cert.")
+    tls_passwd: str = Field("", description="File holding the password of an encrypted tls_key.")
+    tls_crl: str = Field("", description="PEM CRL: peer certificates listed there are refused.")
+    mutual_tls: bool = Field(False, description="The server requires a client certificate from ca_cert "
+                             "(and clients present tls_cert).")
+
+    def resolved(self, base: Path) -> TlsLink:
+        """A copy whose relative file paths are taken from `base` (the config file's folder)."""
+        return self.model_copy(update={k: _resolve(getattr(self, k), base) for k in _FILE_KEYS})
+
+
+_FILE_KEYS = ("ca_cert", "tls_cert", "tls_key", "tls_passwd", "tls_crl")
+
+
+def _resolve(value: str, base: Path) -> str:
+    return str(base / value) if value and not Path(value).is_absolute() else value
+
+
+class TlsConfig(_Section):
+    """`tls_config`: one group per link."""
+
+    predict: TlsLink = Field(TlsLink(), description="Clients -> coordinator predict port (every client API).")
+    management: TlsLink = Field(TlsLink(), description="The coordinator's management port (registration, "
+                                "instances, metrics): its server side.")
+    worker_grpc: TlsLink = Field(TlsLink(), description="Coordinator -> workers' gRPC ports (also carries gRPC "
+                                 "PushKv into a decode worker).")
+    registration: TlsLink = Field(TlsLink(), description="Workers -> coordinator management port: the "
+                                  "workers' client side.")
+    kv_transfer: TlsLink = Field(TlsLink(), description="Prefill -> decode KV data plane: the raw-TCP receiver, "
+                                 "and the prefill worker's client side of gRPC PushKv.")
+
+    def resolved(self, base: Path) -> TlsConfig:
+        return TlsConfig(**{name: getattr(self, name).resolved(base) for name in TlsConfig.model_fields})
+
+
+class AuthConfig(_Section):
+    """`auth_config`: who may call the coordinator and who may join it."""
+
+    api_keys_file: str = Field("", description="File of SHA-256 hex digests of API keys, one per line, '#' "
+                               "comments; empty = the client APIs need no key.")
+    open_health: bool = Field(True, description="GET /health answers without an API key.")
+    open_metrics: bool = Field(True, description="GET /metrics answers without an API key.")
+    registration_token_file: str = Field("", description="Workers must send this token to register when the "
+                                         "management port has no mutual TLS; empty = registration is open.")
+    worker_secret_file: str = Field("", description="Shared secret on every coordinator -> worker gRPC call "
+                                    "when worker_grpc has no mutual TLS; empty = none.")
+
+    def resolved(self, base: Path) -> AuthConfig:
+        keys = ("api_keys_file", "registration_token_file", "worker_secret_file")
+        return self.model_copy(update={k: _resolve(getattr(self, k), base) for k in keys})
