@@ -1,0 +1,119 @@
+"""ApiKeyStore: the digests file format, the Authorization header forms, reload keeping good keys."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from security.api_keys import INVALID, MALFORMED, MISSING, ApiKeyFileError, ApiKeyStore, hash_key
+
+KEY = "sk-pdserve-alice-0123456789"
+OTHER_KEY = "sk-pdserve-bob-9876543210"
+
+
+def write_keys(path, *lines: str):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture
+def store(tmp_path) -> ApiKeyStore:
+    return ApiKeyStore.load(write_keys(tmp_path / "keys", "# team keys", "", hash_key(KEY) + "  # alice",
+                                       hash_key(OTHER_KEY)))
+
+
+def test_hash_key_is_the_sha256_hex_that_sha256sum_prints():
+    assert hash_key(KEY) == hashlib.sha256(KEY.encode()).hexdigest()
+    assert len(hash_key(KEY)) == 64 and hash_key(KEY) == hash_key(KEY).lower()
+
+
+def test_comments_and_blank_lines_are_skipped(store):
+    assert store.num_keys == 2
+
+
+@pytest.mark.parametrize("header", [f"Bearer {KEY}", f"bearer {KEY}", f"BEARER  {KEY} ", KEY, f" {OTHER_KEY}",
+                                    f"Bearer\t{OTHER_KEY}"])
+def test_bearer_and_bare_keys_are_accepted(store, header):
+    assert store.check(header) is None
+
+
+@pytest.mark.parametrize("header,reason", [
+    (None, MISSING), ("", MISSING), ("   ", MISSING),
+    ("Bearer", MALFORMED), ("Bearer   ", MALFORMED), (f"Basic {KEY}", MALFORMED), (f"Bearer {KEY} extra", MALFORMED),
+    ("Bearer wrong-key", INVALID), ("wrong-key", INVALID), (f"Bearer {KEY}x", INVALID), (hash_key(KEY), INVALID),
+])
+def test_refusals_say_why(store, header, reason):
+    assert store.check(header) == reason
+
+
+def test_a_store_with_no_keys_refuses_everything(tmp_path):
+    store = ApiKeyStore.load(write_keys(tmp_path / "keys", "# nobody yet"))
+    assert store.num_keys == 0
+    assert store.check(f"Bearer {KEY}") == INVALID
+
+
+@pytest.mark.parametrize("bad_line", [KEY, hash_key(KEY).upper(), hash_key(KEY)[:-1], hash_key(KEY) + "0",
+                                      f"{hash_key(KEY)}  -", f"sha256:{hash_key(KEY)}"])
+def test_a_line_that_is_not_a_digest_names_file_and_line_but_not_its_text(tmp_path, bad_line):
+    path = write_keys(tmp_path / "keys", "# header", hash_key(OTHER_KEY), bad_line)
+    with pytest.raises(ApiKeyFileError) as err:
+        ApiKeyStore.load(path)
+    message = str(err.value)
+    assert str(path) in message and "line 3" in message
+    assert bad_line not in message and KEY not in message and hash_key(KEY) not in message
+    assert isinstance(err.value, ValueError)
+
+
+def test_an_unreadable_file_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ApiKeyFileError, match="missing-keys: cannot read"):
+        ApiKeyStore.load(tmp_path / "missing-keys")
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ApiKeyFileError, match="binary: not UTF-8"):
+        ApiKeyStore.load(tmp_path / "binary")
+
+
+def test_crlf_line_endings_are_accepted(tmp_path):
+    path = tmp_path / "keys"
+    path.write_bytes(f"# windows\r\n{hash_key(KEY)}\r\n".encode())
+    assert ApiKeyStore.load(path).check(KEY) is None
+
+
+def test_reload_picks_up_added_and_removed_keys(tmp_path):
+    path = write_keys(tmp_path / "keys", hash_key(KEY))
+    store = ApiKeyStore.load(path)
+    write_keys(path, hash_key(OTHER_KEY))
+    assert store.reload() == 1
+    assert store.check(KEY) == INVALID
+    assert store.check(OTHER_KEY) is None
+
+
+def test_a_broken_file_on_reload_keeps_the_keys_in_use(tmp_path):
+    path = write_keys(tmp_path / "keys", hash_key(KEY))
+    store = ApiKeyStore.load(path)
+    write_keys(path, hash_key(OTHER_KEY), OTHER_KEY)  # a plaintext key pasted by mistake
+    with pytest.raises(ApiKeyFileError, match="line 2"):
+        store.reload()
+    assert store.check(KEY) is None
+    assert store.check(OTHER_KEY) == INVALID
+    path.unlink()
+    with pytest.raises(ApiKeyFileError, match="cannot read"):
+        store.reload()
+    assert store.check(KEY) is None
+
+
+def test_every_digest_is_compared_whichever_matches(store, monkeypatch):
+    import security.api_keys as api_keys
+
+    calls = []
+    real = api_keys.hmac.compare_digest
+
+    def counting(a, b):
+        calls.append(b)
+        return real(a, b)
+
+    monkeypatch.setattr(api_keys.hmac, "compare_digest", counting)
+    for header in (KEY, OTHER_KEY, "wrong"):
+        calls.clear()
+        store.check(header)
+        assert len(calls) == store.num_keys
