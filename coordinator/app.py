@@ -9,10 +9,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from coordinator.apis.openai_common import error_body
-from coordinator.route_table import ROUTE_TABLE, ErrorStyle
-from coordinator.apis.tgi_family import error_frame
+from coordinator.auth import API_KEYS, ApiKeyGate, load_api_keys
 from coordinator.config import CoordinatorConfig
+from coordinator.error_response import error_response
 from coordinator.errors import ApiError
 from coordinator.health_monitor import HealthMonitor
 from coordinator.instances import InstanceRegistry
@@ -21,6 +20,7 @@ from coordinator.management import MANAGEMENT_ROUTES
 from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.pipeline import RequestPipeline
 from coordinator.request_queue import RequestQueue
+from coordinator.route_table import ROUTE_TABLE
 from coordinator.routes import PREDICT_ROUTES
 from coordinator.scheduling.policies import make_policy
 from coordinator.scheduling.router import Router
@@ -29,15 +29,6 @@ from coordinator.tokenization import PromptTokenizer
 from coordinator.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
-
-ERROR_BODIES = {ErrorStyle.OPENAI: error_body, ErrorStyle.TGI: error_frame}
-
-
-def error_response(request: web.Request, error: ApiError, headers: dict | None = None) -> web.Response:
-    """`error` in the body format of the route at the request's path."""
-    style = request.app[ROUTE_TABLE].error_style(request.path)
-    return web.json_response(ERROR_BODIES[style](error), status=error.status, headers=headers)
-
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
@@ -87,6 +78,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     """Build the client-facing app; workers are reached lazily over cached gRPC channels."""
     from embedded_model import ensure_default_model
 
+    api_keys = load_api_keys(config.auth_config)  # first: a broken keys file fails start-up before the model loads
     model = config.model_settings
     model_dir = model.modelWeightPath or str(ensure_default_model())
     tokenizer = PromptTokenizer(model_dir)
@@ -117,8 +109,13 @@ def create_app(config: CoordinatorConfig) -> web.Application:
 
     monitor = HealthMonitor(registry, client, health.check_interval_s, health.check_timeout_s, on_forget=forget)
     limit = InFlightLimit(config.request_limit.max_requests)
-    app = web.Application(middlewares=[metrics.middleware, error_middleware, limit.middleware],
+    auth = config.auth_config
+    # The key is checked first, so a client without one takes no in-flight slot and has no body read.
+    gate = [] if api_keys is None else [
+        ApiKeyGate(api_keys, metrics, open_health=auth.open_health, open_metrics=auth.open_metrics).middleware]
+    app = web.Application(middlewares=[*gate, metrics.middleware, error_middleware, limit.middleware],
                           client_max_size=config.request_limit.body_limit * 1024 * 1024)
+    app[API_KEYS] = api_keys
     state = app[STATE] = CoordinatorState(
         model.modelName, model.fullTextEnabled, tokenizer, limits, client, registry, router, monitor, pipeline,
         heartbeat_interval_s=health.heartbeat_interval_s, media_dir=Path(model.multimodalInputsDir),

@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import GaugeMetricFamily
 
 from coordinator.route_table import ROUTE_TABLE, UNROUTED_LABEL
+from security.api_keys import FAILURE_REASONS as AUTH_FAILURE_REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -77,6 +78,11 @@ class CoordinatorMetrics:
         self.queue_time = Histogram("pdserve_request_queue_time_seconds",
                                     "Time from arrival to leaving the coordinator's queue.",
                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.auth_failures = Counter("pdserve_auth_failures_total",
+                                     "Requests refused for their API key, by reason (missing, malformed, invalid).",
+                                     ["reason"], registry=r)
+        for reason in AUTH_FAILURE_REASONS:
+            self.auth_failures.labels(reason)  # every reason reads 0 from the start, for alerts on its rate
 
     def watch(self, queue, registry) -> None:
         """Read the queue length and every instance's health and load at scrape time."""
@@ -104,6 +110,9 @@ class CoordinatorMetrics:
 
     def migrated(self) -> None:
         self.migrations.inc()
+
+    def auth_failed(self, reason: str) -> None:
+        self.auth_failures.labels(reason).inc()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
@@ -151,6 +160,9 @@ class NullMetrics:
         pass
 
     def migrated(self) -> None:
+        pass
+
+    def auth_failed(self, reason: str) -> None:
         pass
 
 

@@ -233,3 +233,11 @@ def fake_prompt_kv(request_id: str, hf_model, prompt_len: int) -> TransferredKv:
     shape = (1, config.num_key_value_heads, prompt_len, head_dim)
     layers = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
     return TransferredKv(request_id=request_id, layers=layers, first_token_id=5, prefill_time_ms=1.0)
+
+
+def write_api_keys(path: Path, keys: list[str]) -> Path:
+    """An auth_config.api_keys_file accepting `keys`: their SHA-256 digests, one per line, as an operator writes it."""
+    from security.api_keys import hash_key
+
+    path.write_text("# pdserve API keys (SHA-256 digests)\n" + "".join(hash_key(k) + "\n" for k in keys))
+    return path

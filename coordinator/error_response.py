@@ -1,0 +1,18 @@
+"""An ApiError as an HTTP response in the error body of the API the request's path belongs to."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from coordinator.apis.openai_common import error_body
+from coordinator.apis.tgi_family import error_frame
+from coordinator.errors import ApiError
+from coordinator.route_table import ROUTE_TABLE, ErrorStyle
+
+ERROR_BODIES = {ErrorStyle.OPENAI: error_body, ErrorStyle.TGI: error_frame}
+
+
+def error_response(request: web.Request, error: ApiError, headers: dict | None = None) -> web.Response:
+    """`error` in the body format of the route at the request's path."""
+    style = request.app[ROUTE_TABLE].error_style(request.path)
+    return web.json_response(ERROR_BODIES[style](error), status=error.status, headers=headers)
