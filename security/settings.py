@@ -45,12 +45,12 @@ class TlsConfig(_Section):
     predict: TlsLink = Field(TlsLink(), description="Clients -> coordinator predict port (every client API).")
     management: TlsLink = Field(TlsLink(), description="The coordinator's management port (registration, "
                                 "instances, metrics): its server side.")
-    worker_grpc: TlsLink = Field(TlsLink(), description="Coordinator -> workers' gRPC ports (also carries gRPC "
-                                 "PushKv into a decode worker).")
+    worker_grpc: TlsLink = Field(TlsLink(), description="Coordinator -> workers' gRPC ports; gRPC PushKv "
+                                 "(prefill -> decode) rides the decode worker's gRPC port and so follows it too.")
     registration: TlsLink = Field(TlsLink(), description="Workers -> coordinator management port: the "
                                   "workers' client side.")
-    kv_transfer: TlsLink = Field(TlsLink(), description="Prefill -> decode KV data plane: the raw-TCP receiver, "
-                                 "and the prefill worker's client side of gRPC PushKv.")
+    kv_transfer: TlsLink = Field(TlsLink(), description="Prefill -> decode KV data plane on the decode worker's "
+                                 "raw-TCP KV port.")
 
     def resolved(self, base: Path) -> TlsConfig:
         return TlsConfig(**{name: getattr(self, name).resolved(base) for name in TlsConfig.model_fields})
@@ -71,3 +71,34 @@ class AuthConfig(_Section):
     def resolved(self, base: Path) -> AuthConfig:
         keys = ("api_keys_file", "registration_token_file", "worker_secret_file")
         return self.model_copy(update={k: _resolve(getattr(self, k), base) for k in keys})
+
+
+class SecurityFile(BaseModel):
+    """What a worker reads from its `--security-config` file: ms_coordinator.json itself, or a file with only
+    `tls_config` and `auth_config` (other sections are the coordinator's and are skipped)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tls_config: TlsConfig = TlsConfig()
+    auth_config: AuthConfig = AuthConfig()
+
+
+def load_security_file(path: str) -> SecurityFile:
+    """Read and validate `path`; ValueError naming the file and the key on any problem."""
+    import json
+
+    from pydantic import ValidationError
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        loaded = SecurityFile.model_validate(data)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    except ValidationError as exc:
+        lines = [f"{path}: {'.'.join(str(p) for p in e['loc'])}: "
+                 f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}" for e in exc.errors()]
+        raise ValueError("\n".join(lines)) from None
+    base = Path(path).resolve().parent
+    return SecurityFile(tls_config=loaded.tls_config.resolved(base), auth_config=loaded.auth_config.resolved(base))

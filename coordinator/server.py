@@ -1,0 +1,84 @@
+"""The coordinator process: the predict and management listeners (plain or TLS), SIGHUP reloads, draining."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+
+from aiohttp import web
+
+from coordinator.app import create_app, create_management_app
+from coordinator.auth import API_KEYS
+from coordinator.config import CoordinatorConfig, HttpConfig
+from coordinator.error_response import ERROR_BODIES
+from coordinator.errors import ApiError
+from coordinator.route_table import ROUTE_TABLE
+from coordinator.tls_site import TlsSite
+from coordinator.trust import TRUST
+from security.reload import ReloadOnSighup
+from security.tls import LinkTls
+
+logger = logging.getLogger(__name__)
+
+
+def plain_http_reply(app: web.Application):
+    """The bytes answering a plain-HTTP request on a TLS port: a 400 in the error format of the path's API."""
+    def reply(path: str) -> bytes:
+        error = ApiError(400, "this port speaks TLS: call it with https://")
+        body = json.dumps(ERROR_BODIES[app[ROUTE_TABLE].error_style(path)](error)).encode()
+        head = (f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                f"Connection: close\r\n\r\n")
+        return head.encode() + body
+    return reply
+
+
+async def _listen(runner: web.AppRunner, app: web.Application, host: str, port: int, tls: LinkTls | None,
+                  http: HttpConfig) -> tuple[web.BaseSite, str]:
+    """Start a site for `runner`; return it and its URL."""
+    if tls is None:
+        site = web.TCPSite(runner, host, port)
+        scheme = "http"
+    else:
+        site = TlsSite(runner, host, port, tls, plain_http_reply(app), http.tls_handshake_timeout_s)
+        scheme = "https"
+    await site.start()
+    return site, f"{scheme}://{host}:{site._server.sockets[0].getsockname()[1]}"
+
+
+async def run_coordinator(config: CoordinatorConfig) -> None:
+    """Serve until SIGTERM/SIGINT; print one ready line with the bound address."""
+    app = create_app(config)
+    trust = app[TRUST]
+    http = config.http_config
+    # keepalive_timeout also bounds a client that trickles its request headers: aiohttp closes a
+    # connection still waiting for a complete request when it runs out.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=http.keepalive_timeout_s,
+                           shutdown_timeout=http.drain_seconds)
+    await runner.setup()
+    # On shutdown the site stops accepting at once and gives running requests drain_seconds to finish.
+    _, predict_url = await _listen(runner, app, http.predict_ip, http.predict_port, trust.predict_tls, http)
+    manage_app = create_management_app(app)
+    manage_runner = web.AppRunner(manage_app, access_log=None, keepalive_timeout=http.keepalive_timeout_s)
+    await manage_runner.setup()
+    _, manage_url = await _listen(manage_runner, manage_app, http.manage_ip, http.manage_port, trust.management_tls,
+                                  http)
+
+    reloads = ReloadOnSighup()
+    for name, action in trust.reload_actions():
+        reloads.add(name, action)
+    if app[API_KEYS] is not None:
+        reloads.add("auth_config.api_keys_file", app[API_KEYS].reload)
+    reloads.install()
+    print(f"pdserve coordinator management: {manage_url}", flush=True)
+    print(f"pdserve coordinator ready: {predict_url}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.warning("coordinator draining: no new requests, up to %ss for running ones", http.drain_seconds)
+    await manage_runner.cleanup()
+    await runner.cleanup()

@@ -1,0 +1,47 @@
+"""The coordinator's TLS links and secrets, loaded once at start-up and re-read on SIGHUP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from coordinator.config import CoordinatorConfig
+from security.secrets import SecretFile, secret_file
+from security.tls import LinkTls, link_tls
+
+
+@dataclass
+class CoordinatorTrust:
+    """Its side of every link it is on, the worker secret it sends and the registration token it expects."""
+
+    predict_tls: LinkTls | None = None
+    management_tls: LinkTls | None = None
+    worker_tls: LinkTls | None = None
+    worker_secret: SecretFile | None = None
+    registration_token: SecretFile | None = None
+
+    @classmethod
+    def from_config(cls, config: CoordinatorConfig) -> CoordinatorTrust:
+        """Read every file; raise TlsError or SecretError naming the key and the file."""
+        tls, auth = config.tls_config, config.auth_config
+        return cls(
+            predict_tls=link_tls("tls_config.predict", tls.predict, "server"),
+            management_tls=link_tls("tls_config.management", tls.management, "server"),
+            worker_tls=link_tls("tls_config.worker_grpc", tls.worker_grpc, "client"),
+            worker_secret=secret_file("auth_config.worker_secret_file", auth.worker_secret_file),
+            registration_token=secret_file("auth_config.registration_token_file", auth.registration_token_file),
+        )
+
+    @property
+    def registration_needs_token(self) -> bool:
+        """Without mutual TLS on the management port, a worker proves itself with the registration token."""
+        mutual = self.management_tls is not None and self.management_tls.mutual
+        return not mutual and self.registration_token is not None
+
+    def reload_actions(self) -> list[tuple[str, callable]]:
+        parts = [self.predict_tls, self.management_tls, self.worker_tls, self.worker_secret, self.registration_token]
+        return [(getattr(p, "link", None) or p.key, p.reload) for p in parts if p is not None]
+
+
+TRUST = web.AppKey("trust", CoordinatorTrust)

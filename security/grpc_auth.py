@@ -1,0 +1,118 @@
+"""Who may call a worker's gRPC port, and the coordinator's side of it.
+
+Server side (`CallerCheck`): control calls (Prefill, Decode, Health) must carry the worker secret
+when one is configured, else UNAUTHENTICATED; with mutual TLS and a CRL, a caller whose certificate
+is revoked is refused per call (gRPC's TLS has no CRL setting). KV pushes are exempt from the secret:
+a decode worker admits a KV stream only with the one-time transfer token it issued for that request.
+
+Client side (`SecretMetadata`): adds the secret to every call on a channel.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from security.secrets import SecretFile, bearer_value
+from security.tls import LinkTls
+
+SECRET_HEADER = "authorization"
+KV_PUSH_METHOD = "/pdserve.v1.KvReceiver/PushKv"
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that refuses the call."""
+    async def refuse(request, context):
+        await context.abort(code, message)
+
+    async def refuse_stream(request, context):
+        await context.abort(code, message)
+        yield  # pragma: no cover - makes this an async generator, as a server-streaming behaviour is
+
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(refuse, **kwargs)
+
+
+def _with_peer_check(handler: grpc.RpcMethodHandler, tls: LinkTls) -> grpc.RpcMethodHandler:
+    """`handler`, refusing callers whose certificate the current CRL revokes."""
+    async def revoked(context) -> bool:
+        certs = context.auth_context().get("x509_pem_cert") or []
+        if certs and tls.is_revoked(certs[0]):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "client certificate is revoked (in the CRL)")
+        return False
+
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.response_streaming:
+        inner = handler.stream_stream if handler.request_streaming else handler.unary_stream
+
+        async def stream(request, context):
+            await revoked(context)
+            async for item in inner(request, context):
+                yield item
+
+        make = grpc.stream_stream_rpc_method_handler if handler.request_streaming else grpc.unary_stream_rpc_method_handler
+        return make(stream, **kwargs)
+    inner = handler.stream_unary if handler.request_streaming else handler.unary_unary
+
+    async def unary(request, context):
+        await revoked(context)
+        return await inner(request, context)
+
+    make = grpc.stream_unary_rpc_method_handler if handler.request_streaming else grpc.unary_unary_rpc_method_handler
+    return make(unary, **kwargs)
+
+
+class CallerCheck(grpc.aio.ServerInterceptor):
+    """Refuses calls without the worker secret (when set) and callers with revoked certificates."""
+
+    def __init__(self, secret: SecretFile | None, tls: LinkTls | None):
+        self.secret = secret
+        self.tls = tls if tls is not None and tls.mutual and tls.settings.tls_crl else None
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if self.secret is not None and details.method != KV_PUSH_METHOD:
+            presented = next((v for k, v in details.invocation_metadata or () if k == SECRET_HEADER), None)
+            if not self.secret.matches(bearer_value(presented)):
+                reason = "missing" if presented is None else "wrong"
+                return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED,
+                                f"{reason} worker secret: calls to this worker must carry the cluster's "
+                                f"auth_config.worker_secret_file as `authorization: Bearer <secret>`")
+        if self.tls is not None:
+            return _with_peer_check(handler, self.tls)
+        return handler
+
+
+class SecretMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <worker secret>` to every call of a channel."""
+
+    def __init__(self, secret: SecretFile):
+        self.secret = secret
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        metadata.add(SECRET_HEADER, f"Bearer {self.secret.value}")
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                          details.wait_for_ready)
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+def open_channel(address: str, tls: LinkTls | None, secret: SecretFile | None, options) -> grpc.aio.Channel:
+    """A channel to a worker: TLS per the link (when enabled), the worker secret on every call (when set)."""
+    interceptors = [SecretMetadata(secret)] if secret is not None else None
+    if tls is not None:
+        return grpc.aio.secure_channel(address, tls.grpc_channel_credentials(), options=options,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
