@@ -6,8 +6,10 @@ from __future__ import annotations
 class ApiError(Exception):
     """A request that cannot be served; `param` names the offending field when there is one."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, error_type: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, error_type: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -16,6 +18,8 @@ class ApiError(Exception):
 
 _DEFAULT_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     408: "timeout_error",
     413: "invalid_request_error",

@@ -58,6 +58,7 @@ class Instance:
     outstanding_requests: int = 0  # requests this coordinator has on it
     outstanding_prompt_tokens: int = 0  # prefill: prompt tokens sent and not yet prefilled
     num_served: int = 0
+    credential: str = field(default="", repr=False)  # issued at registration; its heartbeats must carry it
 
     @property
     def available(self) -> bool:

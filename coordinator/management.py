@@ -1,14 +1,21 @@
 """The management port: instance registration and listing, health, Prometheus metrics.
 
-  POST /v1/instances/register    {"role", "address", "metrics_url"?} -> {"heartbeat_interval_s"}
+  POST /v1/instances/register    {"role", "address", "metrics_url"?} -> {"heartbeat_interval_s", "credential"}
   POST /v1/instances/heartbeat   {"role", "address"} -> 200, 404 when unknown (register again)
   POST /v1/instances/deregister  {"role", "address"} -> 200, 404 when unknown
   GET  /v1/instances             every instance with its state, load and outstanding work
   GET  /health, GET /metrics
+
+Only real workers join: with mutual TLS on this port the handshake is the proof; otherwise, when
+auth_config.registration_token_file is set, register and the instance API need
+`Authorization: Bearer <token>`. Registration issues a per-instance credential that the worker's
+heartbeats and its deregistration carry in `X-Pdserve-Credential`, so a worker speaks only for itself.
 """
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from typing import Annotated, Literal
 
 from aiohttp import web
@@ -20,6 +27,10 @@ from coordinator.route_table import ErrorStyle, Route, RouteTable
 from coordinator.config import check_host_port
 from coordinator.errors import ApiError
 from coordinator.state import STATE
+from coordinator.trust import TRUST
+from security.secrets import bearer_value
+
+CREDENTIAL_HEADER = "X-Pdserve-Credential"
 
 
 class InstanceIdentity(BaseModel):
@@ -36,33 +47,59 @@ class Registration(InstanceIdentity):
     metrics_url: str = ""
 
 
+def require_proof(request: web.Request) -> None:
+    """401 unless the caller proved it belongs to the cluster (the token; or mutual TLS, checked at the handshake)."""
+    trust = request.app[TRUST]
+    if trust.registration_needs_token and not trust.registration_token.matches(
+            bearer_value(request.headers.get("Authorization"))):
+        raise ApiError(401, "registration needs proof: send Authorization: Bearer <the token in "
+                       "auth_config.registration_token_file>, or a client certificate of the cluster CA "
+                       "(tls_config.management with mutual_tls)",
+                       headers={"WWW-Authenticate": 'Bearer realm="pdserve-registration"'})
+
+
+def require_own_credential(request: web.Request, body: InstanceIdentity) -> None:
+    """404 for an unknown instance, 403 when the caller is not the worker that registered it."""
+    instance = request.app[STATE].registry.get(body.role, body.address)
+    if instance is None or not instance.registered:
+        raise ApiError(404, f"{body.role} instance {body.address} is not registered; register again")
+    presented = request.headers.get(CREDENTIAL_HEADER, "")
+    if not hmac.compare_digest(presented.encode(), instance.credential.encode()):
+        raise ApiError(403, f"{CREDENTIAL_HEADER} does not match the credential issued when {body.role} instance "
+                       f"{body.address} registered: a worker may heartbeat and deregister only itself")
+
+
 async def register(request: web.Request) -> web.Response:
+    require_proof(request)
     state = request.app[STATE]
     body = parse_request(Registration, await read_json(request))
     instance = state.registry.register(body.role, body.address, body.metrics_url)
+    instance.credential = secrets.token_urlsafe(32)
     # Probe at once so its load is known before the first request is routed there.
     await state.health_monitor.check(instance)
-    return web.json_response({"heartbeat_interval_s": state.heartbeat_interval_s, "instance": instance.describe()})
+    return web.json_response({"heartbeat_interval_s": state.heartbeat_interval_s, "instance": instance.describe(),
+                              "credential": instance.credential})
 
 
 async def heartbeat(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = parse_request(InstanceIdentity, await read_json(request))
-    if not state.registry.heartbeat(body.role, body.address):
-        raise ApiError(404, f"{body.role} instance {body.address} is not registered; register again")
+    require_own_credential(request, body)
+    state.registry.heartbeat(body.role, body.address)
     return web.json_response({"status": "ok"})
 
 
 async def deregister(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = parse_request(InstanceIdentity, await read_json(request))
-    if not state.registry.deregister(body.role, body.address):
-        raise ApiError(404, f"{body.role} instance {body.address} is not registered")
+    require_own_credential(request, body)
+    state.registry.deregister(body.role, body.address)
     state.forget_prefix(body.address)
     return web.json_response({"status": "ok"})
 
 
 async def list_instances(request: web.Request) -> web.Response:
+    require_proof(request)
     return web.json_response(request.app[STATE].registry.snapshot())
 
 

@@ -5,7 +5,7 @@ when one is configured, else UNAUTHENTICATED; with mutual TLS and a CRL, a calle
 is revoked is refused per call (gRPC's TLS has no CRL setting). KV pushes are exempt from the secret:
 a decode worker admits a KV stream only with the one-time transfer token it issued for that request.
 
-Client side (`SecretMetadata`): adds the secret to every call on a channel.
+Client side (`open_channel`): adds the secret to every call on a channel.
 """
 
 from __future__ import annotations
@@ -90,28 +90,33 @@ class CallerCheck(grpc.aio.ServerInterceptor):
         return handler
 
 
-class SecretMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds `authorization: Bearer <worker secret>` to every call of a channel."""
+class _SecretMetadata:
+    """Adds `authorization: Bearer <worker secret>` to a call's metadata."""
 
     def __init__(self, secret: SecretFile):
         self.secret = secret
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()))
+        metadata = grpc.aio.Metadata(*(details.metadata or grpc.aio.Metadata()).items())
         metadata.add(SECRET_HEADER, f"Bearer {self.secret.value}")
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                           details.wait_for_ready)
 
+
+# grpc.aio files a channel's interceptor under the first call shape it implements, so one class per shape.
+class _UnarySecret(_SecretMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _StreamSecret(_SecretMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
 
 def open_channel(address: str, tls: LinkTls | None, secret: SecretFile | None, options) -> grpc.aio.Channel:
     """A channel to a worker: TLS per the link (when enabled), the worker secret on every call (when set)."""
-    interceptors = [SecretMetadata(secret)] if secret is not None else None
+    interceptors = [_UnarySecret(secret), _StreamSecret(secret)] if secret is not None else None
     if tls is not None:
         return grpc.aio.secure_channel(address, tls.grpc_channel_credentials(), options=options,
                                        interceptors=interceptors)

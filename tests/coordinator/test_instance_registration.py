@@ -5,25 +5,14 @@ from __future__ import annotations
 import pytest
 
 import signal
-import time
 
 import httpx
 
-from tests.helpers import instance_states, management_url, start_coordinator, start_worker, write_config
+from tests.helpers import instance_states, management_url, start_coordinator, start_worker, wait_for, write_config
 
 pytestmark = pytest.mark.system
 
 HEALTH = {"health_config": {"check_interval_s": 0.3, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5}}
-
-
-def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_registered_workers_serve_requests_and_leave_on_sigterm(model_dir, tmp_path):

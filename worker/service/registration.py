@@ -1,9 +1,11 @@
 """A worker's membership in a coordinator: register, heartbeat, deregister.
 
 The coordinator's management API (`http_config.manage_ip:manage_port`):
-  POST /v1/instances/register    {"role", "address", "metrics_url"} -> {"heartbeat_interval_s": float}
+  POST /v1/instances/register    {"role", "address", "metrics_url"} -> {"heartbeat_interval_s", "credential"}
   POST /v1/instances/heartbeat   {"role", "address"}  -> 200, or 404 when the coordinator forgot us
   POST /v1/instances/deregister  {"role", "address"}  -> 200
+Registering proves membership with the registration token (when one is set) or the TLS client
+certificate; heartbeats and deregistration carry the credential the register answer issued.
 A 404 on heartbeat (the coordinator restarted, or took us out) makes the worker register again.
 """
 
@@ -14,6 +16,11 @@ import logging
 
 import aiohttp
 
+from security.secrets import SecretFile
+from security.tls import LinkTls
+
+CREDENTIAL_HEADER = "X-Pdserve-Credential"
+
 logger = logging.getLogger(__name__)
 
 
@@ -21,8 +28,11 @@ class CoordinatorRegistration:
     """Keeps one worker registered with one coordinator until `stop`."""
 
     def __init__(self, coordinator_url: str, role: str, address: str, metrics_url: str = "",
-                 heartbeat_interval_s: float = 2.0):
+                 heartbeat_interval_s: float = 2.0, tls: LinkTls | None = None, token: SecretFile | None = None):
         self.base_url = coordinator_url.rstrip("/")
+        self.tls = tls
+        self.token = token
+        self._credential = ""
         self.identity = {"role": role, "address": address}
         self.metrics_url = metrics_url
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -48,7 +58,14 @@ class CoordinatorRegistration:
             await self._session.close()
 
     async def _post(self, action: str, body: dict) -> tuple[int, dict]:
-        async with self._session.post(f"{self.base_url}/v1/instances/{action}", json=body) as resp:
+        if action == "register":
+            headers = {"Authorization": f"Bearer {self.token.value}"} if self.token is not None else {}
+        else:
+            headers = {CREDENTIAL_HEADER: self._credential}
+        # The TLS context is taken per call, so a SIGHUP reload applies to the next one.
+        ssl = self.tls.ssl_context() if self.tls is not None else None
+        async with self._session.post(f"{self.base_url}/v1/instances/{action}", json=body, headers=headers,
+                                      ssl=ssl if ssl is not None else True) as resp:
             data = await resp.json(content_type=None) if resp.content_length != 0 else {}
             return resp.status, data or {}
 
@@ -58,6 +75,7 @@ class CoordinatorRegistration:
                 if not self.registered.is_set():
                     status, data = await self._post("register", {**self.identity, "metrics_url": self.metrics_url})
                     if status == 200:
+                        self._credential = str(data.get("credential", ""))
                         self.heartbeat_interval_s = float(data.get("heartbeat_interval_s", self.heartbeat_interval_s))
                         self.registered.set()
                         logger.info("registered with %s as %s %s", self.base_url, self.identity["role"],
@@ -66,7 +84,7 @@ class CoordinatorRegistration:
                         logger.warning("register with %s answered %s: %s", self.base_url, status, data)
                 else:
                     status, _ = await self._post("heartbeat", self.identity)
-                    if status == 404:
+                    if status in (403, 404):  # forgotten, or another worker registered this address since
                         self.registered.clear()
                         continue
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
