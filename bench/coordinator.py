@@ -139,7 +139,8 @@ def direct_request(client: WorkerClient, prefill: list[str], decode: list[str], 
         call = client.open_decode(d, request, max_tokens, 4096, 60)
         accepted = await call.read()
         prefill_task = asyncio.create_task(client.prefill(
-            p, request, max_tokens, d, 60, kv_data_address=accepted.kv_data_address))
+            p, request, max_tokens, d, 60, kv_data_address=accepted.kv_data_address,
+            kv_transfer_token=accepted.kv_transfer_token))
         ttft, tokens = None, 0
         while (event := await call.read()) is not None:
             if ttft is None:

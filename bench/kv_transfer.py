@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import multiprocessing as mp
 import socket
 import statistics
@@ -27,6 +28,7 @@ import torch  # noqa: E402
 
 from kv_transfer.base import TransferredKv  # noqa: E402
 from kv_transfer.sink import KvSink  # noqa: E402
+from kv_transfer.transfer_tokens import KvTransferTokens  # noqa: E402
 
 NUM_LAYERS = 16
 
@@ -40,7 +42,13 @@ def make_kv(size_mb: int, request_id: str) -> TransferredKv:
     return TransferredKv(request_id, layers, first_token_id=1, prefill_time_ms=0.0)
 
 
-def grpc_receiver(port_queue) -> None:
+def bench_tokens(num_transfers: int) -> tuple[KvTransferTokens, list[str]]:
+    """A receiver's one-time tokens for transfers "bench-0" .. "bench-{n-1}", as a decode worker issues them."""
+    tokens = KvTransferTokens()
+    return tokens, [tokens.issue(f"bench-{i}") for i in range(num_transfers)]
+
+
+def grpc_receiver(port_queue, num_transfers: int) -> None:
     import grpc
 
     from kv_transfer.buffer_pool import KvBufferPool
@@ -50,23 +58,26 @@ def grpc_receiver(port_queue) -> None:
     async def main():
         server = grpc.aio.server(options=GRPC_OPTIONS)
         pool = KvBufferPool()
-        servicer = KvReceiverServicer(KvSink(lambda kv: kv.release(), lambda *a: None, pool=pool))
+        tokens, issued = bench_tokens(num_transfers)
+        servicer = KvReceiverServicer(KvSink(lambda kv: kv.release(), lambda *a: None, tokens, pool=pool))
         pb_grpc.add_KvReceiverServicer_to_server(servicer, server)
-        port_queue.put(server.add_insecure_port("127.0.0.1:0"))
+        port_queue.put((server.add_insecure_port("127.0.0.1:0"), issued))
         await server.start()
         await server.wait_for_termination()
 
     asyncio.run(main())
 
 
-def tcp_receiver(port_queue) -> None:
+def tcp_receiver(port_queue, num_transfers: int) -> None:
     from kv_transfer.buffer_pool import KvBufferPool
     from kv_transfer.tcp_transport import TcpKvReceiver
 
     async def main():
         # As in a decode worker: the cache is copied into the batch, then its buffer is reused.
-        rx = TcpKvReceiver(KvSink(lambda kv: kv.release(), lambda *a: None, pool=KvBufferPool()), timeout_s=600)
-        port_queue.put(await rx.start("127.0.0.1", 0))
+        tokens, issued = bench_tokens(num_transfers)
+        rx = TcpKvReceiver(KvSink(lambda kv: kv.release(), lambda *a: None, tokens, pool=KvBufferPool()),
+                           timeout_s=600)
+        port_queue.put((await rx.start("127.0.0.1", 0), issued))
         await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -136,14 +147,16 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ports = []
-    procs = [ctx.Process(target=grpc_receiver, args=(q,), daemon=True),
-             ctx.Process(target=tcp_receiver, args=(q,), daemon=True),
+    num_transfers = len(args.sizes_mb) * args.repeats
+    procs = [ctx.Process(target=grpc_receiver, args=(q, num_transfers), daemon=True),
+             ctx.Process(target=tcp_receiver, args=(q, num_transfers), daemon=True),
              ctx.Process(target=socket_receiver, args=(q, False), daemon=True),
              ctx.Process(target=socket_receiver, args=(q, True), daemon=True)]
     for p in procs:
         p.start()
         ports.append(q.get())
-    grpc_port, tcp_port, scratch_port, keep_port = ports
+    (grpc_port, grpc_tokens), (tcp_port, tcp_tokens), scratch_port, keep_port = ports
+    transfers = iter(range(num_transfers))
 
     rows = []
     for size in args.sizes_mb:
@@ -152,10 +165,13 @@ def main() -> None:
         raw = [memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()) for k, v in kv.layers for t in (k, v)]
         times = {"scratch": [], "keep": [], "tcp": [], "grpc": []}
         for _ in range(args.repeats):
+            i = next(transfers)
             times["scratch"].append(send_socket(scratch_port, raw))
             times["keep"].append(send_socket(keep_port, raw))
-            times["tcp"].append(asyncio.run(send_tcp(f"127.0.0.1:{tcp_port}", kv)))
-            times["grpc"].append(asyncio.run(send_grpc(f"127.0.0.1:{grpc_port}", kv)))
+            tcp_kv = dataclasses.replace(kv, request_id=f"bench-{i}", transfer_token=tcp_tokens[i])
+            times["tcp"].append(asyncio.run(send_tcp(f"127.0.0.1:{tcp_port}", tcp_kv)))
+            grpc_kv = dataclasses.replace(kv, request_id=f"bench-{i}", transfer_token=grpc_tokens[i])
+            times["grpc"].append(asyncio.run(send_grpc(f"127.0.0.1:{grpc_port}", grpc_kv)))
         rows.append((nbytes, *(nbytes / statistics.median(times[k]) for k in ("scratch", "keep", "tcp", "grpc"))))
         print(f"{size} MiB done", file=sys.stderr)
 

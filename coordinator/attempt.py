@@ -109,7 +109,8 @@ class AttemptRunner:
                        accepted: DecodeAccepted) -> PrefillDone:
         with self.registry.lease(route.prefill, prompt_tokens=len(request.prompt_token_ids)):
             return await self.client.prefill(route.prefill.address, request, max_tokens, route.decode.address,
-                                             self.first_token_timeout, kv_data_address=accepted.kv_data_address)
+                                             self.first_token_timeout, kv_data_address=accepted.kv_data_address,
+                                             kv_transfer_token=accepted.kv_transfer_token)
 
     async def _read_within(self, stream: DecodeStream, route: Route, clocks: _Deadlines):
         try:

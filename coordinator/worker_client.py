@@ -30,6 +30,7 @@ class DecodeAccepted:
     """The decode worker holds KV budget for the request and waits for its cache."""
 
     kv_data_address: str  # its raw-TCP KV receiver; "" = push over gRPC
+    kv_transfer_token: str = ""  # one-time: the prefill worker must send it with the KV cache, or is refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +125,7 @@ class DecodeStream:
         if msg is grpc.aio.EOF:
             return None
         if msg.WhichOneof("event") == "accepted":
-            return DecodeAccepted(msg.accepted.kv_data_address)
+            return DecodeAccepted(msg.accepted.kv_data_address, msg.accepted.kv_transfer_token)
         return token_from_pb(msg.token)
 
     def cancel(self) -> None:
@@ -164,8 +165,10 @@ class WorkerClient:
 
     async def prefill(
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
-        kv_data_address: str = "",
+        kv_data_address: str = "", kv_transfer_token: str = "",
     ) -> PrefillDone:
+        """Prefill on `address` and push the KV cache to the decode worker that answered `accepted` with
+        `kv_data_address` and `kv_transfer_token`."""
         stub = pb_grpc.PrefillServiceStub(self._channel(address))
         try:
             reply = await stub.Prefill(
@@ -175,6 +178,7 @@ class WorkerClient:
                     sampling=sampling_to_pb(request, max_tokens),
                     decode_address=decode_address,
                     kv_data_address=kv_data_address,
+                    kv_transfer_token=kv_transfer_token,
                 ),
                 timeout=timeout,
             )

@@ -19,6 +19,11 @@ class KvTransferError(Exception):
     """A KV stream that cannot be trusted: corrupt, truncated, malformed or late."""
 
 
+class KvStreamRefused(KvTransferError):
+    """A KV stream without the request's one-time transfer token: from someone the decode worker did not
+    ask, so it says nothing about the request it names, which carries on."""
+
+
 @dataclass
 class TransferredKv:
     """A prompt's KV cache as it travels: per layer (key, value), plus the prefill result."""
@@ -29,6 +34,8 @@ class TransferredKv:
     prefill_time_ms: float
     # (logprob, ((token_id, logprob), ...)) of the first token, when the request asked for logprobs.
     first_logprobs: tuple | None = None
+    # The decode worker's one-time token for this request (kv_transfer/transfer_tokens.py), sent in the header.
+    transfer_token: str = field(default="", repr=False)
     # Set by a receiver that lent the tensors' memory; call `release` once they have been copied.
     on_release: Callable[[], None] | None = field(default=None, repr=False)
 

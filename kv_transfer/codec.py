@@ -51,10 +51,11 @@ class KvLayer:
 KvItem = pb.KvHeader | KvLayer | pb.KvTrailer
 
 
-def make_header(request_id: str, dtype: torch.dtype, num_layers: int, shape: tuple[int, ...]) -> pb.KvHeader:
+def make_header(request_id: str, dtype: torch.dtype, num_layers: int, shape: tuple[int, ...],
+                transfer_token: str = "") -> pb.KvHeader:
     if dtype not in DTYPE_NAMES:
         raise KvTransferError(f"unsupported KV dtype {dtype}")
-    return header(request_id, DTYPE_NAMES[dtype], num_layers, shape)
+    return header(request_id, DTYPE_NAMES[dtype], num_layers, shape, transfer_token)
 
 
 def kv_items(kv: TransferredKv) -> Iterator[KvItem]:
@@ -62,7 +63,7 @@ def kv_items(kv: TransferredKv) -> Iterator[KvItem]:
     if not kv.layers:
         raise KvTransferError("a KV cache needs at least one layer")
     key0 = kv.layers[0][0]
-    yield make_header(kv.request_id, key0.dtype, len(kv.layers), tuple(key0.shape))
+    yield make_header(kv.request_id, key0.dtype, len(kv.layers), tuple(key0.shape), kv.transfer_token)
     for i, (key, value) in enumerate(kv.layers):
         yield KvLayer(i, key, value)
     yield make_trailer(kv.first_token_id, kv.prefill_time_ms, kv.first_logprobs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from kv_transfer.base import KvTransferError, TransferredKv
+from kv_transfer.base import KvStreamRefused, KvTransferError, TransferredKv
 from kv_transfer.sink import KvSink
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES, messages_from_items
 from proto import worker_pb2 as pb
@@ -74,8 +74,8 @@ class KvReceiverServicer(pb_grpc.KvReceiverServicer):
                 if verifier is not None:
                     verifier.add_message(message)
                 elif message.HasField("header"):
-                    request_id = message.header.request_id
                     verifier = self._sink.open(message.header)
+                    request_id = message.header.request_id  # only now: a refused stream must not fail it
                 else:
                     raise KvTransferError("KV stream does not start with a header")
             if verifier is None:
@@ -83,4 +83,5 @@ class KvReceiverServicer(pb_grpc.KvReceiverServicer):
             return pb.KvAck(bytes_received=self._sink.deliver(verifier))
         except KvTransferError as exc:
             self._sink.reject(request_id, verifier, str(exc))
-            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+            code = grpc.StatusCode.PERMISSION_DENIED if isinstance(exc, KvStreamRefused) else grpc.StatusCode.DATA_LOSS
+            await context.abort(code, str(exc))

@@ -6,7 +6,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kv_transfer.base import TransferredKv
+from kv_transfer.base import KvStreamRefused, KvTransferError, TransferredKv
+from kv_transfer.transfer_tokens import KvTransferTokens
 from kv_transfer.wire import KvStreamVerifier
 from proto import worker_pb2 as pb
 
@@ -19,24 +20,44 @@ logger = logging.getLogger(__name__)
 class KvSink:
     """Opens a verifier per incoming stream, hands finished caches to `on_kv` and failures to `on_failure`.
 
+    A stream is opened only with the one-time transfer token `tokens` issued for its request; one
+    without is refused (`on_refused`, if given, counts it) and its request is left alone.
     `assembler(header, max_bytes, pool)` makes what each stream is written into: by default a
     KvAssembler (tensors); the simulated worker passes one that verifies and keeps nothing.
     """
 
     def __init__(self, on_kv: Callable[[TransferredKv], None], on_failure: Callable[[str, str], None],
-                 max_bytes: int | None = None, pool: KvBufferPool | None = None,
-                 assembler: Callable[..., KvStreamVerifier] | None = None):
+                 tokens: KvTransferTokens, max_bytes: int | None = None, pool: KvBufferPool | None = None,
+                 assembler: Callable[..., KvStreamVerifier] | None = None,
+                 on_refused: Callable[[str], None] | None = None):
         if assembler is None:
             from kv_transfer.codec import KvAssembler as assembler  # torch, only when receiving tensors
         self._assembler = assembler
         self._on_kv = on_kv
         self._on_failure = on_failure
+        self._on_refused = on_refused
+        self.tokens = tokens
         self.max_bytes = max_bytes
         self.pool = pool
 
     def open(self, header: pb.KvHeader) -> KvStreamVerifier:
-        """A verifier for the stream that `header` starts."""
-        return self._assembler(header, self.max_bytes, self.pool)
+        """A verifier for the stream that `header` starts; raises KvStreamRefused unless the header carries
+        the request's transfer token, which this spends.
+
+        Receivers name the request to `reject` only once this has returned: a refused stream must not
+        fail the genuine request it names.
+        """
+        if not self.tokens.redeem(header.request_id, header.transfer_token):
+            if self._on_refused is not None:
+                self._on_refused(header.request_id)
+            raise KvStreamRefused(f"KV stream for request {header.request_id!r} refused: missing/invalid or "
+                                  "already used transfer token")
+        try:
+            return self._assembler(header, self.max_bytes, self.pool)
+        except KvTransferError as exc:
+            # The genuine sender's header is unusable and its token is spent: no cache can come now.
+            self._on_failure(header.request_id, str(exc))
+            raise
 
     def deliver(self, verifier: KvStreamVerifier) -> int:
         """Hand a complete stream's cache on (raises KvTransferError if nobody can take it); return its bytes."""
@@ -44,7 +65,7 @@ class KvSink:
         return verifier.bytes_received
 
     def reject(self, request_id: str, verifier: KvStreamVerifier | None, message: str) -> None:
-        """A stream that failed: free what it filled, and fail its request (when the header named one)."""
+        """A stream that failed: free what it filled, and fail its request (when one was opened for it)."""
         if verifier is not None:
             verifier.discard()
         logger.warning("rejected KV stream for request %s: %s", request_id or "?", message)

@@ -8,6 +8,7 @@ Frames, after the 6-byte preamble b"PDKV1\\n":
 A block's checksum follows its bytes, so both sides hash on a helper thread (xxhash releases the
 GIL) while the socket moves the bytes, instead of hashing and copying one after the other.
 The receiver answers once: status u8 (0 ok, 1 refused), bytes received u64, u32 length, message.
+A header without the request's one-time transfer token (transfer_tokens.py) is refused at once.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class TcpKvReceiver:
 
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        seen: dict = {}  # the request id and assembler, once the header has named them
+        seen: dict = {}  # the request id and assembler, once the sink has opened the stream
         conn.setblocking(True)
         conn.settimeout(self._timeout_s)
         try:
@@ -202,8 +203,8 @@ class TcpKvReceiver:
             raise KvTransferError("KV stream does not start with a header")
         length = LENGTH.unpack(_recv_exactly_blocking(conn, 4))[0]
         header = pb.KvHeader.FromString(_recv_exactly_blocking(conn, length))
-        seen["request_id"] = header.request_id
         assembler = seen["assembler"] = self._sink.open(header)
+        seen["request_id"] = header.request_id  # only now: a refused stream must not fail the request it names
         block_head = bytearray(BLOCK.size)
         digest = bytearray(DIGEST.size)
         pending = None  # the previous block's verification, running while this block arrives

@@ -46,13 +46,15 @@ class RawKvLayer:
         return self.key, self.value
 
 
-def header(request_id: str, dtype_name: str, num_layers: int, shape: tuple[int, ...]) -> pb.KvHeader:
-    """The header of a stream of `num_layers` key/value pairs of `shape` in `dtype_name`."""
+def header(request_id: str, dtype_name: str, num_layers: int, shape: tuple[int, ...],
+           transfer_token: str = "") -> pb.KvHeader:
+    """The header of a stream of `num_layers` key/value pairs of `shape` in `dtype_name`, carrying the
+    decode worker's one-time `transfer_token` for the request (without it the stream is refused)."""
     if dtype_name not in DTYPE_SIZES:
         raise KvTransferError(f"unsupported KV dtype {dtype_name}")
     nbytes = math.prod(shape) * DTYPE_SIZES[dtype_name]
     return pb.KvHeader(request_id=request_id, dtype=dtype_name, num_layers=num_layers, shape=list(shape),
-                       tensor_bytes=nbytes)
+                       tensor_bytes=nbytes, transfer_token=transfer_token)
 
 
 def make_trailer(first_token_id: int, prefill_time_ms: float, first_logprobs: tuple | None = None) -> pb.KvTrailer:

@@ -67,18 +67,20 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address", "kv_transfer_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     decode_address: str
     kv_data_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ...) -> None: ...
+    kv_transfer_token: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "prefill_time_ms", "kv_bytes", "kv_transfer_ms")
@@ -117,10 +119,12 @@ class DecodeEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("kv_data_address",)
+    __slots__ = ("kv_data_address", "kv_transfer_token")
     KV_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     kv_data_address: str
-    def __init__(self, kv_data_address: _Optional[str] = ...) -> None: ...
+    kv_transfer_token: str
+    def __init__(self, kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_id", "text", "time_ms", "finish_reason", "index", "matched_stop", "logprob", "top_logprobs", "batch_size", "queue_wait_ms")
@@ -173,18 +177,20 @@ class HealthResponse(_message.Message):
     def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes")
+    __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes", "transfer_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     dtype: str
     num_layers: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     tensor_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., tensor_bytes: _Optional[int] = ...) -> None: ...
+    transfer_token: str
+    def __init__(self, request_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., tensor_bytes: _Optional[int] = ..., transfer_token: _Optional[str] = ...) -> None: ...
 
 class KvTrailer(_message.Message):
     __slots__ = ("first_token_id", "prefill_time_ms", "first_logprob", "first_top_logprobs")

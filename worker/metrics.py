@@ -34,6 +34,8 @@ class WorkerMetrics:
         self.kv_duration = Histogram("pdserve_kv_transfer_duration_seconds", "Prefill worker: KV send time, "
                                      "first byte to the decode worker's ack.", buckets=TRANSFER_BUCKETS, registry=r)
         self.kv_failures = Counter("pdserve_kv_transfer_failures_total", "KV transfers that failed.", registry=r)
+        self.kv_refused = Counter("pdserve_worker_kv_streams_refused_total", "Decode worker: KV streams refused "
+                                  "for a missing, wrong or spent transfer token.", registry=r)
         self.requests = Counter("pdserve_worker_requests_total", "Requests this worker admitted (gave KV budget to).",
                                 registry=r)
         self.step = Histogram("pdserve_worker_step_duration_seconds", "One engine forward (prefill or decode).",
@@ -62,7 +64,7 @@ class _NoOp:
 class NullMetrics:
     """WorkerMetrics' methods doing nothing: what an engine records into before (or without) a metrics server."""
 
-    kv_bytes = kv_duration = kv_failures = requests = _NoOp()
+    kv_bytes = kv_duration = kv_failures = kv_refused = requests = _NoOp()
 
     def observe_step(self, kind: str, seconds: float, batch_size: int) -> None:
         pass

@@ -62,7 +62,8 @@ class ScriptedWorkers:
         self.decode_calls.append((address, request))
         return ScriptedStream(self.decode_scripts[address].pop(0))
 
-    async def prefill(self, address, request, max_tokens, decode_address, timeout, kv_data_address=""):
+    async def prefill(self, address, request, max_tokens, decode_address, timeout, kv_data_address="",
+                      kv_transfer_token=""):
         if address in self.prefill_errors:
             raise self.prefill_errors[address]
         return PrefillDone(first_token_id=0, prefill_time_ms=1.0, kv_bytes=0, kv_transfer_ms=0.0)

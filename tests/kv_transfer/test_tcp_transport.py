@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 
 import pytest
@@ -12,22 +13,28 @@ from kv_transfer.base import KvTransferError
 from kv_transfer.codec import KvLayer, checksum, kv_items, tensor_bytes
 from kv_transfer.tcp_transport import ACK, BLOCK, DIGEST, LENGTH, PREAMBLE, TcpKvReceiver, TcpKvSender
 from kv_transfer.sink import KvSink
+from kv_transfer.transfer_tokens import KvTransferTokens
 from tests.helpers import bits, make_kv
+
+
+def with_token(kv, tokens: KvTransferTokens):
+    """`kv` carrying a fresh token that `tokens` issued for its request, as a decode worker's `accepted` does."""
+    return dataclasses.replace(kv, transfer_token=tokens.issue(kv.request_id))
 
 
 @pytest.fixture
 async def receiver():
-    received, failures = [], []
-    rx = TcpKvReceiver(KvSink(received.append, lambda rid, msg: failures.append((rid, msg))), timeout_s=5)
+    received, failures, tokens = [], [], KvTransferTokens()
+    rx = TcpKvReceiver(KvSink(received.append, lambda rid, msg: failures.append((rid, msg)), tokens), timeout_s=5)
     port = await rx.start("127.0.0.1", 0)
-    yield f"127.0.0.1:{port}", received, failures
+    yield f"127.0.0.1:{port}", received, failures, tokens
     await rx.stop()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 async def test_kv_sent_over_tcp_arrives_bit_exact(receiver, dtype):
-    address, received, _ = receiver
-    kv = make_kv(dtype, layers=4, seq=300)
+    address, received, _, tokens = receiver
+    kv = with_token(make_kv(dtype, layers=4, seq=300), tokens)
     assert await TcpKvSender(chunk_bytes=8192).send(address, kv) == kv.num_bytes
     (out,) = received
     assert out.first_token_id == 42 and out.prefill_time_ms == 1.5
@@ -72,15 +79,16 @@ def frames_for(kv, corrupt_block: int | None = None, drop_last_blocks: int = 0, 
 
 
 async def test_flipped_byte_over_tcp_is_refused_and_reported(receiver):
-    address, received, failures = receiver
-    status, message = await send_raw(address, frames_for(make_kv(torch.float32), corrupt_block=5))
+    address, received, failures, tokens = receiver
+    status, message = await send_raw(address, frames_for(with_token(make_kv(torch.float32), tokens), corrupt_block=5))
     assert status == 1 and "checksum mismatch" in message
     assert received == [] and failures == [("req-1", message)]
 
 
 async def test_truncated_tcp_stream_is_refused(receiver):
-    address, received, failures = receiver
-    status, message = await send_raw(address, frames_for(make_kv(torch.float16), drop_last_blocks=2))
+    address, received, failures, tokens = receiver
+    kv = with_token(make_kv(torch.float16), tokens)
+    status, message = await send_raw(address, frames_for(kv, drop_last_blocks=2))
     assert status == 1 and "truncated" in message and received == []
 
 
@@ -94,11 +102,12 @@ async def test_refusal_by_the_engine_reaches_the_sender():
     def on_kv(kv):
         raise KvTransferError("no decode request 'req-1' is waiting for a KV cache")
 
-    rx = TcpKvReceiver(KvSink(on_kv, lambda *a: None))
+    tokens = KvTransferTokens()
+    rx = TcpKvReceiver(KvSink(on_kv, lambda *a: None, tokens))
     port = await rx.start("127.0.0.1", 0)
     try:
         with pytest.raises(KvTransferError, match="refused: no decode request"):
-            await TcpKvSender().send(f"127.0.0.1:{port}", make_kv(torch.float32))
+            await TcpKvSender().send(f"127.0.0.1:{port}", with_token(make_kv(torch.float32), tokens))
     finally:
         await rx.stop()
 
@@ -112,11 +121,11 @@ async def test_sender_to_a_closed_port_fails_clearly():
 
 
 async def test_stalled_sender_times_out_on_the_receiver():
-    failures = []
-    rx = TcpKvReceiver(KvSink(lambda kv: None, lambda rid, msg: failures.append(rid)), timeout_s=0.5)
+    failures, tokens = [], KvTransferTokens()
+    rx = TcpKvReceiver(KvSink(lambda kv: None, lambda rid, msg: failures.append(rid), tokens), timeout_s=0.5)
     port = await rx.start("127.0.0.1", 0)
     try:
-        frames = frames_for(make_kv(torch.float32))
+        frames = frames_for(with_token(make_kv(torch.float32), tokens))
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"".join(frames[:3]))  # header and one block, then silence
         await writer.drain()
@@ -127,3 +136,23 @@ async def test_stalled_sender_times_out_on_the_receiver():
         await rx.stop()
 
 
+
+
+@pytest.mark.parametrize("token", ["", "not-the-issued-token"])
+async def test_tcp_stream_without_the_issued_token_is_refused_and_the_genuine_one_still_lands(receiver, token):
+    address, received, failures, tokens = receiver
+    genuine = with_token(make_kv(torch.float32), tokens)
+    status, message = await send_raw(address, frames_for(dataclasses.replace(genuine, transfer_token=token)))
+    assert status == 1 and "'req-1' refused: missing/invalid or already used transfer token" in message
+    assert received == [] and failures == []  # the request it named is not failed
+    assert await TcpKvSender().send(address, genuine) == genuine.num_bytes
+    assert len(received) == 1 and failures == []
+
+
+async def test_tcp_stream_replaying_a_spent_token_is_refused_without_failing_the_request(receiver):
+    address, received, failures, tokens = receiver
+    kv = with_token(make_kv(torch.float32), tokens)
+    await TcpKvSender().send(address, kv)
+    with pytest.raises(KvTransferError, match="refused: .*already used transfer token"):
+        await TcpKvSender().send(address, kv)
+    assert len(received) == 1 and failures == [] and len(tokens) == 0

@@ -12,6 +12,7 @@ from kv_transfer.codec import KvAssembler
 from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
 from kv_transfer.wire import RawKvLayer, header, make_trailer
 from kv_transfer.sink import KvSink
+from kv_transfer.transfer_tokens import KvTransferTokens
 from tests.helpers import REPO
 
 
@@ -28,12 +29,12 @@ async def test_raw_byte_layers_arrive_as_the_tensors_they_encode(chunk_bytes):
     g = torch.Generator().manual_seed(3)
     tensors = [(torch.randn(1, 2, 9, 8, generator=g).half(), torch.randn(1, 2, 9, 8, generator=g).half())
                for _ in range(3)]
-    received, failures = [], []
-    rx = TcpKvReceiver(KvSink(received.append, lambda rid, msg: failures.append(msg)), timeout_s=5)
+    received, failures, tokens = [], [], KvTransferTokens()
+    rx = TcpKvReceiver(KvSink(received.append, lambda rid, msg: failures.append(msg), tokens), timeout_s=5)
     port = await rx.start("127.0.0.1", 0)
 
     async def items():
-        yield header("raw-1", "float16", 3, (1, 2, 9, 8))
+        yield header("raw-1", "float16", 3, (1, 2, 9, 8), tokens.issue("raw-1"))
         for i, (k, v) in enumerate(tensors):
             yield RawKvLayer(i, memoryview(k.numpy().tobytes()), memoryview(v.numpy().tobytes()))
         yield make_trailer(7, 2.5)

@@ -24,13 +24,14 @@ async def decode_channel(cluster):
 
 
 async def open_decode(channel, request_id: str, max_tokens: int = 4):
+    """An accepted Decode call and the one-time token its KV stream must carry."""
     call = pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
         request_id=request_id, prompt_len=PROMPT_LEN, max_seq_len=512,
         sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=max_tokens, skip_special_tokens=True),
     ), timeout=30)
     first = await call.read()
-    assert first.HasField("accepted")
-    return call
+    assert first.HasField("accepted") and first.accepted.kv_transfer_token
+    return call, first.accepted.kv_transfer_token
 
 
 async def push(channel, messages):
@@ -46,8 +47,10 @@ async def read_all(call) -> list:
 
 async def test_valid_kv_stream_is_decoded_to_the_end(decode_channel, hf_model):
     rid = uuid.uuid4().hex
-    call = await open_decode(decode_channel, rid, max_tokens=4)
-    ack = await push(decode_channel, list(encode_kv(fake_prompt_kv(rid, hf_model, PROMPT_LEN))))
+    call, token = await open_decode(decode_channel, rid, max_tokens=4)
+    kv = fake_prompt_kv(rid, hf_model, PROMPT_LEN)
+    kv.transfer_token = token
+    ack = await push(decode_channel, list(encode_kv(kv)))
     assert ack.bytes_received > 0
     events = await read_all(call)
     assert [e.token.index for e in events] == [0, 1, 2, 3]
@@ -68,8 +71,10 @@ def drop_the_last_blocks(messages: list) -> list:
                                                  (drop_the_last_blocks, "truncated")])
 async def test_damaged_kv_stream_fails_transfer_and_decode_with_data_loss(decode_channel, hf_model, damage, needle):
     rid = uuid.uuid4().hex
-    call = await open_decode(decode_channel, rid)
-    messages = damage(list(encode_kv(fake_prompt_kv(rid, hf_model, PROMPT_LEN), chunk_bytes=512)))
+    call, token = await open_decode(decode_channel, rid)
+    kv = fake_prompt_kv(rid, hf_model, PROMPT_LEN)
+    kv.transfer_token = token
+    messages = damage(list(encode_kv(kv, chunk_bytes=512)))
     with pytest.raises(grpc.aio.AioRpcError) as push_err:
         await push(decode_channel, messages)
     assert push_err.value.code() == grpc.StatusCode.DATA_LOSS
@@ -82,8 +87,9 @@ async def test_damaged_kv_stream_fails_transfer_and_decode_with_data_loss(decode
 
 async def test_kv_with_wrong_prompt_length_is_refused(decode_channel, hf_model):
     rid = uuid.uuid4().hex
-    call = await open_decode(decode_channel, rid)
+    call, token = await open_decode(decode_channel, rid)
     kv = fake_prompt_kv(rid, hf_model, PROMPT_LEN)
+    kv.transfer_token = token
     kv.layers = [(k[:, :, :-1], v[:, :, :-1]) for k, v in kv.layers]
     with pytest.raises(grpc.aio.AioRpcError) as push_err:
         await push(decode_channel, list(encode_kv(kv)))
@@ -92,15 +98,15 @@ async def test_kv_with_wrong_prompt_length_is_refused(decode_channel, hf_model):
         await read_all(call)
 
 
-async def test_kv_for_an_unknown_request_is_refused(decode_channel, hf_model):
+async def test_kv_for_an_unknown_request_is_refused_as_it_has_no_transfer_token(decode_channel, hf_model):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await push(decode_channel, list(encode_kv(fake_prompt_kv("nobody-waits", hf_model, PROMPT_LEN))))
-    assert err.value.code() == grpc.StatusCode.DATA_LOSS
-    assert "is waiting for a KV cache" in err.value.details()
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "'nobody-waits' refused: missing/invalid or already used transfer token" in err.value.details()
 
 
 async def test_decode_request_whose_kv_never_arrives_times_out(decode_channel):
-    call = await open_decode(decode_channel, uuid.uuid4().hex)
+    call, _ = await open_decode(decode_channel, uuid.uuid4().hex)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await read_all(call)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -105,9 +105,12 @@ async def test_checksum_failure_frees_the_decode_workers_budget(bc, hf_model):
         call = pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
             request_id=rid, prompt_len=9, max_seq_len=512,
             sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=30)
-        assert (await call.read()).HasField("accepted")
+        accepted = await call.read()
+        assert accepted.HasField("accepted")
         assert health(bc.decode.address, "decode").kv_used_tokens == 13
-        messages = list(encode_kv(fake_prompt_kv(rid, hf_model, prompt_len=9), chunk_bytes=512))
+        kv = fake_prompt_kv(rid, hf_model, prompt_len=9)
+        kv.transfer_token = accepted.accepted.kv_transfer_token
+        messages = list(encode_kv(kv, chunk_bytes=512))
         messages[2].block.data = b"\x01" + messages[2].block.data[1:]
         with pytest.raises(grpc.aio.AioRpcError, match="checksum mismatch"):
             await pb_grpc.KvReceiverStub(channel).PushKv(iter(messages), timeout=30)
@@ -134,7 +137,7 @@ async def prefill_into_stopped_decode_worker(bc, transport: str, prompt_len: int
         victim.proc.send_signal(signal.SIGSTOP)
         prefill = asyncio.ensure_future(pb_grpc.PrefillServiceStub(pchannel).Prefill(pb.PrefillRequest(
             request_id=rid, prompt_token_ids=[7] * prompt_len, decode_address=victim.address,
-            kv_data_address=kv_data_address,
+            kv_data_address=kv_data_address, kv_transfer_token=accepted.accepted.kv_transfer_token,
             sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=60))
         deadline = time.monotonic() + 10
         while health(bc.prefill.address, "prefill").num_kv_leases == 0:

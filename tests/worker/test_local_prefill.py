@@ -34,6 +34,11 @@ def greedy(max_tokens: int, **fields) -> pb.SamplingParams:
 async def read_tokens(call) -> list[pb.TokenEvent]:
     """The token events of an accepted Decode stream, up to its end."""
     assert (await call.read()).HasField("accepted")
+    return await read_rest(call)
+
+
+async def read_rest(call) -> list[pb.TokenEvent]:
+    """The token events of a Decode stream whose `accepted` has been read, up to its end."""
     tokens = []
     while (event := await call.read()) is not grpc.aio.EOF:
         tokens.append(event.token)
@@ -85,6 +90,14 @@ async def test_local_prefill_first_token_logprobs_are_the_models(decode_worker, 
     assert [t.logprob for t in first.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+async def test_local_prefill_request_is_given_no_kv_transfer_token(decode_worker, hf_model):
+    async with grpc.aio.insecure_channel(decode_worker.address) as channel:
+        call = open_decode(channel, prompt_ids(hf_model, "Hello there"), greedy(2))
+        accepted = (await call.read()).accepted
+        assert accepted.kv_transfer_token == ""  # no KV stream is taken for a request prefilled here
+        assert len(await read_rest(call)) == 2
+
+
 async def test_concurrent_local_prefills_and_a_transferred_request_give_each_its_greedy_tokens(
         decode_worker, hf_model):
     max_tokens = 16
@@ -93,11 +106,12 @@ async def test_concurrent_local_prefills_and_a_transferred_request_give_each_its
     rid = uuid.uuid4().hex
     async with grpc.aio.insecure_channel(decode_worker.address) as channel:
         transferred = open_decode(channel, transferred_ids, greedy(max_tokens), local_prefill=False, request_id=rid)
-        transferred_tokens = asyncio.ensure_future(read_tokens(transferred))
+        kv = hf_prefill(hf_model, rid, transferred_ids)
+        kv.transfer_token = (await transferred.read()).accepted.kv_transfer_token
+        transferred_tokens = asyncio.ensure_future(read_rest(transferred))
         local = [asyncio.ensure_future(read_tokens(open_decode(channel, ids, greedy(max_tokens)))) for ids in all_ids]
         await asyncio.sleep(0.05)  # the local ones are prefilling or decoding when the KV arrives
-        await pb_grpc.KvReceiverStub(channel).PushKv(iter(encode_kv(hf_prefill(hf_model, rid, transferred_ids))),
-                                                     timeout=30)
+        await pb_grpc.KvReceiverStub(channel).PushKv(iter(encode_kv(kv)), timeout=30)
         results = await asyncio.gather(*local, transferred_tokens)
     for ids, tokens in zip(all_ids + [transferred_ids], results):
         assert [t.token_id for t in tokens] == reference_tokens(hf_model, ids, max_tokens)
@@ -119,7 +133,8 @@ async def test_seeded_sampling_with_local_prefill_equals_the_prefill_worker_path
         accepted = await call.read()
         await pb_grpc.PrefillServiceStub(prefill_channel).Prefill(pb.PrefillRequest(
             request_id=rid, prompt_token_ids=ids, sampling=sampling, decode_address=cluster.decode.address,
-            kv_data_address=accepted.accepted.kv_data_address), timeout=30)
+            kv_data_address=accepted.accepted.kv_data_address,
+            kv_transfer_token=accepted.accepted.kv_transfer_token), timeout=30)
         remote = []
         while (event := await call.read()) is not grpc.aio.EOF:
             remote.append(event.token)

@@ -207,7 +207,8 @@ async def test_prefill_pushes_over_grpc_when_no_tcp_receiver_is_named(sim):
         assert accepted.accepted.kv_data_address  # a TCP receiver is announced; this test skips it on purpose
         resp = await pb_grpc.PrefillServiceStub(pch).Prefill(pb.PrefillRequest(
             request_id=rid, prompt_token_ids=list(range(prompt_len)), sampling=pb.SamplingParams(max_tokens=4),
-            decode_address=sim.decode.address, kv_data_address=""))
+            decode_address=sim.decode.address, kv_data_address="",
+            kv_transfer_token=accepted.accepted.kv_transfer_token))
         tokens = await read_tokens(decode)
     assert resp.kv_bytes == KV_BYTES_PER_TOKEN * prompt_len
     assert tokens[0].token_id == resp.first_token_id and [t.index for t in tokens] == [0, 1, 2, 3]
@@ -220,7 +221,7 @@ async def test_kv_stream_of_the_wrong_size_is_refused(sim):
         accepted = await decode.read()
 
         async def items():  # 9 positions for a 10-token prompt
-            yield header(rid, "float32", LAYERS, (1, KV_HEADS, 9, HEAD_DIM))
+            yield header(rid, "float32", LAYERS, (1, KV_HEADS, 9, HEAD_DIM), accepted.accepted.kv_transfer_token)
             for i in range(LAYERS):
                 yield synthetic_layer(i, KV_HEADS * 9 * HEAD_DIM * DTYPE_BYTES)
             yield make_trailer(5, 1.0)

@@ -11,6 +11,7 @@ import grpc
 from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverServicer
 from kv_transfer.sink import KvSink
 from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
+from kv_transfer.transfer_tokens import KvTransferTokens
 from proto import worker_pb2_grpc as pb_grpc
 from worker.engine.decode_backend import DecodeBackend
 from worker.engine.prefill_backend import PrefillBackend
@@ -54,13 +55,15 @@ async def serve(options: WorkerOptions) -> None:
             metrics.kv_failures.inc()
             engine.fail(request_id, message)
 
-        sink = KvSink(on_kv, on_failure, pool=engine.kv_pool, assembler=engine.kv_assembler)
+        tokens = KvTransferTokens()  # issued by the servicer in `accepted`, redeemed by the sink
+        sink = KvSink(on_kv, on_failure, tokens, pool=engine.kv_pool, assembler=engine.kv_assembler,
+                      on_refused=lambda request_id: metrics.kv_refused.inc())
         kv_data_address = ""
         if options.kv_data_port >= 0:
             receiver = TcpKvReceiver(sink, timeout_s=options.kv_trans_timeout_s)
             kv_data_address = f"{options.public_host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
-        servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, metrics, gate)
+        servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, tokens, metrics, gate)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(sink), server)
 

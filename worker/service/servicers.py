@@ -14,6 +14,7 @@ import grpc
 from kv_transfer.base import KV_SEND_FAILED, KvTransferError
 from kv_transfer.grpc_transport import GrpcKvSender
 from kv_transfer.tcp_transport import TcpKvSender
+from kv_transfer.transfer_tokens import KvTransferTokens
 from kv_transfer.wire import header, make_trailer
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
@@ -140,7 +141,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                        context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         layout = self.engine.kv_layout(job)
         try:
-            kv_header = header(job.request_id, layout.dtype_name, layout.num_layers, layout.shape)
+            kv_header = header(job.request_id, layout.dtype_name, layout.num_layers, layout.shape,
+                               request.kv_transfer_token)
         except KvTransferError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"this prefill worker cannot stream its KV cache: {exc}")
         stream = PrefillKvStream(job, kv_header)
@@ -175,10 +177,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     """Register a request, wait for its KV cache (or prefill it here), stream its tokens."""
 
     def __init__(self, engine: DecodeBackend, kv_trans_timeout_s: float, kv_data_address: str,
-                 metrics: WorkerMetrics, gate: DrainGate):
+                 tokens: KvTransferTokens, metrics: WorkerMetrics, gate: DrainGate):
         self.engine = engine
         self.kv_trans_timeout_s = kv_trans_timeout_s
         self.kv_data_address = kv_data_address
+        self.tokens = tokens  # the KV receivers' sink redeems what this issues
         self.metrics = metrics
         self.gate = gate
 
@@ -209,7 +212,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             async with engine_errors_as_status(context):
                 await self.engine.admit(handle)
             self.metrics.requests.inc()
-            yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address))
+            # Only the sender the coordinator hands this token to can deliver the KV cache; no stream
+            # is taken for a local prefill.
+            token = "" if request.local_prefill else self.tokens.issue(request.request_id)
+            yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address, kv_transfer_token=token))
             if request.local_prefill:
                 self.engine.prefill_locally(handle)
             await self._wait_for_kv(handle, context)
@@ -221,6 +227,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 if item.finish_reason is not None:
                     return
         finally:
+            self.tokens.revoke(request.request_id)  # the token dies with the request
             self.engine.release(request.request_id)
 
     async def _wait_for_kv(self, handle: DecodeHandle, context: grpc.aio.ServicerContext) -> None:
