@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from pathlib import Path
 
 from aiohttp import web
 
+from coordinator.apis.fields import BODY_TIMEOUT
 from coordinator.auth import API_KEYS, ApiKeyGate, load_api_keys
 from coordinator.config import CoordinatorConfig
 from coordinator.error_response import error_response
@@ -26,6 +26,7 @@ from coordinator.scheduling.policies import make_policy
 from coordinator.scheduling.router import Router
 from coordinator.state import STATE, CoordinatorState
 from coordinator.tokenization import PromptTokenizer
+from coordinator.trust import TRUST, CoordinatorTrust
 from coordinator.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as exc:
-        return error_response(request, exc)
+        return error_response(request, exc, headers=exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -89,7 +90,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         max_position_embeddings=tokenizer.max_position_embeddings,
     )
     health = config.health_config
-    client = WorkerClient()
+    trust = CoordinatorTrust.from_config(config)
+    client = WorkerClient(trust.worker_tls, trust.worker_secret)
     registry = InstanceRegistry([i.address for i in config.instances.prefill],
                                 [i.address for i in config.instances.decode],
                                 failure_threshold=health.failure_threshold,
@@ -129,6 +131,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
 
     app.cleanup_ctx.append(background)
     app[METRICS] = metrics
+    app[TRUST] = trust
+    app[BODY_TIMEOUT] = config.http_config.body_timeout_s
     app[ROUTE_TABLE] = PREDICT_ROUTES
     PREDICT_ROUTES.add_to(app)
     return app
@@ -139,34 +143,8 @@ def create_management_app(main_app: web.Application) -> web.Application:
     app = web.Application(middlewares=[error_middleware])
     app[STATE] = main_app[STATE]
     app[METRICS] = main_app[METRICS]
+    app[TRUST] = main_app[TRUST]
+    app[BODY_TIMEOUT] = main_app[BODY_TIMEOUT]
     app[ROUTE_TABLE] = MANAGEMENT_ROUTES
     MANAGEMENT_ROUTES.add_to(app)
     return app
-
-
-async def run_coordinator(config: CoordinatorConfig) -> None:
-    """Serve until SIGTERM/SIGINT; print one ready line with the bound address."""
-    app = create_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    http = config.http_config
-    # On shutdown the site stops accepting at once and gives running requests drain_seconds to finish.
-    site = web.TCPSite(runner, http.predict_ip, http.predict_port, shutdown_timeout=http.drain_seconds)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    manage_runner = web.AppRunner(create_management_app(app), access_log=None)
-    await manage_runner.setup()
-    manage_site = web.TCPSite(manage_runner, http.manage_ip, http.manage_port)
-    await manage_site.start()
-    manage_port = manage_site._server.sockets[0].getsockname()[1]
-    print(f"pdserve coordinator management: http://{http.manage_ip}:{manage_port}", flush=True)
-    print(f"pdserve coordinator ready: http://{http.predict_ip}:{port}", flush=True)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    logger.warning("coordinator draining: no new requests, up to %ss for running ones", http.drain_seconds)
-    await manage_runner.cleanup()
-    await runner.cleanup()

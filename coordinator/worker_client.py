@@ -16,6 +16,9 @@ from coordinator.request import FinishReason, GenerationRequest
 from kv_transfer.grpc_transport import GRPC_OPTIONS
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from security.grpc_auth import open_channel
+from security.secrets import SecretFile
+from security.tls import LinkTls
 
 FINISH_FROM_PB = {
     pb.FINISH_REASON_EOS: FinishReason.EOS,
@@ -133,15 +136,24 @@ class DecodeStream:
 
 
 class WorkerClient:
-    """One channel per worker address, opened on first use and closed at shutdown."""
+    """One channel per worker address, opened on first use (TLS per `tls`, `secret` on every call)
+    and closed at shutdown; after a TLS reload, calls open new channels and in-flight ones finish on the old."""
 
-    def __init__(self):
+    def __init__(self, tls: LinkTls | None = None, secret: SecretFile | None = None):
+        self.tls = tls
+        self.secret = secret
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: list[grpc.aio.Channel] = []
+        self._generation = 0
 
     def _channel(self, address: str) -> grpc.aio.Channel:
+        if self.tls is not None and self.tls.generation != self._generation:
+            self._generation = self.tls.generation
+            self._retired.extend(self._channels.values())
+            self._channels.clear()
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = open_channel(address, self.tls, self.secret, GRPC_OPTIONS)
             self._channels[address] = channel
         return channel
 
@@ -205,6 +217,7 @@ class WorkerClient:
             await channel.close()
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._retired]:
             await channel.close()
         self._channels.clear()
+        self._retired.clear()

@@ -9,6 +9,8 @@ from kv_transfer.sink import KvSink
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES, messages_from_items
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from security.grpc_auth import open_channel
+from security.tls import LinkTls
 
 # Chunks are bounded, but headers and framing need headroom above the chunk size.
 GRPC_MESSAGE_LIMIT = 64 * 1024 * 1024
@@ -24,16 +26,17 @@ GRPC_OPTIONS = [
 class GrpcKvSender:
     """Pushes KV caches to decode workers, one cached channel per address."""
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0):
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0, tls: LinkTls | None = None):
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.tls = tls  # the decode worker's gRPC port: tls_config.worker_grpc, client side
+        self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> pb_grpc.KvReceiverStub:
-        channel = self._channels.get(address)
+        key = (address, self.tls.generation if self.tls is not None else 0)  # a TLS reload opens new channels
+        channel = self._channels.get(key)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-            self._channels[address] = channel
+            channel = self._channels[key] = open_channel(address, self.tls, None, GRPC_OPTIONS)
         return pb_grpc.KvReceiverStub(channel)
 
     async def send(self, address: str, kv: TransferredKv) -> int:

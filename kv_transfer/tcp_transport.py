@@ -7,7 +7,9 @@ Frames, after the 6-byte preamble b"PDKV1\\n":
   b"T" u32 length, KvTrailer
 A block's checksum follows its bytes, so both sides hash on a helper thread (xxhash releases the
 GIL) while the socket moves the bytes, instead of hashing and copying one after the other.
+  b"E"  end of stream (TLS cannot half-close the way plain TCP's shutdown does)
 The receiver answers once: status u8 (0 ok, 1 refused), bytes received u64, u32 length, message.
+With tls_config.kv_transfer on, the whole exchange runs inside TLS (mutual when it says so).
 A header without the request's one-time transfer token (transfer_tokens.py) is refused at once.
 """
 
@@ -25,6 +27,7 @@ from kv_transfer.base import KvTransferError, TransferredKv
 from kv_transfer.sink import KvSink
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES, KvStreamVerifier, byte_blocks, checksum
 from proto import worker_pb2 as pb
+from security.tls import LinkTls
 
 if TYPE_CHECKING:  # torch-backed types; this module itself stays torch-free for the simulated worker
     from kv_transfer.codec import KvItem
@@ -35,6 +38,7 @@ BLOCK = struct.Struct("<IBQQ")
 DIGEST = struct.Struct("<Q")
 OVERLAP_MIN_BYTES = 256 * 1024  # blocks at least this big are hashed on a helper thread
 ACK = struct.Struct("<BQI")
+END = b"E"
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -49,9 +53,11 @@ class TcpKvSender:
     tensor then runs in C without the GIL, instead of one event-loop wakeup per socket buffer.
     """
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, io_timeout_s: float = 30.0):
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, io_timeout_s: float = 30.0,
+                 tls: LinkTls | None = None):
         self.chunk_bytes = chunk_bytes
         self.io_timeout_s = io_timeout_s
+        self.tls = tls
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
 
     async def send_items(self, address: str, items: AsyncIterator[KvItem]) -> int:
@@ -74,7 +80,7 @@ class TcpKvSender:
             if sock is not None and not writer.done():
                 # Unblocks the writer thread when the transfer is cancelled.
                 try:
-                    sock.shutdown(socket.SHUT_RDWR)
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the TCP socket, under any TLS layer
                 except OSError:
                     pass
         if status != 0:
@@ -83,7 +89,15 @@ class TcpKvSender:
 
     def _write_all(self, address: str, outbox: queue.SimpleQueue, holder: dict) -> tuple[int, int, str]:
         """On a worker thread: connect, write every queued item, read the receiver's answer."""
-        with socket.create_connection(_split(address), self.io_timeout_s) as sock:
+        host, port = _split(address)
+        sock = socket.create_connection((host, port), self.io_timeout_s)
+        if self.tls is not None:
+            try:
+                sock = self.tls.ssl_context().wrap_socket(sock, server_hostname=host)
+            except OSError:
+                sock.close()
+                raise
+        with sock:
             holder["sock"] = sock
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(PREAMBLE)
@@ -109,7 +123,7 @@ class TcpKvSender:
 
     @staticmethod
     def _read_ack(sock: socket.socket) -> tuple[int, int, str]:
-        sock.shutdown(socket.SHUT_WR)
+        sock.sendall(END)
         status, received, length = ACK.unpack(_recv_exactly_blocking(sock, ACK.size))
         message = _recv_exactly_blocking(sock, length).decode() if length else ""
         return status, received, message
@@ -138,8 +152,9 @@ def _recv_exactly_blocking(sock: socket.socket, n: int) -> bytes:
 class TcpKvReceiver:
     """Accepts KV connections, verifies every block in place, hands whole caches to `sink`."""
 
-    def __init__(self, sink: KvSink, timeout_s: float = 30.0):
+    def __init__(self, sink: KvSink, timeout_s: float = 30.0, tls: LinkTls | None = None):
         self._sink = sink
+        self._tls = tls
         self._timeout_s = timeout_s
         self._server: socket.socket | None = None
         self._verifier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-verify")
@@ -189,14 +204,17 @@ class TcpKvReceiver:
                 self._sink.reject(seen.get("request_id", ""), seen.get("assembler"), message)
                 body = message.encode()
                 reply = ACK.pack(1, 0, len(body)) + body
-            await asyncio.to_thread(conn.sendall, reply)
+            await asyncio.to_thread(seen.get("sock", conn).sendall, reply)
         except OSError:
             pass  # the sender is gone; it learns of the failure from its own side
         finally:
-            conn.close()
+            seen.get("sock", conn).close()
 
     def _receive(self, conn: socket.socket, seen: dict, deadline: float, loop) -> KvStreamVerifier:
         """Read one whole stream on a worker thread, straight into the assembler's buffers."""
+        if self._tls is not None:
+            # The handshake runs here, on the worker thread, bounded by the socket's timeout.
+            conn = seen["sock"] = self._tls.ssl_context().wrap_socket(conn, server_side=True)
         if _recv_exactly_blocking(conn, len(PREAMBLE)) != PREAMBLE:
             raise KvTransferError("not a pdserve KV stream (bad preamble)")
         if _recv_exactly_blocking(conn, 1) != b"H":
@@ -215,7 +233,7 @@ class TcpKvReceiver:
             if kind != b"B" and pending is not None:
                 pending.result()
                 pending = None
-            if not kind:
+            if not kind or kind == END:
                 return assembler
             if kind == b"B":
                 _recv_into_blocking(conn, memoryview(block_head))

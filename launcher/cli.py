@@ -11,8 +11,10 @@ from launcher.simulated_worker import add_simulation_flags, simulated_backend
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from coordinator.app import run_coordinator
+    from coordinator.server import run_coordinator
     from coordinator.config import ConfigError, load_config
+    from security.secrets import SecretError
+    from security.tls import TlsError
 
     try:
         config = load_config(args.config)
@@ -23,12 +25,19 @@ def _coordinator(args: argparse.Namespace) -> int:
         config.http_config.predict_ip = args.predict_ip
     if args.predict_port is not None:
         config.http_config.predict_port = args.predict_port
-    asyncio.run(run_coordinator(config))
+    try:
+        asyncio.run(run_coordinator(config))
+    except (ConfigError, TlsError, SecretError) as exc:
+        print(f"pdserve coordinator: cannot start:\n{exc}", file=sys.stderr)
+        return 2
     return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
     # Only worker.service here: it imports no torch, so a simulated worker never loads it.
+    from security.secrets import SecretError
+    from security.settings import SecurityFile, load_security_file
+    from security.tls import TlsError
     from worker.service.options import ModelBackend, WorkerOptions
     from worker.service.serve import serve
 
@@ -45,14 +54,27 @@ def _worker(args: argparse.Namespace) -> int:
 
             model = str(ensure_default_model())
         backend = ModelBackend(model_dir=model, dtype=args.dtype)
+    try:
+        security = load_security_file(args.security_config) if args.security_config else SecurityFile()
+    except ValueError as exc:
+        print(f"pdserve worker: invalid --security-config:\n{exc}", file=sys.stderr)
+        return 2
+    auth = security.auth_config.model_copy(update={
+        k: v for k, v in (("registration_token_file", args.registration_token_file),
+                          ("worker_secret_file", args.worker_secret_file)) if v is not None})
     options = WorkerOptions(role=args.role, backend=backend, host=args.host, port=args.port,
                             kv_trans_timeout_s=args.kv_trans_timeout, kv_lease_timeout_s=args.kv_lease_timeout,
                             kv_budget_tokens=args.kv_budget_tokens, max_prefill_tokens=args.max_prefill_tokens,
                             max_prefill_batch_size=args.max_prefill_batch_size, max_running=args.max_running,
                             kv_data_port=args.kv_data_port, metrics_port=args.metrics_port,
                             coordinator_url=args.coordinator, heartbeat_interval_s=args.heartbeat_interval,
-                            advertise_host=args.advertise_host, drain_seconds=args.drain_seconds)
-    asyncio.run(serve(options))
+                            advertise_host=args.advertise_host, drain_seconds=args.drain_seconds,
+                            tls=security.tls_config, auth=auth)
+    try:
+        asyncio.run(serve(options))
+    except (TlsError, SecretError) as exc:
+        print(f"pdserve worker: cannot start:\n{exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -61,7 +83,7 @@ def _up(args: argparse.Namespace) -> int:
 
     return run_local_cluster(ClusterOptions(config=args.config, predict_port=args.predict_port,
                                             num_prefill=args.prefill, num_decode=args.decode, model=args.model,
-                                            log_level=args.log_level))
+                                            log_level=args.log_level, tls_dir=args.tls, api_keys_file=args.api_keys))
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -112,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between heartbeats to --coordinator (its register answer may override it)")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM: seconds to let requests in flight finish before stopping anyway")
+    p.add_argument("--security-config", default=None,
+                   help="ms_coordinator.json (or a file with only tls_config and auth_config): this worker's TLS "
+                        "links and secret files (relative paths are taken from the file's folder)")
+    p.add_argument("--registration-token-file", default=None,
+                   help="token proving this worker to the coordinator (overrides auth_config.registration_token_file)")
+    p.add_argument("--worker-secret-file", default=None,
+                   help="secret gRPC callers must present (overrides auth_config.worker_secret_file)")
     add_simulation_flags(p)
     p.set_defaults(func=_worker)
 
@@ -121,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
+    p.add_argument("--tls", default=None, metavar="DIR",
+                   help="mutual TLS on every link; DIR holds (or gets) ca.pem, server.pem, server-key.pem, "
+                        "client.pem, client-key.pem")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="require API keys: FILE holds their SHA-256 hex digests, one per line")
     p.set_defaults(func=_up)
 
     p = sub.add_parser("build-model", help="build a tiny Llama checkpoint offline")

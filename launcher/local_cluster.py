@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.cluster_security import ClusterSecurity
+
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 180.0
 STOP_GRACE_S = 10.0
@@ -34,6 +36,8 @@ class ClusterOptions:
     num_decode: int = 1
     model: str | None = None
     log_level: str | None = None
+    tls_dir: str | None = None  # --tls DIR: mutual TLS on every link, certificates made in DIR if absent
+    api_keys_file: str | None = None  # --api-keys FILE: SHA-256 digests of the accepted API keys
 
 
 def pdserve_command() -> list[str]:
@@ -75,11 +79,11 @@ class Child:
             self.proc.send_signal(signal.SIGTERM)
 
 
-def _wait_healthy(url: str, timeout_s: float) -> None:
+def _wait_healthy(url: str, timeout_s: float, context=None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            with urllib.request.urlopen(url + "/health", timeout=2, context=context) as resp:
                 if resp.status == 200:
                     return
         except OSError:
@@ -88,7 +92,8 @@ def _wait_healthy(url: str, timeout_s: float) -> None:
     raise RuntimeError(f"{url} did not become healthy within {timeout_s}s")
 
 
-def _cluster_config(options: ClusterOptions, prefill: list[str], decode: list[str], model_dir: str) -> dict:
+def _cluster_config(options: ClusterOptions, prefill: list[str], decode: list[str], model_dir: str,
+                    security: ClusterSecurity) -> dict:
     from coordinator.config import load_config
 
     base = load_config(options.config).model_dump(by_alias=True) if options.config else {}
@@ -101,6 +106,8 @@ def _cluster_config(options: ClusterOptions, prefill: list[str], decode: list[st
     base.setdefault("model_config", {})
     base["model_config"]["modelWeightPath"] = model_dir
     base["instances"] = {"prefill": [{"address": a} for a in prefill], "decode": [{"address": a} for a in decode]}
+    for section, values in security.coordinator_sections().items():
+        base.setdefault(section, {}).update(values)
     return base
 
 
@@ -131,10 +138,13 @@ def run_local_cluster(options: ClusterOptions) -> int:
     base = pdserve_command() + (["--log-level", options.log_level] if options.log_level else [])
     children: list[Child] = []
     config_file = None
+    run_dir = tempfile.TemporaryDirectory(prefix="pdserve-run-")
     try:
+        security = ClusterSecurity.prepare(Path(run_dir.name), options.tls_dir, options.api_keys_file)
         for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode)):
             for i in range(count):
-                argv = base + ["worker", "--role", role, "--model", model_dir, "--host", HOST, "--port", "0"]
+                argv = base + ["worker", "--role", role, "--model", model_dir, "--host", HOST, "--port", "0",
+                               "--security-config", str(security.worker_security_file)]
                 children.append(Child(f"{role} worker {i}", argv, "pdserve worker ready:"))
         print(f"pdserve: starting {len(children)} workers ...", flush=True)
         for child in children:
@@ -143,12 +153,12 @@ def run_local_cluster(options: ClusterOptions) -> int:
         decode = [c.address for c in children if c.name.startswith("decode")]
         fd, config_file = tempfile.mkstemp(prefix="pdserve-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump(_cluster_config(options, prefill, decode, model_dir), f, indent=2)
+            json.dump(_cluster_config(options, prefill, decode, model_dir, security), f, indent=2)
         print("pdserve: starting coordinator ...", flush=True)
         coordinator = Child("coordinator", base + ["coordinator", "--config", config_file], "pdserve coordinator ready:")
         children.append(coordinator)
         coordinator.wait_ready()
-        _wait_healthy(coordinator.address, START_TIMEOUT_S)
+        _wait_healthy(coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
         print(f"pdserve ready: {coordinator.address}", flush=True)
         starting = False
 
@@ -167,6 +177,7 @@ def run_local_cluster(options: ClusterOptions) -> int:
         _stop_all(children)
         if config_file:
             os.unlink(config_file)
+        run_dir.cleanup()
 
 
 def _stop_all(children: list[Child]) -> None:

@@ -241,3 +241,20 @@ def write_api_keys(path: Path, keys: list[str]) -> Path:
 
     path.write_text("# pdserve API keys (SHA-256 digests)\n" + "".join(hash_key(k) + "\n" for k in keys))
     return path
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    """Poll `predicate` until it returns something truthy (returned), or fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start_sim_worker(role: str, *extra: str) -> ServerProcess:
+    """A `--simulate` worker (no model, ready in a second or two) on a free port."""
+    return ServerProcess(pdserve_argv("worker", "--role", role, "--port", "0", "--simulate", *extra),
+                         "pdserve worker ready:", timeout_s=30)

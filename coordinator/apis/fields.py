@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import uuid
@@ -166,8 +167,18 @@ async def read_request(request: web.Request, model_cls: type[BaseModel]) -> Any:
     return parse_request(model_cls, await read_json(request))
 
 
+BODY_TIMEOUT = web.AppKey("body_timeout_s", float)
+
+
 async def read_json(request: web.Request) -> Any:
-    """The request's body as JSON, or a 400 that says why it is not."""
+    """The request's body as JSON, or a 400 that says why it is not (a 408 when it trickles in too slowly)."""
+    timeout = request.config_dict.get(BODY_TIMEOUT, 30.0)
+    try:
+        # A client that trickles its body must not hold its request slot for long.
+        async with asyncio.timeout(timeout):
+            await request.read()
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within http_config.body_timeout_s={timeout:g}s") from None
     try:
         return await request.json()
     except ValueError as exc:

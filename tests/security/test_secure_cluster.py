@@ -24,7 +24,7 @@ from cryptography.x509.oid import NameOID
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from tests.certificates import make_pki
-from tests.helpers import ServerProcess, pdserve_argv, start_coordinator, start_worker, write_config
+from tests.helpers import ServerProcess, pdserve_argv, start_coordinator, start_worker, write_api_keys, write_config
 
 pytestmark = pytest.mark.system
 
@@ -160,24 +160,28 @@ def served_common_name(url: str, pki) -> str:
     return x509.load_der_x509_certificate(der).subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
 
 
-def test_sighup_serves_a_new_certificate_and_key_without_a_restart(secure, pki):
+def test_sighup_serves_a_new_certificate_key_and_api_keys_without_a_restart(secure, pki):
     cert, key = secure.tmp / "live.pem", secure.tmp / "live-key.pem"
     shutil.copy(pki.path("server.pem"), cert)
     shutil.copy(pki.path("server-key.pem"), key)
+    keys = write_api_keys(secure.tmp / "api-keys", ["old-key"])
     sections = json.loads(json.dumps(secure.sections))
     sections["tls_config"]["predict"].update(tls_cert=str(cert), tls_key=str(key))
+    sections["auth_config"]["api_keys_file"] = str(keys)
     config = json.loads(secure.config.read_text())
     config.update(sections)
     coordinator = start_coordinator(write_json(secure.tmp / "reloading.json", config))
     try:
         assert served_common_name(coordinator.address, pki) == "server"
         with tls_client(pki) as http:
+            http.headers["Authorization"] = "Bearer old-key"
             stream = http.stream("POST", coordinator.address + "/v1/completions",
                                  json={"model": "pdserve-tiny", "prompt": "Once", "max_tokens": 60, "stream": True,
                                        "ignore_eos": True})
             response = stream.__enter__()  # a connection in flight across the reload
             shutil.copy(pki.path("server2.pem"), cert)
             shutil.copy(pki.path("server2-key.pem"), key)
+            write_api_keys(keys, ["new-key"])
             coordinator.proc.send_signal(signal.SIGHUP)
             deadline = time.monotonic() + 10
             while served_common_name(coordinator.address, pki) != "server-renewed":
@@ -185,6 +189,10 @@ def test_sighup_serves_a_new_certificate_and_key_without_a_restart(secure, pki):
                 time.sleep(0.2)
             assert b"[DONE]" in response.read()  # finished on the old one
             stream.__exit__(None, None, None)
+        with tls_client(pki) as http:
+            models = coordinator.address + "/v1/models"
+            assert http.get(models, headers={"Authorization": "Bearer old-key"}).status_code == 401
+            assert http.get(models, headers={"Authorization": "Bearer new-key"}).status_code == 200
     finally:
         coordinator.stop()
 

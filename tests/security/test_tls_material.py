@@ -97,3 +97,37 @@ def test_the_crl_lists_the_revoked_client_only(pki):
     tls = LinkTls("tls_config.worker_grpc", settings(pki, crl="crl.pem"), "server")
     assert tls.is_revoked((pki.dir / "revoked-client.pem").read_bytes())
     assert not tls.is_revoked((pki.dir / "client.pem").read_bytes())
+
+
+async def test_a_grpc_server_serves_the_reloaded_certificate_to_new_connections(pki, tmp_path):
+    import asyncio
+    import ssl
+
+    import grpc
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    shutil.copy(pki.path("server.pem"), cert)
+    shutil.copy(pki.path("server-key.pem"), key)
+    tls = LinkTls("tls_config.worker_grpc", settings(pki, tls_cert=str(cert), tls_key=str(key)), "server")
+    server = grpc.aio.server()
+    port = server.add_secure_port("127.0.0.1:0", tls.grpc_server_credentials())
+    await server.start()
+
+    async def served_common_name() -> str:
+        ctx = pki.client_context("client")
+        ctx.set_alpn_protocols(["h2"])  # gRPC's TLS insists on HTTP/2
+        _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname="127.0.0.1")
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+        writer.close()
+        return x509.load_der_x509_certificate(der).subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value
+
+    try:
+        assert await served_common_name() == "server"
+        shutil.copy(pki.path("server2.pem"), cert)
+        shutil.copy(pki.path("server2-key.pem"), key)
+        tls.reload()
+        assert await served_common_name() == "server-renewed"
+    finally:
+        await server.stop(None)

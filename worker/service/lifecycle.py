@@ -9,17 +9,23 @@ import signal
 
 import grpc
 
+from security.reload import ReloadOnSighup
 from worker.service.drain import DrainGate
+from worker.service.trust import WorkerTrust
 
 logger = logging.getLogger(__name__)
 
 
 async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate, metrics, closers: list,
-                              engine) -> None:
+                              engine, trust: WorkerTrust) -> None:
     """Run `server` until SIGTERM/SIGINT, then drain for up to `options.drain_seconds` and stop.
 
-    `options` is the process's WorkerOptions."""
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    `options` is the process's WorkerOptions; SIGHUP re-reads `trust`'s certificates and secrets."""
+    listen = f"{options.host}:{options.port}"
+    if trust.grpc_server is not None:
+        port = server.add_secure_port(listen, trust.grpc_server.grpc_server_credentials())
+    else:
+        port = server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"cannot listen on {options.host}:{options.port}")
     await server.start()
@@ -39,6 +45,10 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    reloads = ReloadOnSighup()
+    for name, action in trust.reload_actions():
+        reloads.add(name, action)
+    reloads.install()
     # One parseable line on stdout: launchers and tests read the bound port from it.
     print(f"pdserve worker ready: role={options.role} address={options.host}:{port}", flush=True)
     registration = None
@@ -46,7 +56,8 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
         from worker.service.registration import CoordinatorRegistration  # aiohttp: only paid when registering
 
         registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{options.public_host}:{port}",
-                                               metrics_url, options.heartbeat_interval_s)
+                                               metrics_url, options.heartbeat_interval_s, trust.registration,
+                                               trust.registration_token)
         await registration.start()
 
     await stop.wait()

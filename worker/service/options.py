@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES
+from security.settings import AuthConfig, TlsConfig
 from worker.simulated.cost_model import CostModel, KvShape
 
 ROLES = ("prefill", "decode")
@@ -49,6 +50,8 @@ class WorkerOptions:
     advertise_host: str | None = None  # the host others reach this worker at (e.g. a pod IP); None: `host`
     heartbeat_interval_s: float = 2.0  # until the coordinator's register answer names its own interval
     drain_seconds: float = 30.0  # on SIGTERM: longest wait for requests in flight before stopping anyway
+    tls: TlsConfig = field(default_factory=TlsConfig)  # the links it is on (from --security-config)
+    auth: AuthConfig = field(default_factory=AuthConfig)  # the worker secret and registration token files
 
     def __post_init__(self):
         if self.role not in ROLES:

@@ -13,6 +13,7 @@ from kv_transfer.sink import KvSink
 from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
 from kv_transfer.transfer_tokens import KvTransferTokens
 from proto import worker_pb2_grpc as pb_grpc
+from security.grpc_auth import CallerCheck
 from worker.engine.decode_backend import DecodeBackend
 from worker.engine.prefill_backend import PrefillBackend
 from worker.metrics import WorkerMetrics
@@ -20,6 +21,7 @@ from worker.service.drain import DrainGate
 from worker.service.lifecycle import serve_until_stopped
 from worker.service.options import SimulatedBackend, WorkerOptions
 from worker.service.servicers import DecodeServicer, PrefillServicer
+from worker.service.trust import WorkerTrust
 
 
 def build_engine(options: WorkerOptions) -> PrefillBackend | DecodeBackend:
@@ -34,16 +36,18 @@ def build_engine(options: WorkerOptions) -> PrefillBackend | DecodeBackend:
 async def serve(options: WorkerOptions) -> None:
     """Serve (registered with the coordinator if one is named) until SIGTERM/SIGINT, then deregister,
     drain the requests in flight for up to `drain_seconds`, and stop."""
+    trust = WorkerTrust.from_settings(options.role, options.tls, options.auth)  # bad files fail before the model loads
     engine = build_engine(options)
     metrics = engine.metrics = WorkerMetrics(options.role, engine)
     engine.start()
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[CallerCheck(trust.worker_secret, trust.grpc_server)])
     gate = DrainGate()
     closers = []
     if options.role == "prefill":
-        grpc_sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s)
-        servicer = PrefillServicer(engine, grpc_sender, TcpKvSender(options.kv_chunk_bytes), options.kv_lease_timeout_s,
-                                   metrics, gate)
+        grpc_sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s,
+                                   tls=trust.grpc_client)
+        tcp_sender = TcpKvSender(options.kv_chunk_bytes, tls=trust.kv_client)
+        servicer = PrefillServicer(engine, grpc_sender, tcp_sender, options.kv_lease_timeout_s, metrics, gate)
         pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
         closers.append(grpc_sender.close)
     else:
@@ -60,11 +64,11 @@ async def serve(options: WorkerOptions) -> None:
                       on_refused=lambda request_id: metrics.kv_refused.inc())
         kv_data_address = ""
         if options.kv_data_port >= 0:
-            receiver = TcpKvReceiver(sink, timeout_s=options.kv_trans_timeout_s)
+            receiver = TcpKvReceiver(sink, timeout_s=options.kv_trans_timeout_s, tls=trust.kv_server)
             kv_data_address = f"{options.public_host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
         servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, tokens, metrics, gate)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(sink), server)
 
-    await serve_until_stopped(server, options, gate, metrics, closers, engine)
+    await serve_until_stopped(server, options, gate, metrics, closers, engine, trust)
