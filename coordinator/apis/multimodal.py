@@ -45,15 +45,23 @@ def _check_media(kind: str, ref: str, where: str, media_dir: Path) -> None:
         if ref not in allowed:
             raise ApiError(400, f"{where}.{kind}: URL {ref!r} is not listed in {ALLOWED_URLS_ENV}", param=where)
         return
-    path = Path(ref).resolve()
+    try:
+        # Symlinks are followed before the folder check, so a link inside it cannot point outside.
+        path = Path(ref).resolve()
+    except (OSError, ValueError, RuntimeError):  # a NUL byte, a symlink loop: the client's fault, never a 500
+        raise ApiError(400, f"{where}.{kind}: cannot resolve local path {ref!r}", param=where) from None
     if media_dir.resolve() not in path.parents:
         raise ApiError(400, f"{where}.{kind}: local files must lie under {media_dir}/, got {ref!r}", param=where)
     if path.suffix.lower() not in suffixes:
         raise ApiError(400, f"{where}.{kind}: type {path.suffix or '(none)'} is not one of {sorted(suffixes)}",
                        param=where)
-    if not path.is_file():
+    try:
+        stat = path.stat() if path.is_file() else None
+    except OSError:  # a name too long, a folder we may not read
+        stat = None
+    if stat is None:
         raise ApiError(400, f"{where}.{kind}: no such file {ref!r}", param=where)
-    if path.stat().st_size > max_bytes:
+    if stat.st_size > max_bytes:
         raise ApiError(413, f"{where}.{kind}: file is larger than {max_bytes // 2**20} MB", param=where)
 
 
