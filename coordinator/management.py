@@ -58,21 +58,39 @@ def require_proof(request: web.Request) -> None:
                        headers={"WWW-Authenticate": 'Bearer realm="pdserve-registration"'})
 
 
+def _is_own(request: web.Request, instance) -> bool:
+    presented = request.headers.get(CREDENTIAL_HEADER, "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(presented, instance.credential.encode())
+
+
 def require_own_credential(request: web.Request, body: InstanceIdentity) -> None:
     """404 for an unknown instance, 403 when the caller is not the worker that registered it."""
     instance = request.app[STATE].registry.get(body.role, body.address)
     if instance is None or not instance.registered:
         raise ApiError(404, f"{body.role} instance {body.address} is not registered; register again")
-    presented = request.headers.get(CREDENTIAL_HEADER, "")
-    if not hmac.compare_digest(presented.encode(), instance.credential.encode()):
+    if not _is_own(request, instance):
         raise ApiError(403, f"{CREDENTIAL_HEADER} does not match the credential issued when {body.role} instance "
                        f"{body.address} registered: a worker may heartbeat and deregister only itself")
+
+
+def refuse_taking_over(request: web.Request, body: InstanceIdentity) -> None:
+    """409 for registering an address whose worker is registered and heartbeating, unless it is that worker:
+    another member must not take over its slot (a restarted worker registers again once its heartbeats lapse)."""
+    state = request.app[STATE]
+    instance = state.registry.get(body.role, body.address)
+    if instance is None or not instance.registered or _is_own(request, instance):
+        return
+    if state.registry.clock() - instance.last_heartbeat < state.registry.heartbeat_timeout_s:
+        raise ApiError(409, f"{body.role} instance {body.address} is registered and heartbeating; only it may "
+                       f"register again (with {CREDENTIAL_HEADER}), or another worker once its heartbeats lapse",
+                       error_type="conflict_error")
 
 
 async def register(request: web.Request) -> web.Response:
     require_proof(request)
     state = request.app[STATE]
     body = parse_request(Registration, await read_json(request))
+    refuse_taking_over(request, body)
     instance = state.registry.register(body.role, body.address, body.metrics_url)
     instance.credential = secrets.token_urlsafe(32)
     # Probe at once so its load is known before the first request is routed there.

@@ -58,12 +58,14 @@ class TlsSite(web.BaseSite):
 
     @property
     def port(self) -> int:
-        return self._server.sockets[0].getsockname()[1] if self._server else self._port
+        return self._port
 
     async def start(self) -> None:
         await super().start()
-        sock = socket.create_server((self._host, self._port), backlog=self._backlog)
+        family = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        sock = socket.create_server((self._host, self._port), family=family, backlog=self._backlog)
         sock.setblocking(False)
+        self._port = sock.getsockname()[1]
         self._server = _Listener(sock, asyncio.create_task(self._accept(sock)))
 
     async def stop(self) -> None:
@@ -74,7 +76,12 @@ class TlsSite(web.BaseSite):
     async def _accept(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(sock)
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:  # out of file descriptors, an aborted connection: keep accepting
+                logger.warning("accept on %s failed: %s", self.name, exc)
+                await asyncio.sleep(0.1)
+                continue
             task = asyncio.create_task(self._connect(conn))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
@@ -88,8 +95,7 @@ class TlsSite(web.BaseSite):
                     conn.close()
                     return
                 if first[0] != TLS_HANDSHAKE_RECORD:
-                    await loop.sock_sendall(conn, self._plain_http_reply(_request_path(first)))
-                    conn.close()
+                    await self._refuse_plain_http(loop, conn, first)
                     return
                 context = self._tls.ssl_context()
                 await loop.connect_accepted_socket(self._runner.server, conn, ssl=context,
@@ -99,6 +105,19 @@ class TlsSite(web.BaseSite):
             self.handshake_failures += 1
             logger.info("TLS connection refused on %s: %s", self.name, exc or "handshake timed out")
             conn.close()
+        except BaseException:
+            conn.close()
+            raise
+
+    async def _refuse_plain_http(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, head: bytes) -> None:
+        """Answer a plain-HTTP request with a 400 and close gently, so the client reads it (no reset)."""
+        await loop.sock_sendall(conn, self._plain_http_reply(_request_path(head)))
+        for step in (lambda: conn.recv(65536), lambda: conn.shutdown(socket.SHUT_WR)):
+            try:  # read what the client already sent: unread bytes would turn the close into a reset
+                step()
+            except OSError:
+                pass
+        conn.close()
 
 
 async def _peek(loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int) -> bytes:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from coordinator.config import CoordinatorConfig
+from coordinator.config import ConfigError, CoordinatorConfig
 from security.secrets import SecretFile, secret_file
 from security.tls import LinkTls, link_tls
 
@@ -25,13 +25,24 @@ class CoordinatorTrust:
     def from_config(cls, config: CoordinatorConfig) -> CoordinatorTrust:
         """Read every file; raise TlsError or SecretError naming the key and the file."""
         tls, auth = config.tls_config, config.auth_config
-        return cls(
+        trust = cls(
             predict_tls=link_tls("tls_config.predict", tls.predict, "server"),
             management_tls=link_tls("tls_config.management", tls.management, "server"),
             worker_tls=link_tls("tls_config.worker_grpc", tls.worker_grpc, "client"),
             worker_secret=secret_file("auth_config.worker_secret_file", auth.worker_secret_file),
             registration_token=secret_file("auth_config.registration_token_file", auth.registration_token_file),
         )
+        if trust.worker_secret is not None and not trust.registration_proven:
+            # The coordinator health-checks a worker as soon as it registers, sending the secret with the call.
+            raise ConfigError("auth_config.worker_secret_file is set but anyone may register a worker, and a "
+                              "registered address receives the secret: set auth_config.registration_token_file, "
+                              "or tls_config.management with mutual_tls")
+        return trust
+
+    @property
+    def registration_proven(self) -> bool:
+        """Whether registering takes proof: mutual TLS on the management port, or the registration token."""
+        return (self.management_tls is not None and self.management_tls.mutual) or self.registration_token is not None
 
     @property
     def registration_needs_token(self) -> bool:

@@ -16,7 +16,7 @@ from coordinator.request import FinishReason, GenerationRequest
 from kv_transfer.grpc_transport import GRPC_OPTIONS
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from security.grpc_auth import open_channel
+from security.grpc_auth import ChannelCache
 from security.secrets import SecretFile
 from security.tls import LinkTls
 
@@ -136,26 +136,14 @@ class DecodeStream:
 
 
 class WorkerClient:
-    """One channel per worker address, opened on first use (TLS per `tls`, `secret` on every call)
-    and closed at shutdown; after a TLS reload, calls open new channels and in-flight ones finish on the old."""
+    """gRPC calls to workers over cached channels: TLS per `tls`, `secret` on every call."""
 
     def __init__(self, tls: LinkTls | None = None, secret: SecretFile | None = None):
-        self.tls = tls
-        self.secret = secret
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._retired: list[grpc.aio.Channel] = []
-        self._generation = 0
+        # A request may run for up to exception_config.infer_timeout (at most an hour) on a channel a reload retired.
+        self._channels = ChannelCache(tls, secret, GRPC_OPTIONS, grace_s=3600)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
-        if self.tls is not None and self.tls.generation != self._generation:
-            self._generation = self.tls.generation
-            self._retired.extend(self._channels.values())
-            self._channels.clear()
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = open_channel(address, self.tls, self.secret, GRPC_OPTIONS)
-            self._channels[address] = channel
-        return channel
+        return self._channels.get(address)
 
     def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float,
                     local_prefill: bool = False) -> DecodeStream:
@@ -212,12 +200,7 @@ class WorkerClient:
 
     async def forget(self, address: str) -> None:
         """Close the channel of an instance that left."""
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            await channel.close()
+        await self._channels.forget(address)
 
     async def close(self) -> None:
-        for channel in [*self._channels.values(), *self._retired]:
-            await channel.close()
-        self._channels.clear()
-        self._retired.clear()
+        await self._channels.close()

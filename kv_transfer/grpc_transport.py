@@ -9,7 +9,7 @@ from kv_transfer.sink import KvSink
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES, messages_from_items
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from security.grpc_auth import open_channel
+from security.grpc_auth import ChannelCache
 from security.tls import LinkTls
 
 # Chunks are bounded, but headers and framing need headroom above the chunk size.
@@ -29,15 +29,11 @@ class GrpcKvSender:
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0, tls: LinkTls | None = None):
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        self.tls = tls  # the decode worker's gRPC port: tls_config.worker_grpc, client side
-        self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
+        # The decode worker's gRPC port: tls_config.worker_grpc, client side. A push lasts at most timeout_s.
+        self._channels = ChannelCache(tls, None, GRPC_OPTIONS, grace_s=timeout_s + 5)
 
     def _stub(self, address: str) -> pb_grpc.KvReceiverStub:
-        key = (address, self.tls.generation if self.tls is not None else 0)  # a TLS reload opens new channels
-        channel = self._channels.get(key)
-        if channel is None:
-            channel = self._channels[key] = open_channel(address, self.tls, None, GRPC_OPTIONS)
-        return pb_grpc.KvReceiverStub(channel)
+        return pb_grpc.KvReceiverStub(self._channels.get(address))
 
     async def send(self, address: str, kv: TransferredKv) -> int:
         """Stream a computed cache to `address`; return the bytes the receiver verified."""
@@ -58,9 +54,7 @@ class GrpcKvSender:
         return ack.bytes_received
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._channels.close()
 
 
 class KvReceiverServicer(pb_grpc.KvReceiverServicer):

@@ -16,9 +16,11 @@ A header without the request's one-time transfer token (transfer_tokens.py) is r
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import queue
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -32,6 +34,8 @@ from security.tls import LinkTls
 if TYPE_CHECKING:  # torch-backed types; this module itself stays torch-free for the simulated worker
     from kv_transfer.codec import KvItem
 
+logger = logging.getLogger(__name__)
+
 PREAMBLE = b"PDKV1\n"
 LENGTH = struct.Struct("<I")
 BLOCK = struct.Struct("<IBQQ")
@@ -39,6 +43,8 @@ DIGEST = struct.Struct("<Q")
 OVERLAP_MIN_BYTES = 256 * 1024  # blocks at least this big are hashed on a helper thread
 ACK = struct.Struct("<BQI")
 END = b"E"
+MAX_MESSAGE_BYTES = 1 << 20  # a header or trailer is a few hundred bytes
+MAX_RECEIVING = 64  # connections read at once, on the receiver's own threads
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -135,18 +141,28 @@ class TcpKvSender:
         return await self.send_items(address, kv_items_async(kv))
 
 
-def _recv_into_blocking(sock: socket.socket, view: memoryview) -> None:
+def _recv_into_blocking(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     while view:
+        if deadline is not None and time.monotonic() > deadline:
+            raise KvTransferError("KV stream did not complete in time")
         n = sock.recv_into(view)
         if n == 0:
             raise KvTransferError("KV connection closed mid-stream")
         view = view[n:]
 
 
-def _recv_exactly_blocking(sock: socket.socket, n: int) -> bytes:
+def _recv_exactly_blocking(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
-    _recv_into_blocking(sock, memoryview(buf))
+    _recv_into_blocking(sock, memoryview(buf), deadline)
     return bytes(buf)
+
+
+def _recv_message(sock: socket.socket, deadline: float) -> bytes:
+    """A length-prefixed header or trailer; the length is the peer's word, so it is bounded before allocating."""
+    length = LENGTH.unpack(_recv_exactly_blocking(sock, LENGTH.size, deadline))[0]
+    if length > MAX_MESSAGE_BYTES:
+        raise KvTransferError(f"KV header or trailer of {length} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return _recv_exactly_blocking(sock, length, deadline)
 
 
 class TcpKvReceiver:
@@ -158,6 +174,8 @@ class TcpKvReceiver:
         self._timeout_s = timeout_s
         self._server: socket.socket | None = None
         self._verifier = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-verify")
+        # Its own threads: a peer that connects and stalls must not hold the shared default executor.
+        self._readers = ThreadPoolExecutor(max_workers=MAX_RECEIVING, thread_name_prefix="kv-recv")
         self._accept_task: asyncio.Task | None = None
         self._connections: set[asyncio.Task] = set()
 
@@ -182,7 +200,12 @@ class TcpKvReceiver:
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._server)
+            try:
+                conn, _ = await loop.sock_accept(self._server)
+            except OSError as exc:  # out of file descriptors, an aborted connection: keep accepting
+                logger.warning("KV receiver accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
             conn.setblocking(False)
             task = asyncio.create_task(self._serve(conn))
             self._connections.add(task)
@@ -195,7 +218,8 @@ class TcpKvReceiver:
         conn.settimeout(self._timeout_s)
         try:
             try:
-                assembler = await asyncio.to_thread(self._receive, conn, seen, loop.time() + self._timeout_s, loop)
+                assembler = await loop.run_in_executor(self._readers, self._receive, conn, seen,
+                                                       time.monotonic() + self._timeout_s)
                 reply = ACK.pack(0, self._sink.deliver(assembler), 0)
             except (KvTransferError, OSError) as exc:
                 if isinstance(exc, socket.timeout):
@@ -204,30 +228,29 @@ class TcpKvReceiver:
                 self._sink.reject(seen.get("request_id", ""), seen.get("assembler"), message)
                 body = message.encode()
                 reply = ACK.pack(1, 0, len(body)) + body
-            await asyncio.to_thread(seen.get("sock", conn).sendall, reply)
+            await loop.run_in_executor(self._readers, seen.get("sock", conn).sendall, reply)
         except OSError:
             pass  # the sender is gone; it learns of the failure from its own side
         finally:
             seen.get("sock", conn).close()
 
-    def _receive(self, conn: socket.socket, seen: dict, deadline: float, loop) -> KvStreamVerifier:
+    def _receive(self, conn: socket.socket, seen: dict, deadline: float) -> KvStreamVerifier:
         """Read one whole stream on a worker thread, straight into the assembler's buffers."""
         if self._tls is not None:
             # The handshake runs here, on the worker thread, bounded by the socket's timeout.
             conn = seen["sock"] = self._tls.ssl_context().wrap_socket(conn, server_side=True)
-        if _recv_exactly_blocking(conn, len(PREAMBLE)) != PREAMBLE:
+        if _recv_exactly_blocking(conn, len(PREAMBLE), deadline) != PREAMBLE:
             raise KvTransferError("not a pdserve KV stream (bad preamble)")
-        if _recv_exactly_blocking(conn, 1) != b"H":
+        if _recv_exactly_blocking(conn, 1, deadline) != b"H":
             raise KvTransferError("KV stream does not start with a header")
-        length = LENGTH.unpack(_recv_exactly_blocking(conn, 4))[0]
-        header = pb.KvHeader.FromString(_recv_exactly_blocking(conn, length))
+        header = pb.KvHeader.FromString(_recv_message(conn, deadline))
         assembler = seen["assembler"] = self._sink.open(header)
         seen["request_id"] = header.request_id  # only now: a refused stream must not fail the request it names
         block_head = bytearray(BLOCK.size)
         digest = bytearray(DIGEST.size)
         pending = None  # the previous block's verification, running while this block arrives
         while True:
-            if loop.time() > deadline:
+            if time.monotonic() > deadline:
                 raise KvTransferError(f"KV stream did not complete within {self._timeout_s}s")
             kind = conn.recv(1)
             if kind != b"B" and pending is not None:
@@ -249,7 +272,6 @@ class TcpKvReceiver:
                 else:
                     pending = self._verifier.submit(assembler.commit, *args)
             elif kind == b"T":
-                length = LENGTH.unpack(_recv_exactly_blocking(conn, 4))[0]
-                assembler.set_trailer(pb.KvTrailer.FromString(_recv_exactly_blocking(conn, length)))
+                assembler.set_trailer(pb.KvTrailer.FromString(_recv_message(conn, deadline)))
             else:
                 raise KvTransferError(f"unknown KV frame {kind!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 
 from launcher.logs import setup_logging
@@ -172,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
+    if args.command in ("coordinator", "worker"):
+        # Until the process installs its reload handler, a SIGHUP (a fleet-wide certificate rotation) must
+        # not kill it mid-start.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return args.func(args)
 
 

@@ -1,5 +1,5 @@
-"""The local cluster's trust: a worker secret always, mutual TLS on every link with `--tls DIR`, API keys with
-`--api-keys FILE`. Written as the coordinator's config sections and one `--security-config` file for workers."""
+"""The local cluster's trust: a worker secret and a registration token always, mutual TLS on every link with
+`--tls DIR`, API keys with `--api-keys FILE`. Written as the coordinator's config sections and one `--security-config` file for workers."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ LINKS = ("predict", "management", "worker_grpc", "registration", "kv_transfer")
 
 def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
 
@@ -38,8 +39,10 @@ class ClusterSecurity:
     def prepare(cls, run_dir: Path, tls_dir: str | None, api_keys_file: str | None) -> ClusterSecurity:
         made = cls(run_dir, ensure_local_certificates(tls_dir).resolve() if tls_dir else None,
                    str(Path(api_keys_file).resolve()) if api_keys_file else None)
-        # Without mutual TLS on the worker ports, this secret is what keeps strangers from submitting work.
+        # Without mutual TLS on the worker ports, this secret is what keeps strangers from submitting work; the
+        # registration token keeps strangers from registering an address and receiving it.
         _write_private(run_dir / "worker-secret", secrets.token_urlsafe(32) + "\n")
+        _write_private(run_dir / "registration-token", secrets.token_urlsafe(32) + "\n")
         _write_private(run_dir / "workers.json", json.dumps(made._sections(role="worker"), indent=2))
         return made
 
@@ -56,7 +59,8 @@ class ClusterSecurity:
         return self._sections(role="coordinator")
 
     def _sections(self, role: str) -> dict:
-        auth = {"worker_secret_file": str(self.run_dir / "worker-secret")}
+        auth = {"worker_secret_file": str(self.run_dir / "worker-secret"),
+                "registration_token_file": str(self.run_dir / "registration-token")}
         if self.api_keys_file and role == "coordinator":
             auth["api_keys_file"] = self.api_keys_file
         sections = {"auth_config": auth}

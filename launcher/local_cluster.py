@@ -123,6 +123,10 @@ def run_local_cluster(options: ClusterOptions) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    children: list[Child] = []
+    # SIGHUP to the launcher reloads the whole cluster's certificates, keys and secrets.
+    signal.signal(signal.SIGHUP, lambda *_: [c.proc.send_signal(signal.SIGHUP) for c in children
+                                             if c.proc.poll() is None])
 
     model_dir = options.model
     if model_dir is None and options.config:
@@ -136,7 +140,6 @@ def run_local_cluster(options: ClusterOptions) -> int:
         model_dir = str(ensure_default_model())
 
     base = pdserve_command() + (["--log-level", options.log_level] if options.log_level else [])
-    children: list[Child] = []
     config_file = None
     run_dir = tempfile.TemporaryDirectory(prefix="pdserve-run-")
     try:
@@ -168,7 +171,7 @@ def run_local_cluster(options: ClusterOptions) -> int:
                 print(f"pdserve: {dead[0].name} exited with code {dead[0].proc.returncode}; stopping", file=sys.stderr)
                 return 1
         return 0
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # a child that would not start; a --tls folder it cannot complete
         print(f"pdserve: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

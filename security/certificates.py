@@ -31,6 +31,7 @@ def _write_key(path: Path, key) -> None:
     data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # keys are readable by their owner only
+    os.fchmod(fd, 0o600)  # also when the file was already there
     with os.fdopen(fd, "wb") as f:
         f.write(data)
 
@@ -63,12 +64,13 @@ def _leaf(ca_key, ca_cert: x509.Certificate, common_name: str, hosts: list[str])
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
-def ensure_local_certificates(directory: str | Path) -> Path:
-    """Create DIR's CA and certificates unless all of them are there; return DIR."""
-    directory = Path(directory)
-    if all((directory / name).exists() for name in FILES):
-        return directory
-    directory.mkdir(parents=True, exist_ok=True)
+def _load_ca(directory: Path):
+    ca_cert = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((directory / "ca-key.pem").read_bytes(), None)
+    return ca_key, ca_cert
+
+
+def _new_ca(directory: Path):
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name("pdserve local CA")
     ca_cert = (_builder(ca_name, ca_name, ca_key.public_key(), 3650)
@@ -80,8 +82,27 @@ def ensure_local_certificates(directory: str | Path) -> Path:
                .sign(ca_key, hashes.SHA256()))
     _write_cert(directory / "ca.pem", ca_cert)
     _write_key(directory / "ca-key.pem", ca_key)
+    return ca_key, ca_cert
+
+
+def ensure_local_certificates(directory: str | Path) -> Path:
+    """Create what DIR lacks: the CA (unless ca.pem is there), then each missing certificate and key pair;
+    return DIR. A ca.pem without its ca-key.pem cannot issue the missing ones: ValueError saying so."""
+    directory = Path(directory)
+    if all((directory / name).exists() for name in FILES):
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / "ca.pem").exists():
+        if not (directory / "ca-key.pem").exists():
+            raise ValueError(f"{directory} has ca.pem but not ca-key.pem, so the missing certificates cannot be "
+                             f"issued: add ca-key.pem, or empty the folder to make a new CA")
+        ca_key, ca_cert = _load_ca(directory)
+    else:
+        ca_key, ca_cert = _new_ca(directory)
     hosts = ["127.0.0.1", "::1", "localhost", socket.gethostname()]
     for role, common_name in (("server", "pdserve server"), ("client", "pdserve client")):
+        if (directory / f"{role}.pem").exists() and (directory / f"{role}-key.pem").exists():
+            continue
         key, cert = _leaf(ca_key, ca_cert, common_name, hosts)
         _write_cert(directory / f"{role}.pem", cert)
         _write_key(directory / f"{role}-key.pem", key)

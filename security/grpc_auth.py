@@ -10,10 +10,15 @@ Client side (`open_channel`): adds the secret to every call on a channel.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import grpc
 
 from security.secrets import SecretFile, bearer_value
 from security.tls import LinkTls
+
+logger = logging.getLogger(__name__)
 
 SECRET_HEADER = "authorization"
 KV_PUSH_METHOD = "/pdserve.v1.KvReceiver/PushKv"
@@ -121,3 +126,54 @@ def open_channel(address: str, tls: LinkTls | None, secret: SecretFile | None, o
         return grpc.aio.secure_channel(address, tls.grpc_channel_credentials(), options=options,
                                        interceptors=interceptors)
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+
+class ChannelCache:
+    """One channel per address, opened on first use. After a TLS reload, new calls open new channels and the
+    old ones are closed once `grace_s` has let the calls in flight on them finish."""
+
+    def __init__(self, tls: LinkTls | None, secret: SecretFile | None, options, grace_s: float):
+        self.tls = tls
+        self.secret = secret
+        self.options = options
+        self.grace_s = grace_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._generation = 0
+        self._closing: set[asyncio.Task] = set()
+        self._retired: set[grpc.aio.Channel] = set()
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        if self.tls is not None and self.tls.generation != self._generation:
+            self._generation = self.tls.generation
+            for channel in self._channels.values():
+                self._close_later(channel, self.grace_s)
+            self._channels.clear()
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = open_channel(address, self.tls, self.secret, self.options)
+        return channel
+
+    def _close_later(self, channel: grpc.aio.Channel, delay_s: float) -> None:
+        async def close():
+            await asyncio.sleep(delay_s)
+            self._retired.discard(channel)
+            await channel.close()
+
+        self._retired.add(channel)
+        task = asyncio.create_task(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def forget(self, address: str) -> None:
+        """Close the channel of an address that left."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for task in list(self._closing):
+            task.cancel()
+        for channel in [*self._channels.values(), *self._retired]:
+            await channel.close()
+        self._channels.clear()
+        self._retired.clear()

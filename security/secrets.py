@@ -46,7 +46,8 @@ class SecretFile:
 
     def matches(self, presented: str | None) -> bool:
         """Constant-time comparison with what a caller presented."""
-        return presented is not None and hmac.compare_digest(presented.encode(), self._value)
+        # surrogateescape: aiohttp hands over undecodable header bytes that way; they must compare, not raise.
+        return presented is not None and hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), self._value)
 
 
 def secret_file(key: str, path: str) -> SecretFile | None:

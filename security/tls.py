@@ -50,29 +50,35 @@ class LinkTls:
         self.settings = settings
         self.side = side
         self._lock = threading.Lock()  # the raw-TCP KV receiver reads contexts from worker threads
-        self._material = load_material(link, settings, side)
-        self._ssl: ssl.SSLContext | None = None
+        self._material, self._ssl = self._load()
         self.generation = 0
 
     @property
     def mutual(self) -> bool:
         return self.settings.mutual_tls
 
-    def reload(self) -> None:
-        """Re-read every file; on any error keep the current material and raise TlsError."""
+    def _load(self) -> tuple[TlsMaterial, ssl.SSLContext]:
+        """Check the files and build the ssl context at once, so what serves is what was checked."""
         material = load_material(self.link, self.settings, self.side)
+        try:
+            return material, _ssl_context(material)
+        except ssl.SSLError as exc:
+            raise TlsError(f"{self.link}: OpenSSL refused the files: {exc}") from None
+
+    def reload(self) -> None:
+        """Re-read every file; on any error keep the current material and raise TlsError.
+
+        `generation` moves only when the material changed, so an idle SIGHUP opens no new channels."""
+        material, context = self._load()
         with self._lock:
-            self._material, self._ssl = material, None
-            self.generation += 1
+            changed = _fingerprint(material) != _fingerprint(self._material)
+            self._material, self._ssl = material, context
+            if changed:
+                self.generation += 1
 
     def ssl_context(self) -> ssl.SSLContext:
-        """An ssl context for new connections (cached until the next reload)."""
+        """The ssl context for new connections."""
         with self._lock:
-            if self._ssl is None:
-                try:
-                    self._ssl = _ssl_context(self._material)
-                except ssl.SSLError as exc:
-                    raise TlsError(f"{self.link}: OpenSSL refused the files: {exc}") from None
             return self._ssl
 
     # gRPC -----------------------------------------------------------------------------------------
@@ -108,6 +114,10 @@ class LinkTls:
         if not revoked:
             return False
         return x509.load_pem_x509_certificate(peer_pem).serial_number in revoked
+
+
+def _fingerprint(m: TlsMaterial) -> tuple:
+    return m.ca_pem, m.cert_pem, m.key_pem, m.revoked_serials
 
 
 def link_tls(link: str, settings: TlsLink, side: Side) -> LinkTls | None:

@@ -3,6 +3,8 @@ heartbeat and deregister only itself."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -68,3 +70,22 @@ def test_a_heartbeat_or_deregistration_for_another_worker_is_a_403(guarded):
             assert resp.status_code == 403 and "only itself" in resp.json()["error"]["message"]
     assert [i["address"] for i in instances(manage).json()["decode"]] == [address]
     assert instances(manage).json()["decode"][0]["state"] == "healthy"
+
+
+def test_another_member_cannot_take_over_a_heartbeating_workers_address(guarded):
+    _, manage, _ = guarded
+    wait_for(lambda: len(instances(manage).json()["decode"]) == 1, what="the decode worker registered")
+    address = instances(manage).json()["decode"][0]["address"]
+    resp = httpx.post(f"{manage}/v1/instances/register", json={"role": "decode", "address": address},
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    assert resp.status_code == 409 and "heartbeating" in resp.json()["error"]["message"]
+    time.sleep(1)  # the genuine worker's heartbeats (every 0.3 s) still count
+    assert instances(manage).json()["decode"][0]["state"] == "healthy"
+
+
+def test_undecodable_credential_bytes_are_a_4xx_not_a_500(guarded):
+    _, manage, _ = guarded
+    resp = httpx.post(f"{manage}/v1/instances/heartbeat", json={"role": "decode", "address": "127.0.0.1:1"},
+                      headers={"X-Pdserve-Credential": b"\xff\xfe", "Authorization": b"Bearer \xff"}, timeout=10)
+    assert resp.status_code in (403, 404)
+    assert httpx.get(f"{manage}/v1/instances", headers={"Authorization": b"Bearer \xff"}, timeout=10).status_code == 401

@@ -156,3 +156,23 @@ async def test_tcp_stream_replaying_a_spent_token_is_refused_without_failing_the
     with pytest.raises(KvTransferError, match="refused: .*already used transfer token"):
         await TcpKvSender().send(address, kv)
     assert len(received) == 1 and failures == [] and len(tokens) == 0
+
+
+async def test_a_header_length_beyond_the_bound_is_refused_before_allocating(receiver):
+    address, received, failures, _ = receiver
+    status, message = await send_raw(address, [PREAMBLE, b"H" + LENGTH.pack(1 << 30)])
+    assert status == 1 and "exceeds" in message
+    assert received == [] and failures == []
+
+
+async def test_peers_that_connect_and_stall_do_not_hold_up_a_genuine_transfer(receiver):
+    address, received, _, tokens = receiver
+    host, port = address.rsplit(":", 1)
+    stalled = [await asyncio.open_connection(host, int(port)) for _ in range(16)]  # more than the default executor
+    try:
+        kv = with_token(make_kv(torch.float16, layers=2, seq=64), tokens)
+        assert await asyncio.wait_for(TcpKvSender().send(address, kv), 5) == kv.num_bytes
+        assert len(received) == 1
+    finally:
+        for _, writer in stalled:
+            writer.close()

@@ -58,10 +58,9 @@ class CoordinatorRegistration:
             await self._session.close()
 
     async def _post(self, action: str, body: dict) -> tuple[int, dict]:
-        if action == "register":
-            headers = {"Authorization": f"Bearer {self.token.value}"} if self.token is not None else {}
-        else:
-            headers = {CREDENTIAL_HEADER: self._credential}
+        headers = {CREDENTIAL_HEADER: self._credential} if self._credential else {}
+        if action == "register" and self.token is not None:
+            headers["Authorization"] = f"Bearer {self.token.value}"
         # The TLS context is taken per call, so a SIGHUP reload applies to the next one.
         ssl = self.tls.ssl_context() if self.tls is not None else None
         async with self._session.post(f"{self.base_url}/v1/instances/{action}", json=body, headers=headers,
