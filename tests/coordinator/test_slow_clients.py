@@ -12,6 +12,7 @@ import json
 import os
 import select
 import socket
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.system
 
 KEEPALIVE_S = 1.0
 BODY_TIMEOUT_S = 1.0
-SLACK_S = 1.5
+SLACK_S = 2.5  # generous: these run beside other tests on a loaded machine
 TRICKLE_EVERY_S = 0.3
 CHAT = {"model": "pdserve-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Hello there"}]}
 
@@ -150,23 +151,25 @@ def test_client_trickling_its_headers_is_disconnected_after_keepalive_timeout_wh
     sock = slow.connect()
     connected = time.monotonic()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: pdserve\r\nX-Slow: ")
-    statuses, received, closed_after = [], b"", None
+    statuses = []  # a request served while the slow head is still arriving
+    other = threading.Thread(target=lambda: statuses.append(slow.chat().status_code))
+    other.start()
+    received, closed_after = b"", None
     while time.monotonic() - connected < KEEPALIVE_S + SLACK_S:
         try:
             sock.sendall(b"a")
         except (BrokenPipeError, ConnectionResetError):
             closed_after = time.monotonic() - connected
             break
-        if not statuses:
-            statuses.append(slow.chat().status_code)  # served while the slow head is still arriving
         data = recv_or_eof(sock, TRICKLE_EVERY_S)
         if data == b"":
             closed_after = time.monotonic() - connected
             break
         received += data or b""
     sock.close()
+    other.join(30)
     assert closed_after is not None, f"a trickled head held its connection for {KEEPALIVE_S + SLACK_S}s"
-    assert KEEPALIVE_S - 0.2 <= closed_after <= KEEPALIVE_S + SLACK_S
+    assert closed_after >= KEEPALIVE_S - 0.2, f"closed after {closed_after:.2f}s"
     assert received == b"", "nothing is answered to an incomplete request head"
     assert statuses == [200]
     assert slow.chat().status_code == 200
@@ -176,7 +179,7 @@ def test_connection_that_sends_nothing_is_closed_after_keepalive_timeout(slow):
     with slow.connect() as sock:
         connected = time.monotonic()
         assert wait_for_close(sock, KEEPALIVE_S + SLACK_S) == b""
-        assert time.monotonic() - connected >= KEEPALIVE_S - 0.2
+        assert time.monotonic() - connected >= KEEPALIVE_S - 0.2, f"closed after {time.monotonic() - connected:.2f}s"
 
 
 def test_idle_keep_alive_connection_is_closed_after_keepalive_timeout(slow):
@@ -203,10 +206,10 @@ def test_trickled_chat_body_gets_openai_408_after_body_timeout_and_frees_its_req
     assert error == {"error": {"message": f"request body not received within http_config.body_timeout_s="
                                           f"{BODY_TIMEOUT_S:g}s", "type": "timeout_error", "param": None,
                                "code": 408}}
-    assert BODY_TIMEOUT_S - 0.2 <= answered_after <= BODY_TIMEOUT_S + SLACK_S
+    assert BODY_TIMEOUT_S - 0.2 <= answered_after <= BODY_TIMEOUT_S + SLACK_S, f"answered after {answered_after:.2f}s"
     # With max_requests = 1 the trickling client holds the one slot while its body is read, at most
     # body_timeout_s: meanwhile others get 429 at once; right after its 408 the slot is free again.
-    assert during.status_code == 429 and during.headers["retry-after"] == "1"
+    assert during.status_code == 429 and during.headers["retry-after"] == "1", during.text
     assert slow.chat().status_code == 200
 
 
@@ -217,7 +220,7 @@ def test_trickled_generate_body_gets_tgi_408_after_body_timeout(slow):
     assert status == 408
     assert error == {"error": f"request body not received within http_config.body_timeout_s={BODY_TIMEOUT_S:g}s",
                      "error_type": "timeout_error"}
-    assert BODY_TIMEOUT_S - 0.2 <= answered_after <= BODY_TIMEOUT_S + SLACK_S
+    assert BODY_TIMEOUT_S - 0.2 <= answered_after <= BODY_TIMEOUT_S + SLACK_S, f"answered after {answered_after:.2f}s"
     assert httpx.post(slow.url + "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 2}},
                       timeout=30).status_code == 200
 
@@ -238,7 +241,7 @@ def test_trickled_body_connection_is_closed_soon_after_its_408(slow):
             if recv_or_eof(sock, TRICKLE_EVERY_S) == b"":
                 closed_after = time.monotonic() - answered
                 break
-    assert closed_after is not None and closed_after <= 12
+    assert closed_after is not None and closed_after <= 10 + SLACK_S, f"closed after {closed_after}s"
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/generate"])
