@@ -8,14 +8,15 @@ import logging
 import signal
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from coordinator.app import create_app, create_management_app
 from coordinator.auth import API_KEYS
 from coordinator.config import CoordinatorConfig, HttpConfig
 from coordinator.error_response import ERROR_BODIES
 from coordinator.errors import ApiError
-from coordinator.route_table import ROUTE_TABLE
-from coordinator.tls_site import TlsSite
+from coordinator.route_table import ROUTE_TABLE, RouteTable
+from coordinator.tls_site import TlsSite, request_path
 from coordinator.trust import TRUST
 from security.reload import ReloadOnSighup
 from security.tls import LinkTls
@@ -32,6 +33,46 @@ def plain_http_reply(app: web.Application):
                 f"Connection: close\r\n\r\n")
         return head.encode() + body
     return reply
+
+
+class _ApiErrorRequestHandler(RequestHandler):
+    """aiohttp's own refusals (a header line too long, too many headers, a malformed request line) in the
+    path's API error format, logged at debug: a client's bad bytes are not the server's error, and must
+    not flood the log."""
+
+    route_table: RouteTable
+    _head = b""
+
+    def data_received(self, data: bytes) -> None:
+        if data[:1].isupper():  # most likely a request line: kept to tell which API a malformed head was for
+            self._head = data[:1024]
+        super().data_received(data)
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
+        if not 400 <= status < 500 or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        logger.debug("refused a malformed HTTP request: %s", exc)
+        path = request_path(self._head)  # aiohttp's request for an unparsable head has no path of its own
+        reason = getattr(exc, "message", None) or message or "malformed HTTP request"
+        body = ERROR_BODIES[self.route_table.error_style(path)](ApiError(status, f"bad HTTP request: {reason}"))
+        response = web.json_response(body, status=status)
+        response.force_close()
+        return response
+
+
+class _ApiErrorServer(web.Server):
+    route_table: RouteTable
+
+    def __call__(self) -> RequestHandler:
+        handler = _ApiErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler.route_table = self.route_table
+        return handler
+
+
+def _answer_protocol_errors_in_api_format(runner: web.AppRunner, app: web.Application) -> None:
+    """Make the runner's connections use _ApiErrorRequestHandler (aiohttp has no setting for the handler class)."""
+    runner.server.__class__ = _ApiErrorServer
+    runner.server.route_table = app[ROUTE_TABLE]
 
 
 async def _listen(runner: web.AppRunner, app: web.Application, host: str, port: int, tls: LinkTls | None,
@@ -57,11 +98,13 @@ async def run_coordinator(config: CoordinatorConfig) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=http.keepalive_timeout_s,
                            shutdown_timeout=http.drain_seconds)
     await runner.setup()
+    _answer_protocol_errors_in_api_format(runner, app)
     # On shutdown the site stops accepting at once and gives running requests drain_seconds to finish.
     _, predict_url = await _listen(runner, app, http.predict_ip, http.predict_port, trust.predict_tls, http)
     manage_app = create_management_app(app)
     manage_runner = web.AppRunner(manage_app, access_log=None, keepalive_timeout=http.keepalive_timeout_s)
     await manage_runner.setup()
+    _answer_protocol_errors_in_api_format(manage_runner, manage_app)
     _, manage_url = await _listen(manage_runner, manage_app, http.manage_ip, http.manage_port, trust.management_tls,
                                   http)
 

@@ -111,7 +111,7 @@ class TlsSite(web.BaseSite):
 
     async def _refuse_plain_http(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, head: bytes) -> None:
         """Answer a plain-HTTP request with a 400 and close gently, so the client reads it (no reset)."""
-        await loop.sock_sendall(conn, self._plain_http_reply(_request_path(head)))
+        await loop.sock_sendall(conn, self._plain_http_reply(request_path(head)))
         for step in (lambda: conn.recv(65536), lambda: conn.shutdown(socket.SHUT_WR)):
             try:  # read what the client already sent: unread bytes would turn the close into a reset
                 step()
@@ -135,7 +135,7 @@ async def _peek(loop: asyncio.AbstractEventLoop, conn: socket.socket, n: int) ->
                 loop.remove_reader(conn.fileno())
 
 
-def _request_path(head: bytes) -> str:
-    """The path of a plain HTTP request line (`POST /v1/completions HTTP/1.1`), or "/"."""
+def request_path(head: bytes) -> str:
+    """The path of an HTTP request line (`POST /v1/completions HTTP/1.1`), or "/"."""
     parts = head.split(b"\r\n", 1)[0].split(b" ")
     return parts[1].decode("latin-1").split("?", 1)[0] if len(parts) >= 3 else "/"

@@ -252,15 +252,17 @@ def test_trickled_body_connection_is_closed_soon_after_its_408(slow):
 ])
 def test_oversized_request_head_gets_4xx_and_the_server_keeps_serving(slow, path, head):
     body = json.dumps(CHAT).encode()
-    status, _, _ = exchange(slow, f"POST {path} HTTP/1.1\r\nHost: pdserve\r\n".encode() + head
-                            + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    status, _, raw = exchange(slow, f"POST {path} HTTP/1.1\r\nHost: pdserve\r\n".encode() + head
+                              + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     assert 400 <= status < 500
+    error = json.loads(raw)["error"]  # the API's own format, not aiohttp's plain text
+    assert "bad HTTP request" in (error["message"] if path.startswith("/v1/") else error)
     assert slow.chat().status_code == 200
 
 
 def test_oversized_request_line_gets_4xx(slow):
-    status, _, _ = exchange(slow, b"GET /v1/" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: pdserve\r\n\r\n")
-    assert 400 <= status < 500
+    status, _, raw = exchange(slow, b"GET /v1/" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: pdserve\r\n\r\n")
+    assert 400 <= status < 500 and "bad HTTP request" in json.dumps(json.loads(raw))
     assert slow.chat().status_code == 200
 
 
