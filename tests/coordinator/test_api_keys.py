@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import (REPO, ServerProcess, pdserve_argv, scrape, start_coordinator, write_api_keys,
+from tests.helpers import (REPO, pdserve_argv, scrape, start_coordinator, start_sim_worker, write_api_keys,
                            write_config)
 
 pytestmark = pytest.mark.system
@@ -18,11 +18,6 @@ pytestmark = pytest.mark.system
 KEY = "sk-pdserve-system-test-5f1c2a"
 PROMPT = "The secret prompt about lighthouses"
 CHALLENGE = 'Bearer realm="pdserve"'
-
-
-def start_sim_worker(role: str) -> ServerProcess:
-    return ServerProcess(pdserve_argv("worker", "--role", role, "--port", "0", "--simulate"), "pdserve worker ready:",
-                         timeout_s=30)
 
 
 class KeyedCluster:

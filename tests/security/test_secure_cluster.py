@@ -10,7 +10,6 @@ import json
 import shutil
 import signal
 import socket
-import ssl
 import subprocess
 import time
 

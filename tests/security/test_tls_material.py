@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
+import grpc
 import pytest
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
 from security.settings import TlsLink
 from security.tls import LinkTls, TlsError
@@ -100,13 +104,6 @@ def test_the_crl_lists_the_revoked_client_only(pki):
 
 
 async def test_a_grpc_server_serves_the_reloaded_certificate_to_new_connections(pki, tmp_path):
-    import asyncio
-    import ssl
-
-    import grpc
-    from cryptography import x509
-    from cryptography.x509.oid import NameOID
-
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     shutil.copy(pki.path("server.pem"), cert)
     shutil.copy(pki.path("server-key.pem"), key)
