@@ -258,3 +258,10 @@ def start_sim_worker(role: str, *extra: str) -> ServerProcess:
     """A `--simulate` worker (no model, ready in a second or two) on a free port."""
     return ServerProcess(pdserve_argv("worker", "--role", role, "--port", "0", "--simulate", *extra),
                          "pdserve worker ready:", timeout_s=30)
+
+
+def open_decode_by_hand(channel, request_id: str, prompt_len: int = 9, max_tokens: int = 4):
+    """A greedy Decode call on a decode worker, the test standing in for the coordinator (and the prefill)."""
+    return pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
+        request_id=request_id, prompt_len=prompt_len, max_seq_len=512,
+        sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=max_tokens)), timeout=30)

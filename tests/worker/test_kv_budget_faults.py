@@ -15,8 +15,8 @@ import pytest
 
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.helpers import (fake_prompt_kv, health, start_coordinator, start_worker, wait_for_idle,
-                          write_config)
+from tests.helpers import (fake_prompt_kv, health, open_decode_by_hand, start_coordinator, start_worker,
+                           wait_for_idle, write_config)
 from kv_transfer.codec import encode_kv
 
 pytestmark = pytest.mark.system
@@ -102,9 +102,7 @@ def test_request_that_does_not_fit_now_waits_for_budget_then_runs(bc):
 async def test_checksum_failure_frees_the_decode_workers_budget(bc, hf_model):
     rid = uuid.uuid4().hex
     async with grpc.aio.insecure_channel(bc.decode.address) as channel:
-        call = pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
-            request_id=rid, prompt_len=9, max_seq_len=512,
-            sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=30)
+        call = open_decode_by_hand(channel, rid)
         accepted = await call.read()
         assert accepted.HasField("accepted")
         assert health(bc.decode.address, "decode").kv_used_tokens == 13

@@ -13,7 +13,7 @@ from kv_transfer.codec import encode_kv
 from kv_transfer.tcp_transport import TcpKvSender
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.helpers import fake_prompt_kv, metrics_url, scrape, wait_for_idle
+from tests.helpers import fake_prompt_kv, metrics_url, open_decode_by_hand, scrape, wait_for_idle
 
 pytestmark = pytest.mark.system
 
@@ -86,9 +86,7 @@ async def test_kv_stream_with_a_wrong_token_is_refused_and_the_genuine_request_i
 async def test_token_of_an_ended_request_is_refused(cluster, hf_model):
     rid = uuid.uuid4().hex
     async with grpc.aio.insecure_channel(cluster.decode.address) as channel:
-        call = pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
-            request_id=rid, prompt_len=9, max_seq_len=512,
-            sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=30)
+        call = open_decode_by_hand(channel, rid)
         accepted = (await call.read()).accepted
         call.cancel()
         wait_for_idle(cluster.decode.address, "decode")  # the request is gone, and its token with it
