@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import queue
 import struct
 import time
@@ -65,6 +66,10 @@ class TcpKvSender:
         self.io_timeout_s = io_timeout_s
         self.tls = tls
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
+        # TLS session per receiver: a resumed handshake skips the certificate exchange and its public-key
+        # work, which otherwise costs milliseconds of CPU at both ends of every transfer.
+        self._sessions: dict[str, tuple[ssl.SSLContext, ssl.SSLSession]] = {}
+        self.resumed = 0
 
     async def send_items(self, address: str, items: AsyncIterator[KvItem]) -> int:
         """Send header, layers and trailer as they come; return the bytes the receiver verified."""
@@ -98,18 +103,26 @@ class TcpKvSender:
         host, port = _split(address)
         sock = socket.create_connection((host, port), self.io_timeout_s)
         if self.tls is not None:
+            context = self.tls.ssl_context()
+            kept = self._sessions.get(address)
+            session = kept[1] if kept is not None and kept[0] is context else None  # none across a reload
             try:
-                sock = self.tls.ssl_context().wrap_socket(sock, server_hostname=host)
+                sock = context.wrap_socket(sock, server_hostname=host, session=session)
             except OSError:
                 sock.close()
                 raise
+            self.resumed += sock.session_reused
         with sock:
             holder["sock"] = sock
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(PREAMBLE)
             while (item := outbox.get()) is not None:
                 self._send_item(sock, item)
-            return self._read_ack(sock)
+            ack = self._read_ack(sock)
+            if self.tls is not None and sock.session is not None:
+                # Read after the answer: TLS 1.3 sends its session tickets after the handshake.
+                self._sessions[address] = (context, sock.session)
+            return ack
 
     def _send_item(self, sock: socket.socket, item: KvItem) -> None:
         if isinstance(item, (pb.KvHeader, pb.KvTrailer)):

@@ -82,3 +82,16 @@ async def test_grpc_push_kv_over_mutual_tls_arrives_bit_exact_and_strangers_are_
         rx.assert_exact(kv)
     finally:
         await server.stop(None)
+
+
+async def test_a_second_tls_transfer_to_the_same_receiver_resumes_the_session(pki):
+    rx = Receiver()
+    receiver = TcpKvReceiver(rx.sink, timeout_s=5, tls=tls(pki, "server", "server"))
+    address = f"127.0.0.1:{await receiver.start('127.0.0.1', 0)}"
+    sender = TcpKvSender(tls=tls(pki, "client", "client"))
+    try:
+        for _ in range(3):
+            await sender.send(address, rx.kv())
+        assert len(rx.received) == 3 and sender.resumed == 2
+    finally:
+        await receiver.stop()
