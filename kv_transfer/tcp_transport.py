@@ -45,6 +45,7 @@ OVERLAP_MIN_BYTES = 256 * 1024  # blocks at least this big are hashed on a helpe
 ACK = struct.Struct("<BQI")
 END = b"E"
 MAX_MESSAGE_BYTES = 1 << 20  # a header or trailer is a few hundred bytes
+DRAIN_MAX_S, DRAIN_MAX_BYTES = 5.0, 1 << 30  # how long and how much a refused sender may still send
 MAX_RECEIVING = 64  # connections read at once, on the receiver's own threads
 
 
@@ -170,6 +171,22 @@ def _recv_exactly_blocking(sock: socket.socket, n: int, deadline: float | None =
     return bytes(buf)
 
 
+def _drain(sock: socket.socket, max_s: float = DRAIN_MAX_S, max_bytes: int = DRAIN_MAX_BYTES) -> None:
+    """Read and discard what a refused sender is still sending, until it closes or a bound is reached."""
+    deadline = time.monotonic() + max_s
+    buf = bytearray(1 << 20)
+    total = 0
+    sock.settimeout(0.5)
+    while total < max_bytes and time.monotonic() < deadline:
+        try:
+            n = socket.socket.recv_into(sock, buf)  # the raw bytes, under any TLS layer: they are discarded
+        except socket.timeout:
+            continue
+        if n == 0:
+            return
+        total += n
+
+
 def _recv_message(sock: socket.socket, deadline: float) -> bytes:
     """A length-prefixed header or trailer; the length is the peer's word, so it is bounded before allocating."""
     length = LENGTH.unpack(_recv_exactly_blocking(sock, LENGTH.size, deadline))[0]
@@ -241,7 +258,12 @@ class TcpKvReceiver:
                 self._sink.reject(seen.get("request_id", ""), seen.get("assembler"), message)
                 body = message.encode()
                 reply = ACK.pack(1, 0, len(body)) + body
-            await loop.run_in_executor(self._readers, seen.get("sock", conn).sendall, reply)
+            sock = seen.get("sock", conn)
+            await loop.run_in_executor(self._readers, sock.sendall, reply)
+            if reply[0] != 0:
+                # The sender reads the answer only once it has sent everything: closing with its bytes
+                # unread would reset the connection and lose the answer, so read them away for a while.
+                await loop.run_in_executor(self._readers, _drain, sock)
         except OSError:
             pass  # the sender is gone; it learns of the failure from its own side
         finally:

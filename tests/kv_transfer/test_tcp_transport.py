@@ -176,3 +176,11 @@ async def test_peers_that_connect_and_stall_do_not_hold_up_a_genuine_transfer(re
     finally:
         for _, writer in stalled:
             writer.close()
+
+
+async def test_a_refused_large_stream_still_tells_the_sender_why(receiver):
+    address, received, failures, _ = receiver
+    kv = dataclasses.replace(make_kv(torch.float32, layers=8, seq=8192), transfer_token="forged")  # ~32 MiB
+    with pytest.raises(KvTransferError, match="transfer token"):  # not a broken pipe
+        await TcpKvSender().send(address, kv)
+    assert received == [] and failures == []
