@@ -13,7 +13,7 @@ from aiohttp.web_protocol import RequestHandler
 from coordinator.app import create_app, create_management_app
 from coordinator.auth import API_KEYS
 from coordinator.config import CoordinatorConfig, HttpConfig
-from coordinator.error_response import ERROR_BODIES
+from coordinator.error_response import error_body_at
 from coordinator.errors import ApiError
 from coordinator.route_table import ROUTE_TABLE, RouteTable
 from coordinator.tls_site import TlsSite, request_path
@@ -28,7 +28,7 @@ def plain_http_reply(app: web.Application):
     """The bytes answering a plain-HTTP request on a TLS port: a 400 in the error format of the path's API."""
     def reply(path: str) -> bytes:
         error = ApiError(400, "this port speaks TLS: call it with https://")
-        body = json.dumps(ERROR_BODIES[app[ROUTE_TABLE].error_style(path)](error)).encode()
+        body = json.dumps(error_body_at(app[ROUTE_TABLE], path, error)).encode()
         head = (f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                 f"Connection: close\r\n\r\n")
         return head.encode() + body
@@ -54,7 +54,7 @@ class _ApiErrorRequestHandler(RequestHandler):
         logger.debug("refused a malformed HTTP request: %s", exc)
         path = request_path(self._head)  # aiohttp's request for an unparsable head has no path of its own
         reason = getattr(exc, "message", None) or message or "malformed HTTP request"
-        body = ERROR_BODIES[self.route_table.error_style(path)](ApiError(status, f"bad HTTP request: {reason}"))
+        body = error_body_at(self.route_table, path, ApiError(status, f"bad HTTP request: {reason}"))
         response = web.json_response(body, status=status)
         response.force_close()
         return response
@@ -109,8 +109,7 @@ async def run_coordinator(config: CoordinatorConfig) -> None:
                                   http)
 
     reloads = ReloadOnSighup()
-    for name, action in trust.reload_actions():
-        reloads.add(name, action)
+    reloads.add_all(trust.parts())
     if app[API_KEYS] is not None:
         reloads.add("auth_config.api_keys_file", app[API_KEYS].reload)
     reloads.install()

@@ -50,7 +50,6 @@ class TlsSite(web.BaseSite):
         self._plain_http_reply = plain_http_reply
         self._handshake_timeout_s = handshake_timeout_s
         self._pending: set[asyncio.Task] = set()
-        self.handshake_failures = 0
 
     @property
     def name(self) -> str:
@@ -102,7 +101,6 @@ class TlsSite(web.BaseSite):
                                                    ssl_handshake_timeout=self._handshake_timeout_s)
         except (OSError, TimeoutError) as exc:
             # A refused certificate, a client that never finished its handshake: the peer learns from the alert.
-            self.handshake_failures += 1
             logger.info("TLS connection refused on %s: %s", self.name, exc or "handshake timed out")
             conn.close()
         except BaseException:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from aiohttp import web
 
@@ -40,19 +40,22 @@ class CoordinatorTrust:
         return trust
 
     @property
+    def _management_mutual(self) -> bool:
+        return self.management_tls is not None and self.management_tls.mutual
+
+    @property
     def registration_proven(self) -> bool:
         """Whether registering takes proof: mutual TLS on the management port, or the registration token."""
-        return (self.management_tls is not None and self.management_tls.mutual) or self.registration_token is not None
+        return self._management_mutual or self.registration_token is not None
 
     @property
     def registration_needs_token(self) -> bool:
         """Without mutual TLS on the management port, a worker proves itself with the registration token."""
-        mutual = self.management_tls is not None and self.management_tls.mutual
-        return not mutual and self.registration_token is not None
+        return not self._management_mutual and self.registration_token is not None
 
-    def reload_actions(self) -> list[tuple[str, callable]]:
-        parts = [self.predict_tls, self.management_tls, self.worker_tls, self.worker_secret, self.registration_token]
-        return [(getattr(p, "link", None) or p.key, p.reload) for p in parts if p is not None]
+    def parts(self) -> list[LinkTls | SecretFile]:
+        """What SIGHUP re-reads: every link and secret that is set."""
+        return [getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None]
 
 
 TRUST = web.AppKey("trust", CoordinatorTrust)

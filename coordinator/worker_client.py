@@ -16,7 +16,7 @@ from coordinator.request import FinishReason, GenerationRequest
 from kv_transfer.grpc_transport import GRPC_OPTIONS
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from security.grpc_auth import ChannelCache
+from security.grpc_auth import ChannelCache, secret_metadata
 from security.secrets import SecretFile
 from security.tls import LinkTls
 
@@ -140,15 +140,13 @@ class WorkerClient:
 
     def __init__(self, tls: LinkTls | None = None, secret: SecretFile | None = None):
         # A request may run for up to exception_config.infer_timeout (at most an hour) on a channel a reload retired.
-        self._channels = ChannelCache(tls, secret, GRPC_OPTIONS, grace_s=3600)
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        return self._channels.get(address)
+        self._channels = ChannelCache(tls, GRPC_OPTIONS, grace_s=3600)
+        self._secret = secret
 
     def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float,
                     local_prefill: bool = False) -> DecodeStream:
         """Start a Decode stream (with `local_prefill`, the decode worker prefills the prompt itself)."""
-        stub = pb_grpc.DecodeServiceStub(self._channel(address))
+        stub = pb_grpc.DecodeServiceStub(self._channels.get(address))
         send_prompt = local_prefill or request.sampling.repetition_penalty != 1.0
         call = stub.Decode(
             pb.DecodeRequest(
@@ -160,6 +158,7 @@ class WorkerClient:
                 local_prefill=local_prefill,
             ),
             timeout=timeout,
+            metadata=secret_metadata(self._secret),
         )
         return DecodeStream(address, call)
 
@@ -169,7 +168,7 @@ class WorkerClient:
     ) -> PrefillDone:
         """Prefill on `address` and push the KV cache to the decode worker that answered `accepted` with
         `kv_data_address` and `kv_transfer_token`."""
-        stub = pb_grpc.PrefillServiceStub(self._channel(address))
+        stub = pb_grpc.PrefillServiceStub(self._channels.get(address))
         try:
             reply = await stub.Prefill(
                 pb.PrefillRequest(
@@ -181,16 +180,17 @@ class WorkerClient:
                     kv_transfer_token=kv_transfer_token,
                 ),
                 timeout=timeout,
+                metadata=secret_metadata(self._secret),
             )
         except grpc.aio.AioRpcError as exc:
             raise _call_error("prefill", address, exc) from None
         return PrefillDone(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms)
 
     async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
-        channel = self._channel(address)
+        channel = self._channels.get(address)
         stub = pb_grpc.PrefillServiceStub(channel) if role == "prefill" else pb_grpc.DecodeServiceStub(channel)
         try:
-            reply = await stub.Health(pb.HealthRequest(), timeout=timeout)
+            reply = await stub.Health(pb.HealthRequest(), timeout=timeout, metadata=secret_metadata(self._secret))
         except grpc.aio.AioRpcError as exc:
             raise _call_error(role, address, exc) from None
         return HealthReport(ReportedLoad(

@@ -30,7 +30,7 @@ class GrpcKvSender:
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         # The decode worker's gRPC port: tls_config.worker_grpc, client side. A push lasts at most timeout_s.
-        self._channels = ChannelCache(tls, None, GRPC_OPTIONS, grace_s=timeout_s + 5)
+        self._channels = ChannelCache(tls, GRPC_OPTIONS, grace_s=timeout_s + 5)
 
     def _stub(self, address: str) -> pb_grpc.KvReceiverStub:
         return pb_grpc.KvReceiverStub(self._channels.get(address))

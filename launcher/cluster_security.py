@@ -4,22 +4,14 @@
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from security.certificates import ensure_local_certificates
+from security.certificates import ensure_local_certificates, write_private
 
 LINKS = ("predict", "management", "worker_grpc", "registration", "kv_transfer")
-
-
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
 
 
 def _link(tls_dir: Path, leaf: str) -> dict:
@@ -41,9 +33,9 @@ class ClusterSecurity:
                    str(Path(api_keys_file).resolve()) if api_keys_file else None)
         # Without mutual TLS on the worker ports, this secret is what keeps strangers from submitting work; the
         # registration token keeps strangers from registering an address and receiving it.
-        _write_private(run_dir / "worker-secret", secrets.token_urlsafe(32) + "\n")
-        _write_private(run_dir / "registration-token", secrets.token_urlsafe(32) + "\n")
-        _write_private(run_dir / "workers.json", json.dumps(made._sections(role="worker"), indent=2))
+        write_private(run_dir / "worker-secret", secrets.token_urlsafe(32).encode() + b"\n")
+        write_private(run_dir / "registration-token", secrets.token_urlsafe(32).encode() + b"\n")
+        write_private(run_dir / "workers.json", json.dumps(made._sections(role="worker"), indent=2).encode())
         return made
 
     @property

@@ -11,6 +11,8 @@ import hmac
 import re
 from pathlib import Path
 
+from security.secrets import bearer_value
+
 MISSING = "missing"  # no Authorization header, or an empty one
 MALFORMED = "malformed"  # `Bearer` with no key, or a scheme other than Bearer
 INVALID = "invalid"  # a key whose digest is not in the file
@@ -73,12 +75,9 @@ class ApiKeyStore:
     def check(self, authorization: str | None) -> str | None:
         """None if the header carries an accepted key (`Bearer <key>` or a bare `<key>`), else why not:
         MISSING, MALFORMED or INVALID."""
-        value = (authorization or "").strip()
-        if not value:
+        if not (authorization or "").strip():
             return MISSING
-        scheme, *rest = value.split(None, 1)
-        if scheme.lower() == "bearer":
-            value = rest[0] if rest else ""
+        value = bearer_value(authorization)
         if not value or any(c.isspace() for c in value):
             return MALFORMED
         # aiohttp decodes header bytes that are not UTF-8 with surrogateescape: hash the bytes as sent.

@@ -27,13 +27,17 @@ def _name(common_name: str) -> x509.Name:
                       x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _write_key(path: Path, key) -> None:
-    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # keys are readable by their owner only
-    os.fchmod(fd, 0o600)  # also when the file was already there
+def write_private(path: Path, data: bytes) -> None:
+    """Write a key or a secret readable by its owner only (also when the file was already there)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+def _write_key(path: Path, key) -> None:
+    write_private(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
 
 
 def _write_cert(path: Path, cert: x509.Certificate) -> None:

@@ -5,20 +5,18 @@ when one is configured, else UNAUTHENTICATED; with mutual TLS and a CRL, a calle
 is revoked is refused per call (gRPC's TLS has no CRL setting). KV pushes are exempt from the secret:
 a decode worker admits a KV stream only with the one-time transfer token it issued for that request.
 
-Client side (`open_channel`): adds the secret to every call on a channel.
+Client side: `secret_metadata` is passed on every call (call metadata, not a channel interceptor, whose
+wrapper would sit on every read of a token stream).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import grpc
 
 from security.secrets import SecretFile, bearer_value
 from security.tls import LinkTls
-
-logger = logging.getLogger(__name__)
 
 SECRET_HEADER = "authorization"
 KV_PUSH_METHOD = "/pdserve.v1.KvReceiver/PushKv"
@@ -95,46 +93,24 @@ class CallerCheck(grpc.aio.ServerInterceptor):
         return handler
 
 
-class _SecretMetadata:
-    """Adds `authorization: Bearer <worker secret>` to a call's metadata."""
-
-    def __init__(self, secret: SecretFile):
-        self.secret = secret
-
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or grpc.aio.Metadata()).items())
-        metadata.add(SECRET_HEADER, f"Bearer {self.secret.value}")
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                          details.wait_for_ready)
+def secret_metadata(secret: SecretFile | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata that carries the worker secret (read now, so a reload applies to the next call)."""
+    return None if secret is None else ((SECRET_HEADER, f"Bearer {secret.value}"),)
 
 
-# grpc.aio files a channel's interceptor under the first call shape it implements, so one class per shape.
-class _UnarySecret(_SecretMetadata, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-class _StreamSecret(_SecretMetadata, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-def open_channel(address: str, tls: LinkTls | None, secret: SecretFile | None, options) -> grpc.aio.Channel:
-    """A channel to a worker: TLS per the link (when enabled), the worker secret on every call (when set)."""
-    interceptors = [_UnarySecret(secret), _StreamSecret(secret)] if secret is not None else None
+def open_channel(address: str, tls: LinkTls | None, options) -> grpc.aio.Channel:
+    """A channel to a worker, with TLS per the link when it is enabled."""
     if tls is not None:
-        return grpc.aio.secure_channel(address, tls.grpc_channel_credentials(), options=options,
-                                       interceptors=interceptors)
-    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(address, tls.grpc_channel_credentials(), options=options)
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 class ChannelCache:
     """One channel per address, opened on first use. After a TLS reload, new calls open new channels and the
     old ones are closed once `grace_s` has let the calls in flight on them finish."""
 
-    def __init__(self, tls: LinkTls | None, secret: SecretFile | None, options, grace_s: float):
+    def __init__(self, tls: LinkTls | None, options, grace_s: float):
         self.tls = tls
-        self.secret = secret
         self.options = options
         self.grace_s = grace_s
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -150,7 +126,7 @@ class ChannelCache:
             self._channels.clear()
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = open_channel(address, self.tls, self.secret, self.options)
+            channel = self._channels[address] = open_channel(address, self.tls, self.options)
         return channel
 
     def _close_later(self, channel: grpc.aio.Channel, delay_s: float) -> None:

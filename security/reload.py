@@ -20,6 +20,11 @@ class ReloadOnSighup:
     def add(self, name: str, action: Callable[[], None]) -> None:
         self._actions.append((name, action))
 
+    def add_all(self, parts) -> None:
+        """Add each part's `reload` under its `name` (TLS links, secret files)."""
+        for part in parts:
+            self.add(part.name, part.reload)
+
     def reload(self) -> bool:
         """Run every action; True when all succeeded."""
         ok = True

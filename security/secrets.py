@@ -11,11 +11,14 @@ class SecretError(Exception):
 
 
 def bearer_value(header: str | None) -> str | None:
-    """The credential of `Authorization: Bearer <x>` or a bare `Authorization: <x>`; None when absent or empty."""
-    if not header:
+    """The credential of `Authorization: Bearer <x>` (any case of Bearer) or a bare `Authorization: <x>`;
+    None when absent or empty. Whitespace left inside it means another scheme or extra words."""
+    value = (header or "").strip()
+    if not value:
         return None
-    scheme, _, rest = header.strip().partition(" ")
-    value = rest.strip() if scheme.lower() == "bearer" else header.strip()
+    scheme, *rest = value.split(None, 1)
+    if scheme.lower() == "bearer":
+        value = rest[0] if rest else ""
     return value or None
 
 
@@ -36,6 +39,10 @@ class SecretFile:
         if len(value) < 16:
             raise SecretError(f"{self.key}: {self.path} must hold a secret of at least 16 characters")
         return value.encode()
+
+    @property
+    def name(self) -> str:
+        return self.key
 
     def reload(self) -> None:
         self._value = self._read()

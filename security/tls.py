@@ -54,6 +54,10 @@ class LinkTls:
         self.generation = 0
 
     @property
+    def name(self) -> str:
+        return f"{self.link} ({self.side})"
+
+    @property
     def mutual(self) -> bool:
         return self.settings.mutual_tls
 

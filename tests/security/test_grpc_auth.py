@@ -7,7 +7,7 @@ import pytest
 
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from security.grpc_auth import CallerCheck, open_channel
+from security.grpc_auth import CallerCheck, open_channel, secret_metadata
 from security.secrets import SecretFile
 from security.settings import TlsLink
 from security.tls import LinkTls
@@ -59,20 +59,20 @@ async def test_control_calls_need_the_secret_and_kv_pushes_do_not(secret, tmp_pa
     wrong_path.write_text("not-the-cluster-secret-at-all\n")
     try:
         for caller in (None, SecretFile("k", str(wrong_path))):
-            async with open_channel(address, None, caller, []) as channel:
-                stub = pb_grpc.DecodeServiceStub(channel)
+            async with open_channel(address, None, []) as channel:
+                stub, metadata = pb_grpc.DecodeServiceStub(channel), secret_metadata(caller)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await stub.Health(pb.HealthRequest())
+                    await stub.Health(pb.HealthRequest(), metadata=metadata)
                 assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await stub.Decode(pb.DecodeRequest()).read()
+                    await stub.Decode(pb.DecodeRequest(), metadata=metadata).read()
                 assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
-                ack = await pb_grpc.KvReceiverStub(channel).PushKv(iter([pb.KvMessage()]))
+                ack = await pb_grpc.KvReceiverStub(channel).PushKv(iter([pb.KvMessage()]), metadata=metadata)
                 assert ack.bytes_received == 7  # the one-time transfer token guards KV, not the secret
-        async with open_channel(address, None, secret, []) as channel:
-            stub = pb_grpc.DecodeServiceStub(channel)
-            assert (await stub.Health(pb.HealthRequest())).role == "decode"
-            assert (await stub.Decode(pb.DecodeRequest()).read()).accepted.kv_transfer_token == "t"
+        async with open_channel(address, None, []) as channel:
+            stub, metadata = pb_grpc.DecodeServiceStub(channel), secret_metadata(secret)
+            assert (await stub.Health(pb.HealthRequest(), metadata=metadata)).role == "decode"
+            assert (await stub.Decode(pb.DecodeRequest(), metadata=metadata).read()).accepted.kv_transfer_token == "t"
     finally:
         await server.stop(None)
 
@@ -83,7 +83,7 @@ async def test_a_caller_whose_certificate_the_crl_revokes_is_refused_per_call(pk
     try:
         for leaf, allowed in (("client", True), ("revoked-client", False)):
             client_tls = LinkTls("tls_config.worker_grpc", TlsLink(**pki.link(leaf)), "client")
-            async with open_channel(address, client_tls, None, []) as channel:
+            async with open_channel(address, client_tls, []) as channel:
                 call = pb_grpc.DecodeServiceStub(channel).Health(pb.HealthRequest())
                 if allowed:
                     assert (await call).role == "decode"

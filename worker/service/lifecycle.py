@@ -46,8 +46,7 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     reloads = ReloadOnSighup()
-    for name, action in trust.reload_actions():
-        reloads.add(name, action)
+    reloads.add_all(trust.parts())
     reloads.install()
     # One parseable line on stdout: launchers and tests read the bound port from it.
     print(f"pdserve worker ready: role={options.role} address={options.host}:{port}", flush=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from security.secrets import SecretFile, secret_file
 from security.settings import AuthConfig, TlsConfig
@@ -35,8 +35,6 @@ class WorkerTrust:
             registration_token=secret_file("auth_config.registration_token_file", auth.registration_token_file),
         )
 
-    def reload_actions(self) -> list[tuple[str, callable]]:
-        parts = [(self.grpc_server, "server"), (self.grpc_client, "client"), (self.kv_server, "server"),
-                 (self.kv_client, "client"), (self.registration, "client")]
-        actions = [(f"{p.link} ({side})", p.reload) for p, side in parts if p is not None]
-        return actions + [(s.key, s.reload) for s in (self.worker_secret, self.registration_token) if s is not None]
+    def parts(self) -> list[LinkTls | SecretFile]:
+        """What SIGHUP re-reads: every link and secret that is set."""
+        return [getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None]
