@@ -93,8 +93,9 @@ class WorkerFailure:
 
     def error(self) -> WorkerError:
         """What the client is told when this failure ends the request."""
-        if self.code == "RESOURCE_EXHAUSTED":
-            # The worker says this request can never fit its KV budget: the client must ask for less.
+        if self.code in ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"):
+            # The worker says this request can never fit its KV budget, or asks what its backend cannot
+            # do (guided decoding on a simulated worker): the client must ask for something else.
             return WorkerError(f"{self.stage} worker {self.address} refused the request: {self.details}", status=400)
         status = 504 if self.code == "DEADLINE_EXCEEDED" else 503
         return WorkerError(f"{self.stage} worker {self.address} failed: {self.code}: {self.details}", status=status)

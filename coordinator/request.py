@@ -9,6 +9,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class GuidedGrammar:
+    """A grammar the output must follow (llguidance's grammar text, checked to compile), and the tokens
+    already generated under it by earlier attempts of the request."""
+
+    grammar: str
+    generated: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class SamplingOptions:
     """Validated sampling and stopping rules, in engine terms (top_k 0 = off)."""
 
@@ -26,6 +35,8 @@ class SamplingOptions:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and N alternatives
+    guided: GuidedGrammar | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
 
 @dataclass
@@ -46,7 +57,11 @@ class GenerationRequest:
         those tokens join the prompt, and the rules that count generated tokens count them."""
         if not token_ids and attempt == 0:
             return self
-        sampling = dataclasses.replace(self.sampling, min_tokens=max(0, self.sampling.min_tokens - len(token_ids)))
+        guided = self.sampling.guided
+        if guided is not None:
+            guided = dataclasses.replace(guided, generated=guided.generated + tuple(token_ids))
+        sampling = dataclasses.replace(self.sampling, min_tokens=max(0, self.sampling.min_tokens - len(token_ids)),
+                                       guided=guided)
         return dataclasses.replace(self, request_id=f"{self.request_id}.{attempt}",
                                    prompt_token_ids=self.prompt_token_ids + list(token_ids), sampling=sampling)
 

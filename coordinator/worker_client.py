@@ -72,6 +72,9 @@ class HealthReport:
 
 def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingParams:
     s = request.sampling
+    guided = None
+    if s.guided is not None:
+        guided = pb.GuidedDecoding(grammar=s.guided.grammar, generated_token_ids=list(s.guided.generated))
     return pb.SamplingParams(
         temperature=s.temperature,
         top_p=s.top_p,
@@ -90,6 +93,8 @@ def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingPa
         include_stop_str_in_output=s.include_stop_str_in_output,
         return_logprobs=s.logprobs is not None,
         top_logprobs=s.logprobs or 0,
+        guided=guided,
+        logit_bias=dict(s.logit_bias),
     )
 
 

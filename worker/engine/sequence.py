@@ -57,6 +57,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     return_logprobs: bool = False
     top_logprobs: int = 0
+    grammar: str | None = None  # llguidance grammar text every token must follow
+    grammar_generated: tuple[int, ...] = ()  # tokens generated under it by earlier attempts (the prompt's tail)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     @property
     def has_penalties(self) -> bool:

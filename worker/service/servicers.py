@@ -54,6 +54,9 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=msg.include_stop_str_in_output,
         return_logprobs=msg.return_logprobs,
         top_logprobs=msg.top_logprobs,
+        grammar=msg.guided.grammar if msg.HasField("guided") else None,
+        grammar_generated=tuple(msg.guided.generated_token_ids),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

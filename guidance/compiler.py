@@ -1,0 +1,80 @@
+"""llguidance over one tokenizer: grammars checked and compiled once per distinct text, fresh matchers by copy.
+
+The coordinator uses it to refuse a grammar that does not compile before any worker is used; the
+workers use it to build each sequence's matcher. Compiling is the expensive part (up to a second for a
+huge grammar, with the GIL released); a compiled matcher in its start state is kept per grammar text
+in a bounded LRU, and every request gets a `deep_copy()` of it (microseconds).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import llguidance
+import llguidance.hf
+
+# Grammar text beyond this is refused before llguidance sees it: a request body may be megabytes.
+MAX_GRAMMAR_CHARS = 256 * 1024
+# Bounds on what one grammar may cost to compile and to step (llguidance's own defaults are larger).
+PARSER_LIMITS = llguidance.LLParserLimits(max_grammar_size=200_000, max_lexer_states=100_000,
+                                          initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000)
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile, or is too large; the message says why."""
+
+
+class GrammarCompiler:
+    """Checks and compiles llguidance grammars for one tokenizer; thread-safe, compiled grammars cached."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int | None = None, eos_token_ids: Iterable[int] = (),
+                 cache_size: int = 256):
+        eos = sorted(eos_token_ids)
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos or None)
+        self.vocab_size = self.tokenizer.vocab_size
+        self._cache: OrderedDict[str, llguidance.LLMatcher | GrammarError] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    def _compiled(self, grammar: str) -> llguidance.LLMatcher:
+        with self._lock:
+            hit = self._cache.get(grammar)
+            if hit is not None:
+                self._cache.move_to_end(grammar)
+        if hit is None:
+            hit = self._compile(grammar)  # outside the lock: compiling may take long
+            with self._lock:
+                self._cache[grammar] = hit
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        if isinstance(hit, GrammarError):
+            raise hit
+        return hit
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher | GrammarError:
+        if len(grammar) > MAX_GRAMMAR_CHARS:
+            return GrammarError(f"the grammar has {len(grammar)} characters; at most {MAX_GRAMMAR_CHARS} are allowed")
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
+        if matcher.is_error():
+            return GrammarError(_one_line(matcher.get_error()))
+        return matcher
+
+    def check(self, grammar: str) -> None:
+        """Raise GrammarError when `grammar` does not compile for this tokenizer (the result is cached)."""
+        self._compiled(grammar)
+
+    def matcher(self, grammar: str, generated: Iterable[int] = ()) -> llguidance.LLMatcher:
+        """A fresh matcher for `grammar`, advanced over `generated` (tokens already produced under it)."""
+        matcher = self._compiled(grammar).deep_copy()
+        generated = list(generated)
+        if generated and not matcher.consume_tokens(generated):
+            raise GrammarError(f"the tokens generated so far do not follow the grammar: {matcher.get_error()}")
+        return matcher
+
+
+def _one_line(message: str, limit: int = 400) -> str:
+    # llguidance's errors span lines (the fault, then a source excerpt); an API error message is one line.
+    text = " ".join(message.split()) or "the grammar does not compile"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
