@@ -26,6 +26,7 @@ from coordinator.scheduling.policies import make_policy
 from coordinator.scheduling.router import Router
 from coordinator.state import STATE, CoordinatorState
 from coordinator.tokenization import PromptTokenizer
+from guidance.compiler import GrammarCompiler
 from coordinator.trust import TRUST, CoordinatorTrust
 from coordinator.worker_client import WorkerClient
 
@@ -121,7 +122,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     state = app[STATE] = CoordinatorState(
         model.modelName, model.fullTextEnabled, tokenizer, limits, client, registry, router, monitor, pipeline,
         heartbeat_interval_s=health.heartbeat_interval_s, media_dir=Path(model.multimodalInputsDir),
-        body_limit_mb=config.request_limit.body_limit)
+        body_limit_mb=config.request_limit.body_limit,
+        grammars=GrammarCompiler(tokenizer.tokenizer, cache_size=config.request_limit.grammar_cache_size))
 
     async def background(app: web.Application):
         monitor.start()

@@ -106,6 +106,8 @@ class RequestLimitConfig(_Section):
     max_running: int = Field(1000, ge=1, description="Generations on the workers at once; the rest wait in a "
                              "queue ordered by priority, then arrival.")
     body_limit: int = Field(8, ge=1, le=1024, description="Largest request body, in MB; past it, 413.")
+    grammar_cache_size: int = Field(256, ge=1, le=100000, description="Distinct guided-decoding grammars kept "
+                                    "compiled (least recently used dropped first).")
 
 
 class ExceptionConfig(_Section):

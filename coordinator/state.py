@@ -15,6 +15,7 @@ from coordinator.pipeline import RequestPipeline
 from coordinator.scheduling.router import Router
 from coordinator.tokenization import PromptTokenizer
 from coordinator.worker_client import WorkerClient
+from guidance.compiler import GrammarCompiler
 
 
 @dataclass
@@ -33,6 +34,7 @@ class CoordinatorState:
     heartbeat_interval_s: float = 2.0
     media_dir: Path = Path("/data/multimodal_inputs")
     body_limit_mb: int = 8
+    grammars: GrammarCompiler | None = None  # guided-decoding grammars checked before any worker is used
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     def forget_prefix(self, address: str) -> None:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from coordinator.apis import multimodal
 from coordinator.apis.chat_output import ChatOutputParser, ChatPiece, split_whole
 from coordinator.apis.fields import MaxTokens, new_id, read_request
+from coordinator.apis.guided import checked_grammar, tool_call_lark
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
     OpenAIRequest,
@@ -42,6 +43,21 @@ class ToolSpec(BaseModel):
 
     type: Literal["function"]
     function: FunctionSpec
+
+
+class ToolName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the function the model must call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: ToolName
 
 
 class ChatMessage(BaseModel):
@@ -78,16 +94,30 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolSpec] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: NamedToolChoice | str | None = None
 
     @model_validator(mode="after")
     def _tool_choice_rules(self):
-        if self.tool_choice is not None and not self.tools:
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise ValueError("tool_choice needs tools")
-        if isinstance(self.tool_choice, dict) or self.tool_choice not in (None, "auto", "none"):
-            # Forcing a call ("required" or a named function) needs guided decoding, which this server lacks.
-            raise ValueError(f"tool_choice={self.tool_choice!r}: only \"auto\" and \"none\" are supported")
         return self
+
+    def extra_constraints(self) -> list[tuple[str, str, object]]:
+        """A forced call ("required", or a named function) is a grammar over the tools' calls."""
+        choice = self.tool_choice
+        if choice is None or choice in ("auto", "none") or not self.tools:
+            return []
+        tools = {t.function.name: t.function.parameters for t in self.tools}
+        if choice == "required":
+            return [("tool_choice", "grammar", tool_call_lark(tools, repeat=True))]
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in tools:
+                raise ValueError(f"tool_choice names {choice.function.name!r}, which is not one of the tools "
+                                 f"({', '.join(tools)})")
+            name = choice.function.name
+            return [("tool_choice", "grammar", tool_call_lark({name: tools[name]}, repeat=False))]
+        raise ValueError(f"tool_choice={choice!r}: expected \"none\", \"auto\", \"required\" or "
+                         "{\"type\": \"function\", \"function\": {\"name\": ...}}")
 
     @property
     def parse_tools(self) -> bool:
@@ -230,7 +260,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.limits.check_text("".join(m["content"] for m in messages), "messages")
     prompt_ids = await state.tokenizer.encode_chat(messages, body.template_tools())
     state.limits.check_prompt(len(prompt_ids), "messages")
-    gen = GenerationRequest(new_id("chatcmpl"), prompt_ids, body.sampling(), body.max_tokens)
+    guided = await checked_grammar(state.grammars, body.constraint())
+    gen = GenerationRequest(new_id("chatcmpl"), prompt_ids, body.sampling(guided), body.max_tokens)
 
     def formatter() -> ChatFormatter:
         return ChatFormatter(gen.request_id, gen.created, state.model_name, state.full_text, body.return_token_ids,

@@ -10,9 +10,10 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coordinator.apis.fields import MinTokens, VllmSamplingFields
+from coordinator.apis.guided import GuidedFields
 from coordinator.choices import fan_out, serve_choices
 from coordinator.errors import ApiError
-from coordinator.request import Finished, FinishReason, GenerationRequest, SamplingOptions, TokenDelta
+from coordinator.request import Finished, FinishReason, GenerationRequest, GuidedGrammar, SamplingOptions, TokenDelta
 from coordinator.serving import SseFormatter
 from coordinator.state import STATE
 
@@ -21,7 +22,6 @@ from coordinator.state import STATE
 NOT_YET_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (False, None),
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
     "suffix": (None,),
 }
 
@@ -35,7 +35,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class OpenAIRequest(VllmSamplingFields):
+class OpenAIRequest(GuidedFields, VllmSamplingFields):
     """Fields common to chat and completions, each validated against the seed's range."""
 
     model_config = ConfigDict(extra="forbid")
@@ -89,9 +89,9 @@ class OpenAIRequest(VllmSamplingFields):
         """How many alternatives per token the client asked for; None for no logprobs."""
         return None
 
-    def sampling(self) -> SamplingOptions:
-        """The request's sampling; with best_of > n, logprobs are computed to rank the candidates."""
-        sampling = super().sampling(min_tokens=self.min_tokens, logprobs=self.logprobs_count())
+    def sampling(self, guided: GuidedGrammar | None = None) -> SamplingOptions:
+        """The request's sampling (with its checked grammar); with best_of > n, logprobs rank the candidates."""
+        sampling = super().sampling(min_tokens=self.min_tokens, logprobs=self.logprobs_count(), guided=guided)
         if self.num_generations > self.n and sampling.logprobs is None:
             sampling = dataclasses.replace(sampling, logprobs=0)
         return sampling

@@ -8,6 +8,7 @@ from aiohttp import web
 from pydantic import AfterValidator, model_validator
 
 from coordinator.apis.fields import PromptInput, new_id, read_request
+from coordinator.apis.guided import checked_grammar
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
     OpenAIRequest,
@@ -113,7 +114,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_request(request, CompletionRequest)
     check_model(body.model, state.model_name)
     prompt, prompt_ids = await tokenize_input(state, body.prompt, "prompt")
-    gen = GenerationRequest(new_id("cmpl"), prompt_ids, body.sampling(), body.max_tokens)
+    guided = await checked_grammar(state.grammars, body.constraint())
+    gen = GenerationRequest(new_id("cmpl"), prompt_ids, body.sampling(guided), body.max_tokens)
 
     def formatter() -> CompletionFormatter:
         f = CompletionFormatter(gen.request_id, gen.created, state.model_name, state.full_text, body.return_token_ids,

@@ -14,6 +14,7 @@ from aiohttp import web
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 from coordinator.apis.fields import PositiveInt32, PromptInput, new_id, parse_request, read_json, stop_tuple
+from coordinator.apis.guided import TgiGrammar, checked_grammar
 from coordinator.apis.prompts import tokenize_input
 from coordinator.route_table import ErrorStyle, Route
 from coordinator.apis.tgi_family import TextGenFormatter, TextGenParameters, finish_details
@@ -46,6 +47,7 @@ class TgiParameters(TextGenParameters):
     truncate: PositiveInt32 | None = None
     stop: Annotated[str | list[str] | None, AfterValidator(_stop)] = None
     adapter_id: str = "None"
+    grammar: TgiGrammar | None = None
 
     @model_validator(mode="after")
     def _no_adapter(self):
@@ -53,9 +55,9 @@ class TgiParameters(TextGenParameters):
             raise ValueError(f"adapter_id={self.adapter_id!r}: LoRA adapters are not supported")
         return self
 
-    def sampling(self) -> SamplingOptions:
+    def sampling(self, **extra) -> SamplingOptions:
         # logprobs=0: TGI reports each token's logprob.
-        return super().sampling(stop=stop_tuple(self.stop), logprobs=0)
+        return super().sampling(stop=stop_tuple(self.stop), logprobs=0, **extra)
 
 
 class TgiRequest(BaseModel):
@@ -134,7 +136,8 @@ async def serve_tgi(request: web.Request, body, stream: bool, native_shapes: boo
     req = parse_request(TgiRequest, body)
     params = req.parameters
     text, prompt_ids = await tokenize_input(state, req.inputs, "inputs", keep_last=params.truncate)
-    gen = params.generation(new_id("tgi"), prompt_ids)
+    guided = await checked_grammar(state.grammars, params.grammar.constraint() if params.grammar else None)
+    gen = params.generation(new_id("tgi"), prompt_ids, guided=guided)
     formatter = TgiFormatter(req, text, prompt_ids, gen.sampling.seed, state.full_text,
                              state.tokenizer.token_text, state.tokenizer.special_ids,
                              list_ids=not native_shapes, wrap_in_list=native_shapes)

@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from coordinator.apis.fields import MaxTokens, PositiveInt32, Seed, new_seed
 from coordinator.errors import ApiError
-from coordinator.request import Finished, FinishReason, GenerationRequest, SamplingOptions, TokenDelta
+from coordinator.request import Finished, FinishReason, GenerationRequest, GuidedGrammar, SamplingOptions, TokenDelta
 from coordinator.serving import SseFormatter, Transcript
 
 
@@ -87,8 +87,9 @@ class TextGenParameters(BaseModel):
             repetition_penalty=self.repetition_penalty, **extra,
         )
 
-    def generation(self, request_id: str, prompt_ids: list[int], **extra) -> GenerationRequest:
-        return GenerationRequest(request_id, prompt_ids, self.sampling(), self.max_new_tokens, **extra)
+    def generation(self, request_id: str, prompt_ids: list[int], guided: GuidedGrammar | None = None,
+                   **extra) -> GenerationRequest:
+        return GenerationRequest(request_id, prompt_ids, self.sampling(guided=guided), self.max_new_tokens, **extra)
 
 
 class QueuedParameters(TextGenParameters):
