@@ -34,9 +34,9 @@ def test_multi_turn_with_a_tool_result_is_accepted(http):
 
 @pytest.mark.parametrize("body,needle", [
     ({**CHAT, "tool_choice": "auto"}, "tool_choice needs tools"),
-    ({**CHAT, "tools": TOOLS, "tool_choice": "required"}, "only \"auto\" and \"none\""),
-    ({**CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "only \"auto\" and \"none\""),
+    ({**CHAT, "tools": TOOLS, "tool_choice": "always"}, "expected \"none\", \"auto\", \"required\""),
+    ({**CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "not one of the tools (get_weather)"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
     ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
 ])
