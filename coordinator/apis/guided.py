@@ -49,7 +49,7 @@ def _schema_object(schema: Schema, field: str) -> dict:
 
 def json_grammar(schema: Schema, field: str, whitespace: str | None = None) -> str:
     """llguidance grammar text for JSON following `schema`."""
-    options = {"whitespace_pattern": whitespace or DEFAULT_JSON_WHITESPACE}
+    options = {"whitespace_pattern": DEFAULT_JSON_WHITESPACE if whitespace is None else whitespace}
     return llguidance.LLMatcher.grammar_from_json_schema(_schema_object(schema, field), overrides=options)
 
 
@@ -191,7 +191,8 @@ class GuidedFields(BaseModel):
                              "JSON whitespace; send only one of them")
         whitespace_field = "guided_whitespace_pattern" if self.guided_whitespace_pattern is not None \
             else "structured_outputs.whitespace_pattern"
-        whitespace = self.guided_whitespace_pattern or (so.whitespace_pattern if so else None)
+        whitespace = self.guided_whitespace_pattern if self.guided_whitespace_pattern is not None \
+            else (so.whitespace_pattern if so else None)
         if one is None:
             if whitespace is not None:
                 raise ValueError(f"{whitespace_field} applies only to a JSON constraint, and none is set")
