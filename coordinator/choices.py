@@ -1,8 +1,11 @@
-"""`n` / `best_of`: several generations of one request, answered as one response with n choices.
+"""`n` / `best_of`, and batches of prompts: several generations answered as one response.
 
-Each choice is its own generation with its own seed (the request's seed + i), so choices differ
-when sampling and stay reproducible. With best_of > n, the n with the highest cumulative logprob
-are returned. Streams interleave the choices' chunks, each tagged with its choice index.
+A request is one group of generations per prompt (one prompt unless a completion sends a batch).
+Each generation of a group has its own seed (the request's seed + i), so choices differ when
+sampling and stay reproducible. With best_of > n, each group's n with the highest cumulative
+logprob are returned. Choice `j` of prompt `g` is choice index g * n + j, as OpenAI numbers them.
+Streams interleave the choices' chunks, each tagged with its choice index, and end with one
+usage-only chunk for the whole request when the client asked for usage.
 """
 
 from __future__ import annotations
@@ -54,27 +57,46 @@ def _score(transcript: Transcript) -> float:
     return sum(d.logprob or 0.0 for d in transcript.deltas)
 
 
-async def serve_choices(http_request: web.Request, pipeline: RequestPipeline, requests: list[GenerationRequest],
-                        formatters: list, n: int, stream: bool) -> web.StreamResponse:
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def serve_choices(http_request: web.Request, pipeline: RequestPipeline,
+                        groups: list[list[GenerationRequest]], formatters: list[list], n: int,
+                        stream: bool) -> web.StreamResponse:
+    """Serve `groups` (one per prompt, each with its formatters) as one response of n choices per group.
+
+    Usage counts each prompt once and every returned choice's tokens."""
+    requests = [r for group in groups for r in group]
+    flat_formatters = [f for group in formatters for f in group]
     if len(requests) == 1:
-        return await serve_generation(http_request, pipeline, requests[0], formatters[0], stream)
-    if not stream:
-        transcripts = await asyncio.gather(*(_collect(pipeline, r) for r in requests))
-        order = list(range(len(requests)))
-        if len(requests) > n:
+        return await serve_generation(http_request, pipeline, requests[0], flat_formatters[0], stream)
+    if stream:
+        group_of = [g for g, group in enumerate(groups) for _ in group]
+        return await _stream_choices(http_request, pipeline, requests, flat_formatters, group_of)
+    transcripts = await asyncio.gather(*(_collect(pipeline, r) for r in requests))
+    bodies, prompt, start = [], 0, 0
+    for group in groups:
+        order = list(range(start, start + len(group)))
+        if len(group) > n:
             order = sorted(order, key=lambda i: _score(transcripts[i]), reverse=True)[:n]
-        bodies = [formatters[i].response(transcripts[i]) for i in order]
-        body = bodies[0]
-        body["choices"] = [_with_index(b, j)["choices"][0] for j, b in enumerate(bodies)]
-        completion = sum(b["usage"]["completion_tokens"] for b in bodies)
-        prompt = body["usage"]["prompt_tokens"]
-        body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        return web.json_response(body, dumps=json_dumps)
-    return await _stream_choices(http_request, pipeline, requests, formatters)
+        group_bodies = [flat_formatters[i].response(transcripts[i]) for i in order]
+        prompt += group_bodies[0]["usage"]["prompt_tokens"]
+        bodies += group_bodies
+        start += len(group)
+    body = bodies[0]
+    body["choices"] = [_with_index(b, j)["choices"][0] for j, b in enumerate(bodies)]
+    body["usage"] = _usage(prompt, sum(b["usage"]["completion_tokens"] for b in bodies))
+    return web.json_response(body, dumps=json_dumps)
 
 
-async def _stream_choices(http_request, pipeline, requests, formatters) -> web.StreamResponse:
+def _is_usage_only(frame) -> bool:
+    return isinstance(frame, dict) and frame.get("choices") == [] and "usage" in frame
+
+
+async def _stream_choices(http_request, pipeline, requests, formatters, group_of: list[int]) -> web.StreamResponse:
     queue: asyncio.Queue = asyncio.Queue()
+    usage_frames: dict[int, dict] = {}  # each choice's usage-only chunk, sent as one for the request
 
     async def pump(i: int, request: GenerationRequest) -> None:
         events = pipeline.generate(request)
@@ -109,11 +131,20 @@ async def _stream_choices(http_request, pipeline, requests, formatters) -> web.S
                 frames = (formatters[i].token_frames(item, transcripts[i]) if isinstance(item, TokenDelta)
                           else formatters[i].final_frames(item, transcripts[i]))
             for frame in frames:
-                await response.write(formatters[i].encode(_with_index(frame, i)))
+                if _is_usage_only(frame):
+                    usage_frames[i] = frame
+                else:
+                    await response.write(formatters[i].encode(_with_index(frame, i)))
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    if usage_frames:
+        prompts = {group_of[i]: f["usage"]["prompt_tokens"] for i, f in usage_frames.items()}
+        frame = next(iter(usage_frames.values()))
+        frame["usage"] = _usage(sum(prompts.values()), sum(f["usage"]["completion_tokens"]
+                                                           for f in usage_frames.values()))
+        await response.write(formatters[0].encode(frame))
     if formatters[0].done_marker is not None:
         await response.write(formatters[0].encode(formatters[0].done_marker))
     await response.write_eof()

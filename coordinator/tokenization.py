@@ -15,19 +15,29 @@ class PromptTokenizer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
         self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 1 << 30))
+        # The model's logits have one row per id of its embedding, which may be wider than the tokenizer.
+        self.vocab_size = int(getattr(config, "vocab_size", None) or len(self.tokenizer))
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as logprobs report it."""
         return self.tokenizer.decode([token_id])
 
+    async def decode(self, token_ids: list[int]) -> str:
+        return await asyncio.to_thread(self.tokenizer.decode, token_ids)
+
     async def encode_text(self, text: str) -> list[int]:
         return await asyncio.to_thread(lambda: self.tokenizer(text)["input_ids"])
 
-    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          resume: str | None = None) -> list[int]:
+        """The template's generation prompt; with `resume`, followed by that partial reply's tokens, so the
+        output continues the assistant's turn (no end-of-turn marker after it)."""
         def run() -> list[int]:
             prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                                         tokenize=False)
-            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            # Tokenized apart, as the model generated it: no token merges across the turn's header.
+            return ids + self.tokenizer(resume, add_special_tokens=False)["input_ids"] if resume else ids
 
         return await asyncio.to_thread(run)

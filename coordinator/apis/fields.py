@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import secrets
 import uuid
 from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import AfterValidator, BaseModel, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, ValidationInfo
 
 from coordinator.errors import ApiError
 from coordinator.request import SamplingOptions
@@ -18,6 +19,7 @@ from coordinator.request import SamplingOptions
 INT32_MAX = 2147483647
 UINT64_MAX = 18446744073709551615
 STOP_TOTAL_CHARS = 32768
+LOGIT_BIAS_LIMIT = 100.0
 
 
 def _temperature(v: float) -> float:
@@ -83,6 +85,37 @@ def _token_ids(v: list[int] | None) -> list[int] | None:
     return v
 
 
+def vocab_size(info: ValidationInfo | None) -> int | None:
+    """The served model's vocabulary size, when the body is validated with it (`parse_request(..., vocab_size)`)."""
+    return (info.context or {}).get("vocab_size") if info is not None else None
+
+
+def check_in_vocab(token_ids, info: ValidationInfo | None) -> None:
+    """Every id must name a row of the served model's logits (without a model: the int32 range)."""
+    limit = vocab_size(info)
+    for t in token_ids:
+        if limit is not None and not 0 <= t < limit:
+            raise ValueError(f"token id {t} is not in the vocabulary: ids must be in [0, {limit})")
+        if not 0 <= t <= INT32_MAX:
+            raise ValueError(f"token id {t} is out of range: ids must be in [0, {INT32_MAX}]")
+
+
+def _logit_bias(v: dict[str, float] | None, info: ValidationInfo) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids (JSON object keys, so strings) to a bias in [-100, 100]."""
+    biases: dict[int, float] = {}
+    for key, bias in (v or {}).items():
+        if not re.fullmatch(r"-?[0-9]+", key):
+            raise ValueError(f"keys must be token ids written as integers, got {key!r}")
+        token_id = int(key)
+        check_in_vocab([token_id], info)
+        if token_id in biases:
+            raise ValueError(f"token id {token_id} is given twice")
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"token {token_id}: bias must be in [-100, 100], got {bias}")
+        biases[token_id] = bias
+    return biases or None
+
+
 def _min_tokens(v: int) -> int:
     if not 0 <= v <= INT32_MAX:
         raise ValueError(f"must be in [0, {INT32_MAX}], got {v}")
@@ -93,6 +126,7 @@ Temperature = Annotated[float, AfterValidator(_temperature)]
 RepetitionPenalty = Annotated[float, AfterValidator(_repetition_penalty)]
 Penalty = Annotated[float, AfterValidator(_penalty)]
 TokenIds = Annotated[list[int] | None, AfterValidator(_token_ids)]
+LogitBias = Annotated[dict[str, float] | None, AfterValidator(_logit_bias)]
 MinTokens = Annotated[int, AfterValidator(_min_tokens)]
 TopP = Annotated[float, AfterValidator(_top_p)]
 TopK = Annotated[int, AfterValidator(_top_k)]
@@ -128,6 +162,7 @@ class VllmSamplingFields(BaseModel):
     stop_token_ids: TokenIds = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logit_bias: LogitBias = None
 
     def sampling(self, **extra) -> SamplingOptions:
         return SamplingOptions(
@@ -143,16 +178,18 @@ class VllmSamplingFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=tuple(sorted((self.logit_bias or {}).items())),
             **extra,
         )
 
 
-def parse_request(model_cls: type[BaseModel], body: Any) -> Any:
-    """Validate a JSON body into `model_cls`, or raise a 400 naming the field and its range."""
+def parse_request(model_cls: type[BaseModel], body: Any, vocab_size: int | None = None) -> Any:
+    """Validate a JSON body into `model_cls`, or raise a 400 naming the field and its range; with the served
+    model's `vocab_size`, fields holding token ids are checked against it."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     try:
-        return model_cls.model_validate(body)
+        return model_cls.model_validate(body, context={"vocab_size": vocab_size} if vocab_size else None)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or None
@@ -162,9 +199,9 @@ def parse_request(model_cls: type[BaseModel], body: Any) -> Any:
         raise ApiError(400, f"{field}: {msg}" if field else msg, param=field) from None
 
 
-async def read_request(request: web.Request, model_cls: type[BaseModel]) -> Any:
-    """The request's JSON body, validated into `model_cls`."""
-    return parse_request(model_cls, await read_json(request))
+async def read_request(request: web.Request, model_cls: type[BaseModel], vocab_size: int | None = None) -> Any:
+    """The request's JSON body, validated into `model_cls` (token ids against `vocab_size` when given)."""
+    return parse_request(model_cls, await read_json(request), vocab_size)
 
 
 BODY_TIMEOUT = web.AppKey("body_timeout_s", float)

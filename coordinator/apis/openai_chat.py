@@ -95,6 +95,8 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolSpec] | None = None
     tool_choice: NamedToolChoice | str | None = None
+    # Seed 004: the start of an interrupted assistant reply; the output continues it (and holds only the rest).
+    resume_response: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _tool_choice_rules(self):
@@ -122,6 +124,14 @@ class ChatCompletionRequest(OpenAIRequest):
     @property
     def parse_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @model_validator(mode="after")
+    def _resume_follows_a_prompt(self):
+        if self.resume_response is not None and self.messages[-1].role == "assistant":
+            # Else it is unclear whether that message is an earlier finished turn or the reply's start.
+            raise ValueError("resume_response continues the reply to the last message, which must not be an "
+                             "assistant message; send the partial reply only in resume_response")
+        return self
 
     @model_validator(mode="after")
     def _one_token_limit(self):
@@ -226,7 +236,7 @@ class ChatFormatter(OpenAIFormatter):
             extra["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
             reason = "tool_calls"
         content = self._content if self.full_text else piece.content + invalid
-        return [self._chunk(content, reason, None, piece.reasoning, **extra, usage=usage(finished))] \
+        return [self._chunk(content, reason, None, piece.reasoning, **extra, usage=usage(finished), error_info=None)] \
             + self.usage_chunks(finished)
 
     def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
@@ -246,7 +256,7 @@ class ChatFormatter(OpenAIFormatter):
             choice["token_ids"] = transcript.token_ids
         body = {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage(finished), "prefill_time": round(finished.prefill_time_ms, 3),
-                "decode_time_arr": [round(t, 3) for t in finished.decode_time_ms]}
+                "decode_time_arr": [round(t, 3) for t in finished.decode_time_ms], "error_info": None}
         if self.return_token_ids:
             body["prompt_token_ids"] = self.prompt_token_ids
         return body
@@ -254,11 +264,13 @@ class ChatFormatter(OpenAIFormatter):
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await read_request(request, ChatCompletionRequest)
+    body = await read_request(request, ChatCompletionRequest, state.tokenizer.vocab_size)
     check_model(body.model, state.model_name)
     messages = body.template_messages(lambda parts, param: multimodal.text_of_items(parts, param, state.media_dir))
     state.limits.check_text("".join(m["content"] for m in messages), "messages")
-    prompt_ids = await state.tokenizer.encode_chat(messages, body.template_tools())
+    if body.resume_response is not None:
+        state.limits.check_text(body.resume_response, "resume_response")
+    prompt_ids = await state.tokenizer.encode_chat(messages, body.template_tools(), body.resume_response)
     state.limits.check_prompt(len(prompt_ids), "messages")
     guided = await checked_grammar(state.grammars, body.constraint())
     gen = GenerationRequest(new_id("chatcmpl"), prompt_ids, body.sampling(guided), body.max_tokens)

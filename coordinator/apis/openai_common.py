@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from coordinator.apis.fields import MinTokens, VllmSamplingFields
+from coordinator.apis.fields import MinTokens, TokenIds, VllmSamplingFields
 from coordinator.apis.guided import GuidedFields
 from coordinator.choices import fan_out, serve_choices
 from coordinator.errors import ApiError
@@ -21,7 +21,6 @@ from coordinator.state import STATE
 # clear 400, never silently ignored. Values listed are the defaults that change nothing.
 NOT_YET_SUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (False, None),
-    "logit_bias": (None, {}),
     "suffix": (None,),
 }
 
@@ -48,6 +47,7 @@ class OpenAIRequest(GuidedFields, VllmSamplingFields):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None  # end-user id for the operator's logs; does not affect generation
+    stop_tokens: TokenIds = None  # seed 004's name for stop_token_ids
 
     @model_validator(mode="before")
     @classmethod
@@ -77,6 +77,15 @@ class OpenAIRequest(GuidedFields, VllmSamplingFields):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _one_stop_token_list(self):
+        if self.stop_tokens is not None:
+            if self.stop_token_ids is not None and self.stop_token_ids != self.stop_tokens:
+                raise ValueError(f"stop_token_ids={self.stop_token_ids} and stop_tokens={self.stop_tokens} "
+                                 "disagree; send one of them")
+            self.stop_token_ids = self.stop_tokens
         return self
 
     @model_validator(mode="after")
@@ -124,7 +133,9 @@ def usage(finished: Finished) -> dict:
 
 
 def error_body(error: ApiError) -> dict:
-    return {"error": {"message": error.message, "type": error.error_type, "param": error.param, "code": error.status}}
+    """OpenAI's error body, with seed 004's `error_info` beside it."""
+    return {"error": {"message": error.message, "type": error.error_type, "param": error.param, "code": error.status},
+            "error_info": {"code": error.status, "message": error.message}}
 
 
 class OpenAIFormatter(SseFormatter):
@@ -159,14 +170,21 @@ class OpenAIFormatter(SseFormatter):
         if not self.include_usage:
             return []
         return [{"id": self.request_id, "object": self.chunk_object, "created": self.created, "model": self.model,
-                 "choices": [], "usage": usage(finished)}]
+                 "choices": [], "usage": usage(finished), "error_info": None}]
 
 
 async def serve_openai(request: web.Request, body: OpenAIRequest, gen: GenerationRequest,
                        make_formatter: Callable[[], OpenAIFormatter]) -> web.StreamResponse:
     """Serve `body.num_generations` copies of `gen` and answer with the best `body.n` as choices."""
-    requests = fan_out(gen, body.num_generations)
-    formatters = [make_formatter() for _ in requests]
-    for formatter in formatters:
+    return await serve_openai_batch(request, body, [gen], lambda _: make_formatter())
+
+
+async def serve_openai_batch(request: web.Request, body: OpenAIRequest, gens: list[GenerationRequest],
+                             make_formatter: Callable[[int], OpenAIFormatter]) -> web.StreamResponse:
+    """Serve `body.num_generations` copies of each prompt's `gens[g]` (formatted by `make_formatter(g)`) and
+    answer with the best `body.n` of each as choices g * n .. g * n + n - 1."""
+    groups = [fan_out(gen, body.num_generations) for gen in gens]
+    formatters = [[make_formatter(g) for _ in group] for g, group in enumerate(groups)]
+    for formatter in (f for group in formatters for f in group):
         formatter.show_logprobs = body.logprobs_count() is not None
-    return await serve_choices(request, request.app[STATE].pipeline, requests, formatters, body.n, body.stream)
+    return await serve_choices(request, request.app[STATE].pipeline, groups, formatters, body.n, body.stream)

@@ -7,7 +7,7 @@ from typing import Annotated
 from aiohttp import web
 from pydantic import AfterValidator, model_validator
 
-from coordinator.apis.fields import PromptInput, new_id, read_request
+from coordinator.apis.fields import new_id, read_request
 from coordinator.apis.guided import checked_grammar
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
@@ -15,16 +15,20 @@ from coordinator.apis.openai_common import (
     check_model,
     error_body,
     finish_reason,
-    serve_openai,
+    serve_openai_batch,
     stop_reason,
     usage,
 )
-from coordinator.apis.prompts import tokenize_input
+from coordinator.apis.prompts import CompletionPrompt, prompt_batch, tokenize_batch
 from coordinator.route_table import ErrorStyle, Route
 from coordinator.errors import ApiError
 from coordinator.request import Finished, GenerationRequest, TokenDelta
 from coordinator.serving import Transcript
 from coordinator.state import STATE
+
+
+# Every prompt of a batch gets best_of (or n) generations; their total is bounded, as n and best_of are.
+MAX_BATCH_GENERATIONS = 2048
 
 
 def _logprobs(v: int | None) -> int | None:
@@ -36,7 +40,7 @@ def _logprobs(v: int | None) -> int | None:
 class CompletionRequest(OpenAIRequest):
     """The body of a completion request."""
 
-    prompt: PromptInput
+    prompt: CompletionPrompt
     logprobs: Annotated[int | None, AfterValidator(_logprobs)] = None
     echo: bool = False
 
@@ -44,6 +48,14 @@ class CompletionRequest(OpenAIRequest):
     def _echo_without_prompt_logprobs(self):
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs is not supported: prompt logprobs are not computed")
+        return self
+
+    @model_validator(mode="after")
+    def _batch_within_limit(self):
+        num_prompts = len(prompt_batch(self.prompt))
+        if num_prompts * self.num_generations > MAX_BATCH_GENERATIONS:
+            raise ValueError(f"prompt: {num_prompts} prompts x {self.num_generations} generations each is more than "
+                             f"{MAX_BATCH_GENERATIONS} generations in one request")
         return self
 
     def logprobs_count(self) -> int | None:
@@ -94,7 +106,8 @@ class CompletionFormatter(OpenAIFormatter):
     def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
         extra = {"full_text": self.echo_text + transcript.text} if self.full_text else {}
         text = self.echo_text + transcript.text if self.full_text else ""
-        return [self._body(self._choice(text, finished), **extra, usage=usage(finished))] + self.usage_chunks(finished)
+        return [self._body(self._choice(text, finished), **extra, usage=usage(finished), error_info=None)] \
+            + self.usage_chunks(finished)
 
     def error_frames(self, error: ApiError, transcript: Transcript) -> list[dict]:
         choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop", "stop_reason": None}
@@ -106,24 +119,27 @@ class CompletionFormatter(OpenAIFormatter):
         if self.return_token_ids:
             choice["token_ids"] = transcript.token_ids
             choice["prompt_token_ids"] = self.prompt_token_ids
-        return self._body(choice, usage=usage(finished))
+        return self._body(choice, usage=usage(finished), error_info=None)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = await read_request(request, CompletionRequest)
+    body = await read_request(request, CompletionRequest, state.tokenizer.vocab_size)
     check_model(body.model, state.model_name)
-    prompt, prompt_ids = await tokenize_input(state, body.prompt, "prompt")
+    prompts = await tokenize_batch(state, body.prompt, "prompt", with_text=body.echo)
     guided = await checked_grammar(state.grammars, body.constraint())
-    gen = GenerationRequest(new_id("cmpl"), prompt_ids, body.sampling(guided), body.max_tokens)
+    sampling = body.sampling(guided)
+    request_id = new_id("cmpl")
+    gens = [GenerationRequest(request_id if len(prompts) == 1 else f"{request_id}-p{g}", p.token_ids, sampling,
+                              body.max_tokens) for g, p in enumerate(prompts)]
 
-    def formatter() -> CompletionFormatter:
-        f = CompletionFormatter(gen.request_id, gen.created, state.model_name, state.full_text, body.return_token_ids,
-                                prompt_ids, state.tokenizer.token_text, body.stream_options)
-        f.echo_text = prompt if body.echo else ""
+    def formatter(g: int) -> CompletionFormatter:
+        f = CompletionFormatter(request_id, gens[0].created, state.model_name, state.full_text, body.return_token_ids,
+                                prompts[g].token_ids, state.tokenizer.token_text, body.stream_options)
+        f.echo_text = prompts[g].text if body.echo else ""
         return f
 
-    return await serve_openai(request, body, gen, formatter)
+    return await serve_openai_batch(request, body, gens, formatter)
 
 
 ROUTES = [Route("POST", "/v1/completions", completions, ErrorStyle.OPENAI, "openai_completions", generation=True)]

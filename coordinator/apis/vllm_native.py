@@ -62,7 +62,7 @@ class VllmFormatter:
 async def serve_vllm(request: web.Request, body: dict) -> web.StreamResponse:
     """Serve a vLLM /generate body (POST /generate routes here when the body has `prompt`)."""
     state = request.app[STATE]
-    req = parse_request(VllmGenerateRequest, body)
+    req = parse_request(VllmGenerateRequest, body, state.tokenizer.vocab_size)
     check_lora(req.model, state.model_name)
     text, prompt_ids = await tokenize_input(state, req.prompt, "prompt")
     gen = GenerationRequest(new_id("vllm"), prompt_ids, req.sampling(), req.max_tokens)

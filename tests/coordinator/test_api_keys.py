@@ -83,7 +83,8 @@ def test_a_missing_key_is_a_401_with_a_challenge_in_openais_format(keyed):
     assert resp.status_code == 401
     assert resp.headers["WWW-Authenticate"] == CHALLENGE
     assert resp.json() == {"error": {"message": "missing API key: send Authorization: Bearer <key>",
-                                     "type": "authentication_error", "param": None, "code": 401}}
+                                     "type": "authentication_error", "param": None, "code": 401},
+                           "error_info": {"code": 401, "message": "missing API key: send Authorization: Bearer <key>"}}
 
 
 def test_a_bare_key_in_authorization_is_accepted(keyed):

@@ -61,7 +61,9 @@ def test_refusals_are_401s_in_the_apis_own_format_with_a_challenge(model_dir, ke
     assert [r[0] for r in results] == [401, 401, 401]
     assert all(r[1]["WWW-Authenticate"] == CHALLENGE for r in results)
     assert results[0][2] == {"error": {"message": "missing API key: send Authorization: Bearer <key>",
-                                       "type": "authentication_error", "param": None, "code": 401}}
+                                       "type": "authentication_error", "param": None, "code": 401},
+                             "error_info": {"code": 401,
+                                            "message": "missing API key: send Authorization: Bearer <key>"}}
     assert results[1][2] == {"error": "invalid API key", "error_type": "authentication_error"}
     assert results[2][2]["error"]["message"].startswith("malformed Authorization header")
     sample = app[METRICS].registry.get_sample_value

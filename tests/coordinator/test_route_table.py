@@ -92,7 +92,8 @@ def test_error_body_and_metrics_label_follow_the_route_entry():
 
     a, b, metrics = asyncio.run(run())
     assert a == {"error": "refused", "error_type": "invalid_request_error"}
-    assert b == {"error": {"message": "refused", "type": "invalid_request_error", "param": "x", "code": 400}}
+    assert b == {"error": {"message": "refused", "type": "invalid_request_error", "param": "x", "code": 400},
+                 "error_info": {"code": 400, "message": "refused"}}
     finished = metrics.registry.get_sample_value
     assert finished("pdserve_requests_finished_total", {"api": "label_a", "status": "400"}) == 1
     assert finished("pdserve_requests_finished_total", {"api": "label_b", "status": "400"}) == 1

@@ -203,9 +203,9 @@ def test_trickled_chat_body_gets_openai_408_after_body_timeout_and_frees_its_req
     sock.close()
     assert status == 408
     assert headers["content-type"].startswith("application/json")
-    assert error == {"error": {"message": f"request body not received within http_config.body_timeout_s="
-                                          f"{BODY_TIMEOUT_S:g}s", "type": "timeout_error", "param": None,
-                               "code": 408}}
+    message = f"request body not received within http_config.body_timeout_s={BODY_TIMEOUT_S:g}s"
+    assert error == {"error": {"message": message, "type": "timeout_error", "param": None, "code": 408},
+                     "error_info": {"code": 408, "message": message}}
     assert BODY_TIMEOUT_S - 0.2 <= answered_after <= BODY_TIMEOUT_S + SLACK_S, f"answered after {answered_after:.2f}s"
     # With max_requests = 1 the trickling client holds the one slot while its body is read, at most
     # body_timeout_s: meanwhile others get 429 at once; right after its 408 the slot is free again.

@@ -50,10 +50,9 @@ class Harness:
         return self.seqs.pop(rid).output_token_ids
 
     def step(self) -> None:
-        seqs = list(self.seqs.values())
-        logits = self.runner.decode(seqs)
-        for row, seq in enumerate(seqs):
-            seq.output_token_ids.append(int(logits[row].argmax()))
+        logits = self.runner.decode(list(self.seqs.values()))
+        for rid, seq in self.seqs.items():
+            seq.output_token_ids.append(int(logits[rid].argmax()))
 
     def run_until_done(self) -> dict[str, list[int]]:
         done = {}

@@ -58,11 +58,6 @@ class ModelRunner:
         return self.model.dtype
 
     @property
-    def vocab_size(self) -> int:
-        """The width of the logits (token ids a mask or a bias may name)."""
-        return self.config.vocab_size
-
-    @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 
@@ -111,11 +106,11 @@ class ModelRunner:
         self.batch = BatchedKvCache(self.config)
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One batched decode step over every sequence in the batch; next-token logits [B, V], row i for seqs[i]."""
+    def decode(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+        """One batched decode step over every sequence in the batch; next-token logits by request id."""
         by_id = {s.request_id: s for s in seqs}
         order = list(self.batch.request_ids)
-        if set(order) != set(by_id) or len(order) != len(seqs):
+        if set(order) != set(by_id):
             raise RuntimeError("decode batch and running sequences disagree")
         mask, positions = self.batch.step_inputs(order)
         input_ids = torch.tensor([[by_id[r].output_token_ids[-1]] for r in order], dtype=torch.long)
@@ -124,7 +119,4 @@ class ModelRunner:
         self.batch.cache = out.past_key_values
         self.batch.advance()
         logits = out.logits[:, -1].float()
-        if all(r == s.request_id for r, s in zip(order, seqs)):
-            return logits
-        row_of = {r: i for i, r in enumerate(order)}
-        return logits[torch.tensor([row_of[s.request_id] for s in seqs])]
+        return {r: logits[i] for i, r in enumerate(order)}
