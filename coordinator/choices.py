@@ -74,7 +74,12 @@ async def serve_choices(http_request: web.Request, pipeline: RequestPipeline,
     if stream:
         group_of = [g for g, group in enumerate(groups) for _ in group]
         return await _stream_choices(http_request, pipeline, requests, flat_formatters, group_of)
-    transcripts = await asyncio.gather(*(_collect(pipeline, r) for r in requests))
+    tasks = [asyncio.create_task(_collect(pipeline, r)) for r in requests]
+    try:
+        transcripts = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:  # one failed: the others' generations must not run on for nobody
+            task.cancel()
     bodies, prompt, start = [], 0, 0
     for group in groups:
         order = list(range(start, start + len(group)))

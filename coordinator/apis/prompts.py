@@ -82,7 +82,7 @@ def prompt_batch(value: str | list) -> list[str | list]:
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of a batch, tokenized; `text` is filled only when asked for (echo)."""
+    """One prompt of a batch, tokenized, with its text (for a token-id prompt, decoded only when asked for)."""
 
     token_ids: list[int]
     text: str = ""

@@ -3,15 +3,23 @@ lists (and seed 002's typed items); one choice group per prompt, indexed prompt-
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from coordinator.apis.fields import parse_request
-from coordinator.apis.openai_completions import MAX_BATCH_GENERATIONS, CompletionRequest
+from coordinator.apis.openai_completions import MAX_BATCH_GENERATIONS, CompletionFormatter, CompletionRequest
 from coordinator.apis.prompts import prompt_batch
+from coordinator.app import error_middleware
+from coordinator.choices import serve_choices
 from coordinator.errors import ApiError
+from coordinator.metrics import METRICS, CoordinatorMetrics
+from coordinator.request import GenerationRequest, SamplingOptions
+from coordinator.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
 from tests.helpers import sse_events
 
 BASE = {"model": "pdserve-tiny", "max_tokens": 5, "temperature": 0}
@@ -63,6 +71,39 @@ def test_a_batch_is_bounded_in_generations():
     with pytest.raises(ApiError) as err:
         parse(["a"] * 17, n=128)
     assert f"17 prompts x 128 generations each is more than {MAX_BATCH_GENERATIONS}" in err.value.message
+
+
+def test_a_failed_prompt_of_a_batch_cancels_the_other_generations():
+    cancelled = []
+
+    class Pipeline:
+        async def generate(self, request: GenerationRequest):
+            if request.request_id == "bad":
+                raise ApiError(400, "max_tokens: too many for this prompt", param="max_tokens")
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancelled.append(request.request_id)
+                raise
+            yield
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        groups = [[GenerationRequest(rid, [1], SamplingOptions(seed=1))] for rid in ("slow", "bad")]
+        formatters = [[CompletionFormatter("cmpl-x", 1, "m", False, False, [1])] for _ in groups]
+        return await serve_choices(request, Pipeline(), groups, formatters, 1, stream=False)
+
+    async def run():
+        app = web.Application(middlewares=[error_middleware])
+        app[ROUTE_TABLE] = RouteTable([Route("POST", "/x", handler, ErrorStyle.OPENAI, "x")])
+        app[METRICS] = CoordinatorMetrics()
+        app[ROUTE_TABLE].add_to(app)
+        async with TestClient(TestServer(app)) as client:
+            resp = await client.post("/x")
+            return resp.status, await resp.json(), list(cancelled)  # before the app's shutdown cancels anything
+
+    status, body, cancelled_by_then = asyncio.run(run())
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    assert cancelled_by_then == ["slow"]
 
 
 def post(http, **fields) -> dict:
