@@ -58,7 +58,7 @@ class GrammarCompiler:
             return GrammarError(f"the grammar has {len(grammar)} characters; at most {MAX_GRAMMAR_CHARS} are allowed")
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
         if matcher.is_error():
-            return GrammarError(_one_line(matcher.get_error()))
+            return GrammarError(matcher_error(matcher))
         return matcher
 
     def check(self, grammar: str) -> None:
@@ -70,8 +70,13 @@ class GrammarCompiler:
         matcher = self._compiled(grammar).deep_copy()
         generated = list(generated)
         if generated and not matcher.consume_tokens(generated):
-            raise GrammarError(f"the tokens generated so far do not follow the grammar: {matcher.get_error()}")
+            raise GrammarError(f"the tokens generated so far do not follow the grammar: {matcher_error(matcher)}")
         return matcher
+
+
+def matcher_error(matcher: llguidance.LLMatcher) -> str:
+    """A matcher's error as one API-ready line, without the parser state dump llguidance appends."""
+    return _one_line(matcher.get_error().split("<state>", 1)[0])
 
 
 def _one_line(message: str, limit: int = 400) -> str:

@@ -50,9 +50,10 @@ class Harness:
         return self.seqs.pop(rid).output_token_ids
 
     def step(self) -> None:
-        logits = self.runner.decode(list(self.seqs.values()))
-        for rid, seq in self.seqs.items():
-            seq.output_token_ids.append(int(logits[rid].argmax()))
+        seqs = list(self.seqs.values())
+        logits = self.runner.decode(seqs)
+        for row, seq in enumerate(seqs):
+            seq.output_token_ids.append(int(logits[row].argmax()))
 
     def run_until_done(self) -> dict[str, list[int]]:
         done = {}

@@ -85,6 +85,11 @@ class DecodeBackend(abc.ABC):
         """Stop stepping."""
 
     @abc.abstractmethod
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Raise InvalidRequest if this backend cannot honour `sampling`; may compile a grammar, so the
+        servicer calls it off the event loop."""
+
+    @abc.abstractmethod
     def _decode_arrived(self, seq: Sequence, kv) -> None:
         """Emit the first token the KV cache carries and queue the sequence for the batch."""
 

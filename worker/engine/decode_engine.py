@@ -8,16 +8,18 @@ import queue
 import threading
 import time
 
-from kv_transfer.base import TransferredKv
+from guidance.compiler import matcher_error
+from kv_transfer.base import KvTransferError, TransferredKv
 from kv_transfer.buffer_pool import KvBufferPool
 from kv_transfer.codec import KvAssembler
 from worker.engine.decode_backend import DecodeBackend
-from worker.engine.errors import RequestFailed
+from worker.engine.errors import InvalidRequest, RequestFailed
+from worker.engine.grammar_masks import Guidance
 from worker.engine.messages import AddSequence, CancelSequence, DecodeCommand, LocalPrefill, QueueLocalPrefill, Stop
 from worker.engine.model_runner import ModelRunner
 from worker.engine.output import OutputProcessor
-from worker.engine.sampling import choose
-from worker.engine.sequence import DecodeState, Sequence, TokenLogprobs, TokenOutput
+from worker.engine.sampling import choose_batch
+from worker.engine.sequence import DecodeState, SamplingParams, Sequence, TokenLogprobs, TokenOutput
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class DecodeEngine(DecodeBackend):
         self.runner = runner
         self.model_name = str(runner.model_dir)
         self.kv_pool = KvBufferPool()
+        self.guidance = Guidance(runner.tokenizer, runner.vocab_size, runner.eos_token_ids)
         self._processors: dict[str, OutputProcessor] = {}
         self._inbox: queue.SimpleQueue[DecodeCommand] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -41,6 +44,9 @@ class DecodeEngine(DecodeBackend):
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
 
     # asyncio side ------------------------------------------------------------------------
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        self.guidance.check(sampling)
+
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread.start()
@@ -90,6 +96,8 @@ class DecodeEngine(DecodeBackend):
 
     def _admit(self, seq: Sequence) -> None:
         kv = seq.pending_kv
+        if seq.sampling.grammar is not None and seq.matcher is None and not self._attach_matcher(seq, kv):
+            return
         processor = OutputProcessor(seq, self.runner.tokenizer, self.runner.eos_token_ids)
         first_logprobs = None
         if seq.sampling.return_logprobs and kv.first_logprobs is not None:
@@ -105,6 +113,30 @@ class DecodeEngine(DecodeBackend):
             kv.release()
             seq.pending_kv = None
         self._emit(seq.request_id, output)
+
+    def _attach_matcher(self, seq: Sequence, kv: TransferredKv) -> bool:
+        """Give a sequence whose KV arrived its matcher over every token generated so far (the replayed ones,
+        then the prefill worker's first), so a request moved here stays inside its grammar; False: failed."""
+        try:
+            seq.matcher = self.guidance.matcher(seq.sampling)
+        except InvalidRequest as exc:
+            self._refuse(seq, str(exc), InvalidRequest)
+            return False
+        if not seq.matcher.consume_token(kv.first_token_id):
+            # The prefill worker ignored the grammar: its result is at fault, as a corrupt cache would be.
+            self._refuse(seq, f"the first token {kv.first_token_id} from the prefill worker does not follow "
+                              "the request's grammar", KvTransferError)
+            return False
+        return True
+
+    def _refuse(self, seq: Sequence, message: str, error: type[Exception]) -> None:
+        """End a sequence that never joined the batch."""
+        seq.status = DecodeState.FAILED
+        seq.matcher = None
+        if seq.pending_kv is not None:
+            seq.pending_kv.release()
+            seq.pending_kv = None
+        self._fail_soon(seq.request_id, message, error)
 
     def _retire(self, seq: Sequence, status: DecodeState, leave_batch: bool = True) -> None:
         self.scheduler.finish(seq, status)
@@ -138,20 +170,25 @@ class DecodeEngine(DecodeBackend):
 
     def _prefill_locally(self, jobs: list[LocalPrefill]) -> None:
         # A request released while queued is not worth a forward.
-        jobs = [job for job in jobs if job.seq.status is DecodeState.PREFILLING_LOCALLY]
+        jobs = [job for job in jobs
+                if job.seq.status is DecodeState.PREFILLING_LOCALLY and self._with_matcher(job.seq)]
         if not jobs:
             return
         try:
             started = time.perf_counter()
             logits, rows = self.runner.prefill([job.seq.prompt_token_ids for job in jobs])
             self.metrics.observe_step("prefill", time.perf_counter() - started, len(jobs))
+            # The first token is masked like every later one; its matcher then holds it, for `_admit`.
+            picks = choose_batch(logits, [job.seq for job in jobs], self.runner.eos_token_ids, self.guidance.masks)
             arrived = []
-            for row, job in enumerate(jobs):
-                seq = job.seq
-                first, logprobs = choose(logits[row], seq.sampling, seq.prompt_token_ids, [],
-                                         self.runner.eos_token_ids)
+            for row, (job, pick) in enumerate(zip(jobs, picks)):
+                if pick is None:
+                    self._fail_soon(job.seq.request_id, _grammar_failed(job.seq), RequestFailed)
+                    arrived.append(None)
+                    continue
+                first, logprobs = pick
                 prefill_ms = (time.perf_counter() - job.submitted_at) * 1000
-                arrived.append(TransferredKv(seq.request_id, rows[row], first, prefill_ms,
+                arrived.append(TransferredKv(job.seq.request_id, rows[row], first, prefill_ms,
                                              (logprobs.logprob, logprobs.top) if logprobs else None))
         except Exception as exc:  # a failed prefill fails its requests, never the engine thread
             logger.exception("local prefill of %d prompts failed", len(jobs))
@@ -160,10 +197,19 @@ class DecodeEngine(DecodeBackend):
             return
         # From here on a local prefill is a sequence whose KV has just arrived (unless released meanwhile).
         for job, kv in zip(jobs, arrived):
-            if job.seq.status is not DecodeState.PREFILLING_LOCALLY:
+            if kv is None or job.seq.status is not DecodeState.PREFILLING_LOCALLY:
                 continue
             job.seq.pending_kv = kv
             self._admit(job.seq)
+
+    def _with_matcher(self, seq: Sequence) -> bool:
+        """Give a sequence about to be prefilled here its grammar's matcher (if it has a grammar); False: failed."""
+        try:
+            seq.matcher = self.guidance.matcher(seq.sampling)
+        except InvalidRequest as exc:
+            self._fail_soon(seq.request_id, str(exc), InvalidRequest)  # the event loop moves it to FAILED
+            return False
+        return True
 
     def _fail_all(self, batch: list[Sequence]) -> None:
         # The batch may be inconsistent after a failed step: drop it whole instead of row by row.
@@ -176,12 +222,16 @@ class DecodeEngine(DecodeBackend):
 
     def _step(self, batch: list[Sequence]) -> None:
         started = time.perf_counter()
-        all_logits = self.runner.decode(batch)
+        logits = self.runner.decode(batch)
         now = time.perf_counter()
         self.metrics.observe_step("decode", now - started, len(batch))
-        for seq in batch:
-            token, logprobs = choose(all_logits[seq.request_id], seq.sampling, seq.prompt_token_ids,
-                                     seq.output_token_ids, self.runner.eos_token_ids)
+        picks = choose_batch(logits, batch, self.runner.eos_token_ids, self.guidance.masks)
+        for seq, pick in zip(batch, picks):
+            if pick is None:
+                self._fail_soon(seq.request_id, _grammar_failed(seq), RequestFailed)
+                self._retire(seq, DecodeState.FAILED)
+                continue
+            token, logprobs = pick
             output = self._processors[seq.request_id].append(
                 token, (now - seq.last_step_at) * 1000, logprobs, batch_size=len(batch),
                 queue_wait_ms=max(0.0, started - seq.last_step_at) * 1000)
@@ -189,3 +239,7 @@ class DecodeEngine(DecodeBackend):
             self._emit(seq.request_id, output)
             if output.finish_reason is not None:
                 self._retire(seq, DecodeState.FINISHED)
+
+
+def _grammar_failed(seq: Sequence) -> str:
+    return f"guided decoding failed on the worker: {matcher_error(seq.matcher)}"

@@ -8,5 +8,10 @@ class DuplicateRequestError(ValueError):
     """A request id that is already on this worker."""
 
 
+class InvalidRequest(ValueError):
+    """The request asks for what this worker cannot do: a grammar that does not compile, replayed tokens
+    outside it, a logit_bias id outside the vocabulary, guided decoding on a backend without a tokenizer."""
+
+
 class RequestFailed(Exception):
     """The worker failed the request itself (a forward raised)."""

@@ -58,6 +58,11 @@ class ModelRunner:
         return self.model.dtype
 
     @property
+    def vocab_size(self) -> int:
+        """The width of the logits (token ids a mask or a bias may name)."""
+        return self.config.vocab_size
+
+    @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 
@@ -106,11 +111,11 @@ class ModelRunner:
         self.batch = BatchedKvCache(self.config)
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> dict[str, torch.Tensor]:
-        """One batched decode step over every sequence in the batch; next-token logits by request id."""
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One batched decode step over every sequence in the batch; next-token logits [B, V], row i for seqs[i]."""
         by_id = {s.request_id: s for s in seqs}
         order = list(self.batch.request_ids)
-        if set(order) != set(by_id):
+        if set(order) != set(by_id) or len(order) != len(seqs):
             raise RuntimeError("decode batch and running sequences disagree")
         mask, positions = self.batch.step_inputs(order)
         input_ids = torch.tensor([[by_id[r].output_token_ids[-1]] for r in order], dtype=torch.long)
@@ -119,4 +124,7 @@ class ModelRunner:
         self.batch.cache = out.past_key_values
         self.batch.advance()
         logits = out.logits[:, -1].float()
-        return {r: logits[i] for i, r in enumerate(order)}
+        if all(r == s.request_id for r, s in zip(order, seqs)):
+            return logits
+        row_of = {r: i for i, r in enumerate(order)}
+        return logits[torch.tensor([row_of[s.request_id] for s in seqs])]

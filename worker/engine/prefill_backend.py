@@ -6,6 +6,7 @@ import abc
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from worker.engine.errors import DuplicateRequestError
 from worker.engine.kv_budget import KvAdmission, KvBudget
@@ -35,6 +36,8 @@ class PrefillJob:
     submitted_at: float
     events: asyncio.Queue[PrefillEvent] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
+    matcher: Any = None  # its grammar's matcher while the engine picks the first token; None: unconstrained
+    output_token_ids: ClassVar[tuple[int, ...]] = ()  # a prefill picks the first token: none came before
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +67,11 @@ class PrefillBackend(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop running forwards."""
+
+    @abc.abstractmethod
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Raise InvalidRequest if this backend cannot honour `sampling`; may compile a grammar, so the
+        servicer calls it off the event loop."""
 
     @abc.abstractmethod
     def kv_layout(self, job: PrefillJob) -> KvLayout:

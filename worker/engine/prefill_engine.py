@@ -9,11 +9,15 @@ import time
 
 import torch
 
+from guidance.compiler import matcher_error
 from kv_transfer.codec import DTYPE_NAMES, KvLayer
+from worker.engine.errors import InvalidRequest
+from worker.engine.grammar_masks import Guidance
 from worker.engine.messages import KvLayerReady, PrefillDone, PrefillEvent, PrefillFailed
 from worker.engine.model_runner import ModelRunner
 from worker.engine.prefill_backend import KvLayout, PrefillBackend, PrefillJob
-from worker.engine.sampling import choose
+from worker.engine.sampling import choose_batch
+from worker.engine.sequence import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +30,7 @@ class PrefillEngine(PrefillBackend):
         super().__init__(budget_tokens, max_batch_tokens, max_batch_size)
         self.runner = runner
         self.model_name = str(runner.model_dir)
+        self.guidance = Guidance(runner.tokenizer, runner.vocab_size, runner.eos_token_ids)
         self._cond = threading.Condition()  # guards the scheduler's queue, shared with the engine thread
         self._stopped = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -41,6 +46,9 @@ class PrefillEngine(PrefillBackend):
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        self.guidance.check(sampling)
 
     def kv_layout(self, job: PrefillJob) -> KvLayout:
         # An unsupported dtype keeps its torch name, which the stream header refuses.
@@ -80,6 +88,9 @@ class PrefillEngine(PrefillBackend):
             self.num_running = 0
 
     def _prefill(self, batch: list[PrefillJob]) -> None:
+        batch = [job for job in batch if self._with_matcher(job)]
+        if not batch:
+            return
         lengths = [job.num_tokens for job in batch]
 
         def on_layer(i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -90,11 +101,25 @@ class PrefillEngine(PrefillBackend):
             started = time.perf_counter()
             logits, _ = self.runner.prefill([job.prompt_token_ids for job in batch], on_layer)
             self.metrics.observe_step("prefill", time.perf_counter() - started, len(batch))
-            for row, job in enumerate(batch):
-                first, logprobs = choose(logits[row], job.sampling, job.prompt_token_ids, [],
-                                         self.runner.eos_token_ids)
-                self._emit(job, PrefillDone(first, (time.perf_counter() - job.submitted_at) * 1000, logprobs))
+            # The first token is masked to the grammar, from where the replayed tokens left it.
+            picks = choose_batch(logits, batch, self.runner.eos_token_ids, self.guidance.masks)
+            for job, pick in zip(batch, picks):
+                if pick is None:
+                    self._emit(job, PrefillFailed(f"guided decoding failed on the worker: "
+                                                  f"{matcher_error(job.matcher)}"))
+                else:
+                    self._emit(job, PrefillDone(pick[0], (time.perf_counter() - job.submitted_at) * 1000, pick[1]))
+                job.matcher = None
         except Exception as exc:  # a failed forward must fail its requests, not hang them
             logger.exception("prefill of %d prompts failed", len(batch))
             for job in batch:
                 self._emit(job, PrefillFailed(f"prefill failed on the worker: {exc}"))
+
+    def _with_matcher(self, job: PrefillJob) -> bool:
+        """Give a job its grammar's matcher (if it has a grammar); False: failed (checked before, so rare)."""
+        try:
+            job.matcher = self.guidance.matcher(job.sampling)
+        except InvalidRequest as exc:
+            self._emit(job, PrefillFailed(str(exc)))
+            return False
+        return True

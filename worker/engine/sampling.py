@@ -1,8 +1,10 @@
-"""One row of logits to a token: penalties and masks, then greedy or seeded sampling; logprobs."""
+"""Logits to tokens: penalties, logit_bias and masks (grammar masks for a whole step at once), then greedy
+or seeded sampling; logprobs of the raw distribution."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -33,6 +35,21 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=logits.numel()).to(logits.dtype)
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+@functools.lru_cache(maxsize=1024)
+def _bias_tensors(logit_bias: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    # Cached per distinct bias table: a request's rows reuse the same two tensors every step.
+    ids, biases = zip(*logit_bias)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(biases, dtype=torch.float32)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """OpenAI's logit_bias: each listed token's bias added to its logit (-100 all but bans, +100 all but forces)."""
+    if not params.logit_bias:
+        return logits
+    ids, biases = _bias_tensors(params.logit_bias)
+    return logits.index_add(0, ids, biases.to(logits.dtype))
 
 
 def mask_early_stops(logits: torch.Tensor, params: SamplingParams, num_generated: int,
@@ -78,11 +95,74 @@ def token_logprobs(raw_logits: torch.Tensor, token: int, top: int) -> TokenLogpr
     return TokenLogprobs(float(logprobs[token]), alternatives)
 
 
+def process_logits(raw_logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+                   output_ids: Sequence[int], eos_ids: Iterable[int], ban_early_stops: bool = True) -> torch.Tensor:
+    """What sampling sees before any grammar mask: penalties, then logit_bias, then the early-stop bans.
+    Returns `raw_logits` itself when nothing applies."""
+    logits = apply_penalties(raw_logits, params, prompt_ids, output_ids)
+    logits = apply_logit_bias(logits, params)
+    return mask_early_stops(logits, params, len(output_ids), eos_ids) if ban_early_stops else logits
+
+
+@torch.inference_mode()
 def choose(raw_logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
            eos_ids: Iterable[int]) -> tuple[int, TokenLogprobs | None]:
-    """The whole per-token pipeline: penalties, early-stop masks, sampling, logprobs."""
-    index = len(output_ids)
-    logits = apply_penalties(raw_logits, params, prompt_ids, output_ids)
-    logits = mask_early_stops(logits, params, index, eos_ids)
-    token = sample_token(logits, params, index)
+    """One unconstrained row: penalties, logit_bias, early-stop masks, sampling, logprobs."""
+    logits = process_logits(raw_logits, params, prompt_ids, output_ids, eos_ids)
+    token = sample_token(logits, params, len(output_ids))
     return token, (token_logprobs(raw_logits, token, params.top_logprobs) if params.return_logprobs else None)
+
+
+Pick = tuple[int, TokenLogprobs | None]
+
+
+@torch.inference_mode()
+def choose_batch(raw: torch.Tensor, rows: Sequence, eos_ids: Iterable[int], masks) -> list[Pick | None]:
+    """A token for each row of `raw` [B, V]: `process_logits`, then the grammar masks of all constrained rows
+    in one fill, then sampling; logprobs from the raw rows; each matcher consumes its row's token.
+
+    `rows[i]` (a Sequence or a PrefillJob) has `sampling`, `prompt_token_ids`, `output_token_ids` and
+    `matcher` (None: unconstrained); `masks` is a GrammarMasks, needed only if some row has a matcher.
+    A row whose matcher failed gets None.
+    """
+    logits = [process_logits(raw[i], row.sampling, row.prompt_token_ids, row.output_token_ids, eos_ids)
+              for i, row in enumerate(rows)]
+    guided = [i for i, row in enumerate(rows) if row.matcher is not None]
+    failed = _mask_guided(raw, rows, guided, logits, eos_ids, masks) if guided else ()
+    picks: list[Pick | None] = []
+    for i, row in enumerate(rows):
+        if i in failed:
+            picks.append(None)
+            continue
+        params = row.sampling
+        token = sample_token(logits[i], params, len(row.output_token_ids))
+        picks.append((token, token_logprobs(raw[i], token, params.top_logprobs) if params.return_logprobs else None))
+    guided = [i for i in guided if picks[i] is not None]
+    if guided:
+        consumed = masks.consume([rows[i].matcher for i in guided], [picks[i][0] for i in guided])
+        for i, ok in zip(guided, consumed):
+            if not ok:
+                picks[i] = None
+    return picks
+
+
+def _mask_guided(raw: torch.Tensor, rows: Sequence, guided: list[int], logits: list[torch.Tensor],
+                 eos_ids: Iterable[int], masks) -> set[int]:
+    """Replace the guided rows of `logits` by their grammar-masked copies; return the rows whose matcher failed."""
+    matchers = [rows[i].matcher for i in guided]
+    banned = masks.banned(matchers)
+    stacked = torch.stack([logits[i] for i in guided])
+    stacked.masked_fill_(banned, float("-inf"))
+    failed = set()
+    for j, i in enumerate(guided):
+        row = rows[i]
+        if matchers[j].is_error():
+            failed.add(i)
+            continue
+        if len(row.output_token_ids) < row.sampling.min_tokens and bool(torch.isneginf(stacked[j]).all()):
+            # min_tokens banned all the grammar allows (say, only EOS): the grammar wins, never an empty row.
+            redo = process_logits(raw[i], row.sampling, row.prompt_token_ids, row.output_token_ids, eos_ids,
+                                  ban_early_stops=False)
+            stacked[j] = redo.masked_fill(banned[j], float("-inf"))
+        logits[i] = stacked[j]
+    return failed

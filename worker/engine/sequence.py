@@ -102,6 +102,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # The transferred KV cache until the sequence joins the decode batch; opaque to the scheduler.
     pending_kv: Any = None
+    # Its grammar's llguidance matcher, advanced over every token generated so far; None: unconstrained.
+    matcher: Any = None
     last_step_at: float = 0.0
 
     @property

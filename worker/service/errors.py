@@ -7,12 +7,13 @@ import contextlib
 import grpc
 
 from kv_transfer.base import KvTransferError
-from worker.engine.errors import DuplicateRequestError, RequestFailed
+from worker.engine.errors import DuplicateRequestError, InvalidRequest, RequestFailed
 from worker.engine.kv_budget import KvCapacityError
 
 STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     KvCapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,  # can never fit: retrying elsewhere cannot help
     DuplicateRequestError: grpc.StatusCode.ALREADY_EXISTS,
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,  # the coordinator answers the client 400
     KvTransferError: grpc.StatusCode.DATA_LOSS,  # the KV cache was corrupt, truncated or late
     RequestFailed: grpc.StatusCode.INTERNAL,
 }

@@ -60,6 +60,17 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
+async def checked_sampling(engine: PrefillBackend | DecodeBackend, msg: pb.SamplingParams) -> SamplingParams:
+    """The request's sampling rules once its backend accepts them (InvalidRequest otherwise); a grammar is
+    compiled on a thread, so neither the event loop nor the engine waits for it."""
+    sampling = sampling_from_pb(msg)
+    if sampling.grammar is None:
+        engine.check_sampling(sampling)
+    else:
+        await asyncio.to_thread(engine.check_sampling, sampling)
+    return sampling
+
+
 def token_to_pb(output: TokenOutput) -> pb.DecodeEvent:
     event = pb.TokenEvent(
         token_id=output.token_id,
@@ -132,8 +143,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
         async with engine_errors_as_status(context):
-            job = await self.engine.submit(request.request_id, list(request.prompt_token_ids),
-                                           sampling_from_pb(request.sampling))
+            sampling = await checked_sampling(self.engine, request.sampling)
+            job = await self.engine.submit(request.request_id, list(request.prompt_token_ids), sampling)
         self.metrics.requests.inc()
         try:
             return await self._send_kv(request, job, context)
@@ -209,8 +220,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     async def _decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         async with engine_errors_as_status(context):
-            handle = self.engine.register(request.request_id, request.prompt_len, sampling_from_pb(request.sampling),
-                                          request.max_seq_len, list(request.prompt_token_ids))
+            sampling = await checked_sampling(self.engine, request.sampling)
+            handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
+                                          list(request.prompt_token_ids))
         try:
             async with engine_errors_as_status(context):
                 await self.engine.admit(handle)

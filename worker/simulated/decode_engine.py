@@ -9,6 +9,7 @@ from worker.engine.messages import LocalPrefill
 from worker.engine.sequence import DecodeState, FinishReason, Sequence, TokenOutput
 from worker.simulated.cost_model import SIMULATED_MODEL, CostModel
 from worker.simulated.engine_task import EngineTask, RunsOnEventLoop, sleep_until
+from worker.simulated.refusals import RefusesTokenConstraints
 from worker.simulated.kv import VerifiedKv, VerifyOnlyKvAssembler
 from worker.simulated.tokens import synthetic_token, token_key, token_text
 
@@ -18,7 +19,7 @@ def token_limit(seq: Sequence) -> int:
     return max(1, min(seq.sampling.max_tokens, seq.max_seq_len - seq.prompt_len))
 
 
-class SimulatedDecodeEngine(RunsOnEventLoop, DecodeBackend):
+class SimulatedDecodeEngine(RunsOnEventLoop, RefusesTokenConstraints, DecodeBackend):
     """Continuous batching on a timer: every step, each running sequence gets one token.
 
     Sequences join at the next step (up to `max_running`) and leave at once when finished or

@@ -8,11 +8,12 @@ from worker.engine.messages import KvLayerReady, PrefillDone
 from worker.engine.prefill_backend import KvLayout, PrefillBackend, PrefillJob
 from worker.simulated.cost_model import SIMULATED_MODEL, CostModel, KvShape
 from worker.simulated.engine_task import EngineTask, RunsOnEventLoop, sleep_until
+from worker.simulated.refusals import RefusesTokenConstraints
 from worker.simulated.kv import synthetic_layer
 from worker.simulated.tokens import synthetic_token, token_key
 
 
-class SimulatedPrefillEngine(RunsOnEventLoop, PrefillBackend):
+class SimulatedPrefillEngine(RunsOnEventLoop, RefusesTokenConstraints, PrefillBackend):
     """Batched prefill as the real PrefillEngine schedules it; layer i is out at (i+1)/L of the forward."""
 
     model_name = SIMULATED_MODEL

@@ -1,0 +1,98 @@
+"""Guided decoding on a real worker: request checks, each sequence's matcher, and a step's grammar masks.
+
+Grammars are compiled before a request reaches the engine (`Guidance.check`, on a servicer thread), so
+the engine only copies cached grammars into matchers. A step computes the masks of all its constrained
+rows together (llguidance's executor, one reused bitmask) and the sampler applies them in one fill.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import llguidance
+import llguidance.torch
+import torch
+
+from guidance.compiler import GrammarCompiler, GrammarError
+from worker.engine.errors import InvalidRequest
+from worker.engine.sequence import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGIT_BIAS = 100.0
+
+
+class GrammarMasks:
+    """Which tokens each constrained row's grammar forbids, for a whole step at once, in reused buffers."""
+
+    def __init__(self, vocab_size: int, num_threads: int | None = None):
+        self.vocab_size = vocab_size
+        self._words = (vocab_size + 31) // 32
+        self._executor = llguidance.LLExecutor(num_threads)
+        self._bitmask = torch.empty(0, self._words, dtype=torch.int32)
+        self._bytes = torch.empty(0, self._words * 4, dtype=torch.int32)
+        self._banned = torch.empty(0, self._words * 32, dtype=torch.bool)
+        # Row b: the 8 tokens of a mask byte of value b, True where banned (llguidance sets allowed bits).
+        self._byte_table = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0
+
+    @torch.inference_mode()
+    def banned(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """[len(matchers), vocab_size] bool, True where that row's grammar forbids the token; a view of a
+        reused buffer, valid until the next call."""
+        n = len(matchers)
+        if self._bitmask.shape[0] < n:
+            rows = max(n, 2 * self._bitmask.shape[0], 8)
+            self._bitmask = torch.empty(rows, self._words, dtype=torch.int32)
+            self._bytes = torch.empty(rows, self._words * 4, dtype=torch.int32)
+            self._banned = torch.empty(rows, self._words * 32, dtype=torch.bool)
+        bitmask = self._bitmask[:n]
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(n))), bitmask)
+        # Little-endian words: bit k of byte j is token 8j + k. One table lookup per byte unpacks it.
+        self._bytes[:n].copy_(bitmask.view(torch.uint8))
+        torch.index_select(self._byte_table, 0, self._bytes[:n].view(-1), out=self._banned[:n].view(-1, 8))
+        return self._banned[:n, : self.vocab_size]
+
+    @staticmethod
+    def consume(matchers: list[llguidance.LLMatcher], tokens: list[int]) -> list[bool]:
+        """Advance each matcher over its row's chosen token; False where it refused (it is now in error)."""
+        # One at a time on the engine thread: a consume costs microseconds, less than a hand-off to the pool.
+        return [matcher.consume_token(token) for matcher, token in zip(matchers, tokens)]
+
+
+class Guidance:
+    """A real engine's guided decoding and logit_bias: request checks, matchers, the step masks."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Iterable[int]):
+        self.vocab_size = vocab_size
+        self.compiler: GrammarCompiler | None = None
+        self.masks: GrammarMasks | None = None
+        self._unavailable = ""
+        try:
+            self.compiler = GrammarCompiler(hf_tokenizer, vocab_size, eos_token_ids)
+            self.masks = GrammarMasks(vocab_size)
+        except Exception as exc:  # e.g. a slow (Python) tokenizer: unguided requests are still served
+            self._unavailable = f"guided decoding is not available on this worker: {exc}"
+            logger.warning("%s", self._unavailable)
+
+    def check(self, sampling: SamplingParams) -> None:
+        """Raise InvalidRequest unless logit_bias names vocabulary ids within range and the grammar compiles
+        and accepts the replayed tokens. Compiling may take long: call it off the engine and event loop."""
+        for token_id, bias in sampling.logit_bias:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequest(f"logit_bias names token id {token_id}, outside the model's vocabulary "
+                                     f"[0, {self.vocab_size})")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails too
+                raise InvalidRequest(f"logit_bias of token id {token_id} is {bias}; it must be in [-100, 100]")
+        self.matcher(sampling)
+
+    def matcher(self, sampling: SamplingParams) -> llguidance.LLMatcher | None:
+        """A fresh matcher for the request's grammar, advanced over `grammar_generated`; None without one."""
+        if sampling.grammar is None:
+            return None
+        if self.compiler is None:
+            raise InvalidRequest(self._unavailable)
+        try:
+            return self.compiler.matcher(sampling.grammar, sampling.grammar_generated)
+        except GrammarError as exc:
+            raise InvalidRequest(f"guided decoding: {exc}") from None
