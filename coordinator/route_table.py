@@ -6,6 +6,7 @@ import enum
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -24,7 +25,7 @@ class ErrorStyle(enum.Enum):
 
 @dataclass(frozen=True)
 class Route:
-    """One HTTP route: where it is, what serves it, its error body and its metrics label."""
+    """One HTTP route: where it is, what serves it, its error body, its metrics label and its documented bodies."""
 
     method: str
     path: str  # an aiohttp pattern: `{name}` stands for one path segment
@@ -32,6 +33,10 @@ class Route:
     error_style: ErrorStyle
     metrics_label: str | None = None  # None: not counted in the request metrics
     generation: bool = False  # runs a generation, so counts against request_limit.max_requests
+    # For GET /openapi.json: the type the JSON body is validated into (a pydantic model, or a union of models
+    # where one path serves two APIs), and the success answers (an apis.response_models.Reply).
+    body_model: Any = None
+    reply: Any = None
 
     def pattern(self) -> re.Pattern:
         parts = re.split(r"(\{[^}]+\})", self.path)

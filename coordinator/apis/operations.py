@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from coordinator.apis.response_models import Health, ModelList, Reply
 from coordinator.route_table import ErrorStyle, Route
 from coordinator.metrics import METRICS
 from coordinator.state import STATE
@@ -28,6 +29,7 @@ def health_body(instances: dict[str, list[dict]]) -> tuple[int, dict]:
 
 
 async def models(request: web.Request) -> web.Response:
+    """The served model."""
     state = request.app[STATE]
     return web.json_response(models_body(state.model_name, state.started_at, state.limits.max_seq_len))
 
@@ -41,11 +43,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus metrics of the coordinator, in the text exposition format."""
     return await request.app[METRICS].handle_metrics(request)
 
 
 ROUTES = [
-    Route("GET", "/v1/models", models, ErrorStyle.OPENAI),
-    Route("GET", "/health", health, ErrorStyle.TGI),
-    Route("GET", "/metrics", metrics, ErrorStyle.TGI),
+    Route("GET", "/v1/models", models, ErrorStyle.OPENAI, reply=Reply(json=ModelList)),
+    Route("GET", "/health", health, ErrorStyle.TGI, reply=Reply(json=Health, statuses=(200, 503))),
+    Route("GET", "/metrics", metrics, ErrorStyle.TGI, reply=Reply(text="text/plain")),
 ]
