@@ -6,6 +6,7 @@ from aiohttp import web
 
 from coordinator.apis import tgi, vllm_native
 from coordinator.apis.fields import read_json
+from coordinator.apis.response_models import Reply, TgiResponse, VllmResponse
 from coordinator.route_table import ErrorStyle, Route
 from coordinator.errors import ApiError
 
@@ -21,4 +22,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await vllm_native.serve_vllm(request, body)
 
 
-ROUTES = [Route("POST", "/generate", generate, ErrorStyle.TGI, "generate", generation=True)]
+ROUTES = [Route("POST", "/generate", generate, ErrorStyle.TGI, "generate", generation=True,
+                body_model=tgi.TgiRequest | vllm_native.VllmGenerateRequest,
+                reply=Reply(json=TgiResponse | VllmResponse,
+                            description="TGI's answer to a body with `inputs`, vLLM's to one with `prompt`. A vLLM "
+                                        "stream (`stream: true`) is one {\"text\": [...]} object per token, each "
+                                        "followed by a NUL byte."))]

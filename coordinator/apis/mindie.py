@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict
 
 from coordinator.apis.fields import PromptInput, new_id, read_request
 from coordinator.apis.prompts import tokenize_input
+from coordinator.apis.response_models import MindieResponse, MindieStreamEvent, Reply, TextGenErrorBody
 from coordinator.route_table import ErrorStyle, Route
 from coordinator.apis.tgi_family import QueuedParameters, TextGenFormatter, finish_details, token_timing
 from coordinator.request import Finished, TokenDelta
@@ -64,4 +65,5 @@ async def infer(request: web.Request) -> web.StreamResponse:
     return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
 
 
-ROUTES = [Route("POST", "/infer", infer, ErrorStyle.TGI, "mindie", generation=True)]
+ROUTES = [Route("POST", "/infer", infer, ErrorStyle.TGI, "mindie", generation=True, body_model=MindieRequest,
+                reply=Reply(json=MindieResponse, events=MindieStreamEvent | TextGenErrorBody))]

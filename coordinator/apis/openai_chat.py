@@ -20,6 +20,7 @@ from coordinator.apis.openai_common import (
     serve_openai,
     usage,
 )
+from coordinator.apis.response_models import ChatCompletion, ChatCompletionChunk, Reply
 from coordinator.route_table import ErrorStyle, Route
 from coordinator.errors import ApiError
 from coordinator.request import Finished, GenerationRequest, TokenDelta
@@ -282,4 +283,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await serve_openai(request, body, gen, formatter)
 
 
-ROUTES = [Route("POST", "/v1/chat/completions", chat_completions, ErrorStyle.OPENAI, "openai_chat", generation=True)]
+ROUTES = [Route("POST", "/v1/chat/completions", chat_completions, ErrorStyle.OPENAI, "openai_chat", generation=True,
+                body_model=ChatCompletionRequest,
+                reply=Reply(json=ChatCompletion, events=ChatCompletionChunk, done_marker="[DONE]"))]

@@ -20,6 +20,7 @@ from coordinator.apis.openai_common import (
     usage,
 )
 from coordinator.apis.prompts import CompletionPrompt, prompt_batch, tokenize_batch
+from coordinator.apis.response_models import Completion, Reply
 from coordinator.route_table import ErrorStyle, Route
 from coordinator.errors import ApiError
 from coordinator.request import Finished, GenerationRequest, TokenDelta
@@ -142,4 +143,5 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await serve_openai_batch(request, body, gens, formatter)
 
 
-ROUTES = [Route("POST", "/v1/completions", completions, ErrorStyle.OPENAI, "openai_completions", generation=True)]
+ROUTES = [Route("POST", "/v1/completions", completions, ErrorStyle.OPENAI, "openai_completions", generation=True,
+                body_model=CompletionRequest, reply=Reply(json=Completion, events=Completion, done_marker="[DONE]"))]

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 from coordinator.apis.fields import PositiveInt32, PromptInput, new_id, parse_request, read_json, stop_tuple
 from coordinator.apis.guided import TgiGrammar, checked_grammar
 from coordinator.apis.prompts import tokenize_input
+from coordinator.apis.response_models import Reply, TextGenErrorBody, TgiResponse, TgiStreamEvent
 from coordinator.route_table import ErrorStyle, Route
 from coordinator.apis.tgi_family import TextGenFormatter, TextGenParameters, finish_details
 from coordinator.errors import ApiError
@@ -159,6 +160,8 @@ async def tgi_compat(request: web.Request) -> web.StreamResponse:
 
 
 ROUTES = [
-    Route("POST", "/generate_stream", generate_stream, ErrorStyle.TGI, "tgi", generation=True),
-    Route("POST", "/", tgi_compat, ErrorStyle.TGI, "tgi", generation=True),
+    Route("POST", "/generate_stream", generate_stream, ErrorStyle.TGI, "tgi", generation=True, body_model=TgiRequest,
+          reply=Reply(events=TgiStreamEvent | TextGenErrorBody)),
+    Route("POST", "/", tgi_compat, ErrorStyle.TGI, "tgi", generation=True, body_model=TgiRequest,
+          reply=Reply(json=list[TgiResponse], events=TgiStreamEvent | TextGenErrorBody)),
 ]

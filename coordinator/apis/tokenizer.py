@@ -6,6 +6,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.apis.fields import read_request
+from coordinator.apis.response_models import Reply, TokenizeResponse
 from coordinator.route_table import ErrorStyle, Route
 from coordinator.state import STATE
 
@@ -29,4 +30,5 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 # A /v1/ path that answers in TGI's error format, as MindIE's tokenizer does.
-ROUTES = [Route("POST", "/v1/tokenizer", tokenize, ErrorStyle.TGI, "tokenizer")]
+ROUTES = [Route("POST", "/v1/tokenizer", tokenize, ErrorStyle.TGI, "tokenizer", body_model=TokenizeRequest,
+                reply=Reply(json=TokenizeResponse))]

@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from coordinator.apis.fields import INT32_MAX, PromptInput, TopP, new_id, read_request
 from coordinator.apis.prompts import tokenize_input
+from coordinator.apis.response_models import Reply, TritonInferResponse, TritonResponse, TritonStreamError
 from coordinator.route_table import ErrorStyle, Route
 from coordinator.apis.tgi_family import (
     QueuedParameters,
@@ -204,7 +205,10 @@ async def infer(request: web.Request) -> web.Response:
 
 
 ROUTES = [
-    Route("POST", "/v2/models/{model}/generate", generate, ErrorStyle.TGI, "triton", generation=True),
-    Route("POST", "/v2/models/{model}/generate_stream", generate, ErrorStyle.TGI, "triton", generation=True),
-    Route("POST", "/v2/models/{model}/infer", infer, ErrorStyle.TGI, "triton", generation=True),
+    Route("POST", "/v2/models/{model}/generate", generate, ErrorStyle.TGI, "triton", generation=True,
+          body_model=TritonGenerateRequest, reply=Reply(json=TritonResponse)),
+    Route("POST", "/v2/models/{model}/generate_stream", generate, ErrorStyle.TGI, "triton", generation=True,
+          body_model=TritonGenerateRequest, reply=Reply(events=TritonResponse | TritonStreamError)),
+    Route("POST", "/v2/models/{model}/infer", infer, ErrorStyle.TGI, "triton", generation=True,
+          body_model=TritonInferRequest, reply=Reply(json=TritonInferResponse)),
 ]
