@@ -140,6 +140,6 @@ def test_a_row_whose_matcher_failed_gets_no_token_and_the_others_do(guidance):
 def test_the_mask_buffers_grow_for_a_larger_step_and_are_reused(guidance):
     rows = [guided_row(guidance, DIGITS) for _ in range(20)]
     picks = choose_batch(logits(20), rows, [EOS], guidance.masks)
-    buffer = guidance.masks._bits
+    buffer = guidance.masks._banned
     choose_batch(logits(20, seed=1), [guided_row(guidance, COLOR) for _ in range(3)], [EOS], guidance.masks)
-    assert guidance.masks._bits is buffer and all(p is not None for p in picks)
+    assert guidance.masks._banned is buffer and all(p is not None for p in picks)

@@ -219,3 +219,10 @@ async def test_min_tokens_gives_way_to_a_grammar_that_allows_only_eos(engines, p
     outputs = await generate_locally(engines, prompt, SamplingParams(max_tokens=40, min_tokens=30,
                                                                      grammar=lark_grammar('start: "ok"')))
     assert text(outputs) == "ok" and outputs[-1].finish_reason is FinishReason.EOS
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_finished_grammar_ends_the_request_even_with_ignore_eos(engines, prompt, path):
+    outputs = await PATHS[path](engines, prompt, SamplingParams(max_tokens=40, ignore_eos=True,
+                                                                grammar=lark_grammar('start: "done"')))
+    assert text(outputs) == "done" and outputs[-1].finish_reason is FinishReason.EOS

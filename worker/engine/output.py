@@ -22,7 +22,9 @@ class OutputProcessor:
         seq.output_token_ids.append(token_id)
         delta = self._detok.push(token_id)
         stop_token = token_id in params.stop_token_ids
-        eos = token_id in self._eos and not params.ignore_eos
+        # A finished grammar allows nothing but EOS: ignore_eos cannot make it go on.
+        grammar_done = seq.matcher is not None and seq.matcher.is_stopped()
+        eos = token_id in self._eos and (not params.ignore_eos or grammar_done)
         if (stop_token or eos) and not params.include_stop_str_in_output:
             delta = ""
         text = self._stops.feed(delta)
