@@ -215,17 +215,21 @@ class TgiGrammar(BaseModel):
 
     type: Literal["json", "regex"]
     value: Schema
+    _constraint: Constraint = PrivateAttr()
 
     @model_validator(mode="after")
     def _value_fits_type(self):
-        if self.type == "regex" and not isinstance(self.value, str):
-            raise ValueError("a regex grammar's value must be a string")
+        field = "parameters.grammar.value"
+        if self.type == "regex":
+            if not isinstance(self.value, str):
+                raise ValueError("a regex grammar's value must be a string")
+            self._constraint = Constraint(field, regex_grammar(self.value))
+        else:
+            self._constraint = Constraint(field, json_grammar(self.value, field))
         return self
 
     def constraint(self) -> Constraint:
-        field = "parameters.grammar.value"
-        grammar = json_grammar(self.value, field) if self.type == "json" else regex_grammar(self.value)
-        return Constraint(field, grammar)
+        return self._constraint
 
 
 async def checked_grammar(compiler: GrammarCompiler, constraint: Constraint | None) -> GuidedGrammar | None:

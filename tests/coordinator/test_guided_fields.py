@@ -185,6 +185,8 @@ def test_tgi_grammar_becomes_a_constraint(compiler, grammar, field_kind):
 @pytest.mark.parametrize("grammar,needle", [
     ({"type": "lark", "value": "x"}, "parameters.grammar.type"),
     ({"type": "regex", "value": {"a": 1}}, "a regex grammar's value must be a string"),
+    ({"type": "json", "value": ""}, "parameters.grammar.value is not valid JSON"),
+    ({"type": "json", "value": [1]}, "parameters.grammar.value"),
 ])
 def test_bad_tgi_grammar_is_400(grammar, needle):
     with pytest.raises(ApiError) as err:
