@@ -61,6 +61,7 @@ def test_the_masks_of_a_step_equal_each_matchers_own_bitmask(guidance, tokenizer
     assert banned.shape == (3, VOCAB) and banned.dtype == torch.bool
     for row, matcher in enumerate(matchers):
         assert torch.equal(banned[row], reference_banned(matcher))
+        assert torch.equal(guidance.masks.banned([matcher])[0], reference_banned(matcher))  # a step of one row
 
 
 def test_eos_is_allowed_only_where_the_grammar_accepts(guidance, tokenizer):

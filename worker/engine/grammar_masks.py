@@ -47,7 +47,10 @@ class GrammarMasks:
             self._bytes = torch.empty(rows, self._words * 4, dtype=torch.int32)
             self._banned = torch.empty(rows, self._words * 32, dtype=torch.bool)
         bitmask = self._bitmask[:n]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(n))), bitmask)
+        if n == 1:  # nothing to share out: skip the hand-off to the pool's threads
+            llguidance.torch.fill_next_token_bitmask(matchers[0], bitmask)
+        else:
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, list(zip(matchers, range(n))), bitmask)
         # Little-endian words: bit k of byte j is token 8j + k. One table lookup per byte unpacks it.
         self._bytes[:n].copy_(bitmask.view(torch.uint8))
         torch.index_select(self._byte_table, 0, self._bytes[:n].view(-1), out=self._banned[:n].view(-1, 8))
