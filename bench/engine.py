@@ -1,10 +1,12 @@
 """Decode throughput of the worker engine vs sequential and static-batch `model.generate`, one run.
 
     .venv/bin/python bench/engine.py [--requests 64] [--new-tokens 64] [--concurrency 1 4 16 64]
+    .venv/bin/python bench/engine.py --guided [--concurrency 16 64]
 
 Builds (once, offline) a model big enough that the forward pass dominates: hidden 512, 8 layers.
 The engine path is the real PrefillEngine + DecodeEngine of a worker, in one process, with the
-KV cache handed from one to the other directly (the transfer has its own benchmark).
+KV cache handed from one to the other directly (the transfer has its own benchmark). `--guided`
+instead runs every request under a JSON schema against the same requests unconstrained.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import llguidance  # noqa: E402
 import torch  # noqa: E402
 
 from embedded_model import ModelSpec, build_model, default_model_dir  # noqa: E402
@@ -31,6 +34,19 @@ from worker.engine.sequence import SamplingParams  # noqa: E402
 
 BENCH_SPEC = ModelSpec(name="pdserve-bench-512x8", hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
                        num_attention_heads=8, num_key_value_heads=4)
+
+
+# Objects in an array of at least 64: no request can finish (EOS) before its new tokens are out, so
+# both modes decode the same number of tokens. Whitespace as the coordinator allows it by default.
+GUIDED_SCHEMA = {
+    "type": "array", "minItems": 64,
+    "items": {"type": "object", "additionalProperties": False, "required": ["id", "name", "ok", "kind"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                             "name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"},
+                             "kind": {"enum": ["alpha", "beta", "gamma"]}}},
+}
+GUIDED_GRAMMAR = llguidance.LLMatcher.grammar_from_json_schema(
+    GUIDED_SCHEMA, overrides={"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"})
 
 
 def bench_model_dir() -> Path:
@@ -69,14 +85,17 @@ def run_static_batch(model, prompts, new_tokens, pad_id) -> tuple[int, float]:
     return (out.shape[1] - width) * len(prompts), time.perf_counter() - start
 
 
-async def run_engine(prefill_runner, decode_runner, prompts, new_tokens, concurrency) -> tuple[int, float]:
+async def run_engine(prefill_runner, decode_runner, prompts, new_tokens, concurrency,
+                     grammar: str | None = None) -> tuple[int, float]:
     # Two runners, as in a deployment where prefill and decode are separate workers.
     prefill = PrefillEngine(prefill_runner, budget_tokens=10**7, max_batch_tokens=8192, max_batch_size=16)
     decode = DecodeEngine(decode_runner, budget_tokens=10**7, max_running=256)
     prefill.start()
     decode.start()
     # EOS would end sequences early and flatter no one: every request generates exactly new_tokens.
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, grammar=grammar)
+    prefill.check_sampling(params)  # compiled off the clock, as the servicers do before a request is queued
+    decode.check_sampling(params)
     decode_runner.eos_token_ids = frozenset()
     pending = list(prompts)
     total = 0
@@ -114,12 +133,35 @@ async def run_engine(prefill_runner, decode_runner, prompts, new_tokens, concurr
     return total, elapsed
 
 
+def run_guided(runner, decode_runner, prompts, new_tokens, concurrencies, repeats) -> None:
+    """Unconstrained and JSON-schema guided runs back to back per concurrency; the best of `repeats` each."""
+    asyncio.run(run_engine(runner, decode_runner, prompts[:4], 4, 4, GUIDED_GRAMMAR))  # warm up
+    rows = []
+    for c in concurrencies:
+        best = {}
+        for _ in range(repeats):
+            for mode, grammar in (("unconstrained", None), ("guided", GUIDED_GRAMMAR)):
+                tokens, elapsed = asyncio.run(run_engine(runner, decode_runner, prompts, new_tokens, c, grammar))
+                best[mode] = max(best.get(mode, 0.0), tokens / elapsed)
+                print(f"concurrency {c} {mode}: {tokens / elapsed:.0f} tok/s", file=sys.stderr)
+        rows.append((c, best["unconstrained"], best["guided"]))
+    print(f"\nModel {BENCH_SPEC.name} (vocabulary {runner.vocab_size}), {len(prompts)} requests of 16-128 prompt "
+          f"tokens, {new_tokens} new tokens each, greedy; guided: every request under a JSON schema "
+          f"(objects in an array); best of {repeats}; torch threads {torch.get_num_threads()}.\n")
+    print("| concurrency | unconstrained tokens/s | JSON-schema guided tokens/s | guided slowdown |")
+    print("|---:|---:|---:|---:|")
+    for c, plain, guided in rows:
+        print(f"| {c} | {plain:.0f} | {guided:.0f} | {plain / guided:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--concurrency", type=int, nargs="+", help="default: 1 4 16 64; with --guided, 16 64")
     parser.add_argument("--baseline-requests", type=int, default=16, help="prompts timed for the generate baselines")
+    parser.add_argument("--guided", action="store_true", help="JSON-schema guided decoding against unconstrained")
+    parser.add_argument("--repeats", type=int, default=2, help="with --guided: runs per mode, the best one counts")
     args = parser.parse_args()
 
     model_dir = bench_model_dir()
@@ -127,6 +169,9 @@ def main() -> None:
     decode_runner = ModelRunner(model_dir)
     model, vocab = runner.model, runner.config.vocab_size
     prompts = make_prompts(args.requests, vocab)
+    if args.guided:
+        run_guided(runner, decode_runner, prompts, args.new_tokens, args.concurrency or [16, 64], args.repeats)
+        return
     base = prompts[: args.baseline_requests]
     pad_id = runner.tokenizer.pad_token_id
 
@@ -140,7 +185,7 @@ def main() -> None:
 
     rows = [("sequential `model.generate` (baseline)", 1, seq_tps),
             (f"one static `model.generate` batch of {len(base)} (ceiling)", len(base), static_tps)]
-    for c in args.concurrency:
+    for c in args.concurrency or [1, 4, 16, 64]:
         tokens, elapsed = asyncio.run(run_engine(runner, decode_runner, prompts, args.new_tokens, c))
         rows.append(("pdserve worker engine", c, tokens / elapsed))
         print(f"engine concurrency {c}: {tokens / elapsed:.0f} tok/s", file=sys.stderr)
