@@ -24,7 +24,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 ROUTES = [Route("POST", "/generate", generate, ErrorStyle.TGI, "generate", generation=True,
                 body_model=tgi.TgiRequest | vllm_native.VllmGenerateRequest,
-                reply=Reply(json=TgiResponse | VllmResponse,
+                reply=Reply(json=TgiResponse | VllmResponse, text=vllm_native.VllmFormatter.stream_content_type,
                             description="TGI's answer to a body with `inputs`, vLLM's to one with `prompt`. A vLLM "
                                         "stream (`stream: true`) is one {\"text\": [...]} object per token, each "
                                         "followed by a NUL byte."))]

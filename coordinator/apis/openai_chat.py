@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from aiohttp import web
@@ -61,6 +62,28 @@ class NamedToolChoice(BaseModel):
     function: ToolName
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str | dict = "{}"  # OpenAI sends JSON text; an object is accepted and written as JSON
+
+
+class PastToolCall(BaseModel):
+    """A call an earlier assistant turn made (OpenAI `messages[].tool_calls[]`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def for_template(self) -> dict:
+        args = self.function.arguments
+        function = {"name": self.function.name, "arguments": args if isinstance(args, str) else json.dumps(args)}
+        return {**({"id": self.id} if self.id else {}), "type": self.type, "function": function}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -68,7 +91,7 @@ class ChatMessage(BaseModel):
     # A string, or a list of typed parts ({"type": "text", ...}; media parts follow the multimodal rules).
     content: str | list[dict] | None = None
     name: str | None = None
-    tool_calls: list[dict] | None = None  # an earlier assistant turn's calls
+    tool_calls: list[PastToolCall] | None = None  # an earlier assistant turn's calls
     tool_call_id: str | None = None  # a tool message answers this call
 
     @model_validator(mode="after")
@@ -167,7 +190,7 @@ class ChatCompletionRequest(OpenAIRequest):
                 else content_text(m.content, f"messages.{i}.content")
             message = {"role": m.role, "content": text}
             if m.tool_calls:
-                message["tool_calls"] = m.tool_calls
+                message["tool_calls"] = [call.for_template() for call in m.tool_calls]
             if m.tool_call_id:
                 message["tool_call_id"] = m.tool_call_id
             out.append(message)

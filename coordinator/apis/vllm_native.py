@@ -36,7 +36,8 @@ class VllmFormatter:
     """One `{"text": [...]}` object per token, each followed by a NUL byte, as vLLM streams."""
 
     done_marker = None
-    stream_content_type = "application/json"
+    # NUL-separated JSON objects are not one JSON document; vLLM's own server names no type at all.
+    stream_content_type = "application/octet-stream"
 
     def __init__(self, prompt: str, full_text: bool):
         self.prompt = prompt

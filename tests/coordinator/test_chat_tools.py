@@ -50,3 +50,28 @@ def test_openai_sdk_sends_tools(cluster):
     resp = sdk.chat.completions.create(model="pdserve-tiny", messages=[{"role": "user", "content": "Hi"}],
                                        tools=TOOLS, max_tokens=3, temperature=0)
     assert resp.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+@pytest.mark.parametrize("tool_calls,needle", [
+    ([{}], "messages.1.tool_calls.0.function"),
+    ([{"type": "function", "function": {"arguments": "{}"}}], "messages.1.tool_calls.0.function.name"),
+    ([{"type": "code", "function": {"name": "f"}}], "messages.1.tool_calls.0.type"),
+])
+def test_a_past_tool_call_that_is_not_a_function_call_is_400_not_500(http, tool_calls, needle):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x", "tool_calls": tool_calls}]
+    resp = http.post("/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert resp.status_code == 400 and needle in resp.json()["error"]["message"]
+
+
+def test_past_tool_call_arguments_given_as_an_object_are_rendered_as_json(http):
+    as_text = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]
+    as_object = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    counts = []
+    for calls in (as_text, as_object):
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                    {"role": "tool", "tool_call_id": "c1", "content": "5 C"}]
+        resp = http.post("/v1/chat/completions", json={**CHAT, "messages": messages, "tools": TOOLS,
+                                                        "return_token_ids": True})
+        assert resp.status_code == 200, resp.text
+        counts.append(resp.json()["prompt_token_ids"])
+    assert counts[0] == counts[1]

@@ -20,6 +20,8 @@ def test_vllm_generate_returns_the_prompt_and_its_continuation(http):
 def test_vllm_stream_writes_one_object_per_token_each_ending_in_nul(http):
     resp = http.post("/generate", json={"prompt": "My name is", "max_tokens": 5, "temperature": 0, "stream": True})
     assert resp.status_code == 200
+    # NUL-separated objects are not one JSON document, so the stream does not claim to be JSON.
+    assert resp.headers["content-type"].startswith("application/octet-stream")
     raw = resp.content
     assert raw.endswith(b"\0")
     parts = raw[:-1].split(b"\0")
