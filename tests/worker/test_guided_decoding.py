@@ -15,6 +15,7 @@ import torch
 
 from kv_transfer.base import TransferredKv
 from worker.engine.decode_engine import DecodeEngine
+from worker.engine.errors import InvalidRequest
 from worker.engine.messages import KvLayerReady, PrefillDone
 from worker.engine.model_runner import ModelRunner
 from worker.engine.prefill_engine import PrefillEngine
@@ -226,3 +227,30 @@ async def test_a_finished_grammar_ends_the_request_even_with_ignore_eos(engines,
     outputs = await PATHS[path](engines, prompt, SamplingParams(max_tokens=40, ignore_eos=True,
                                                                 grammar=lark_grammar('start: "done"')))
     assert text(outputs) == "done" and outputs[-1].finish_reason is FinishReason.EOS
+
+
+
+async def test_a_matcher_failing_mid_stream_fails_only_its_request_as_invalid(engines, prompt, monkeypatch):
+    decode = engines[1]
+    doomed, steps = [], []
+    make_matcher, consume = decode.guidance.matcher, decode.guidance.masks.consume
+
+    def matcher(sampling):
+        made = make_matcher(sampling)
+        if sampling.seed == 404:
+            doomed.append(made)
+        return made
+
+    def consume_until_the_fifth_step(matchers, tokens):
+        # As if the doomed grammar ran out of lexer fuel on its fifth token.
+        steps.extend(m for m in matchers if m in doomed)
+        return [ok and not (m in doomed and len(steps) >= 5) for m, ok in zip(matchers, consume(matchers, tokens))]
+
+    monkeypatch.setattr(decode.guidance, "matcher", matcher)
+    monkeypatch.setattr(decode.guidance.masks, "consume", consume_until_the_fifth_step)
+    healthy = asyncio.ensure_future(generate_locally(engines, prompt, SamplingParams(max_tokens=200,
+                                                                                     grammar=COMPACT_JSON)))
+    with pytest.raises(InvalidRequest, match="guided decoding failed on the worker"):
+        await generate_locally(engines, prompt, SamplingParams(max_tokens=200, grammar=COMPACT_JSON, temperature=1.0,
+                                                               seed=404))
+    jsonschema.validate(json.loads(text(await healthy)), SCHEMA)

@@ -183,7 +183,7 @@ class DecodeEngine(DecodeBackend):
             arrived = []
             for row, (job, pick) in enumerate(zip(jobs, picks)):
                 if pick is None:
-                    self._fail_soon(job.seq.request_id, _grammar_failed(job.seq), RequestFailed)
+                    self._fail_soon(job.seq.request_id, _grammar_failed(job.seq), InvalidRequest)
                     arrived.append(None)
                     continue
                 first, logprobs = pick
@@ -228,7 +228,7 @@ class DecodeEngine(DecodeBackend):
         picks = choose_batch(logits, batch, self.runner.eos_token_ids, self.guidance.masks)
         for seq, pick in zip(batch, picks):
             if pick is None:
-                self._fail_soon(seq.request_id, _grammar_failed(seq), RequestFailed)
+                self._fail_soon(seq.request_id, _grammar_failed(seq), InvalidRequest)
                 self._retire(seq, DecodeState.FAILED)
                 continue
             token, logprobs = pick
@@ -242,4 +242,6 @@ class DecodeEngine(DecodeBackend):
 
 
 def _grammar_failed(seq: Sequence) -> str:
+    # The grammar's own limits (say, its lexer fuel) ended it, not this worker: another would fail the same
+    # way, so the request fails as invalid (INVALID_ARGUMENT) and no worker is blamed.
     return f"guided decoding failed on the worker: {matcher_error(seq.matcher)}"
