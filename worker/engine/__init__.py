@@ -2,6 +2,8 @@
 `worker.simulated`; both are backends of `PrefillBackend` / `DecodeBackend` and serve the same life cycle.
 
 Prefill worker, one request's life:
+  0. The servicer has the backend `check_sampling` (grammar compiled, replayed tokens followed,
+     logit_bias ids in the vocabulary) on a thread, or refuses the request INVALID_ARGUMENT.
   1. `PrefillBackend.submit` waits in line until the KV budget can hold the prompt (the lease
      starts here), then queues the prompt for the engine (a thread here, an
      event-loop task on the simulated backend).
@@ -12,6 +14,7 @@ Prefill worker, one request's life:
      lease expires, or when the request is cancelled, whichever comes first.
 
 Decode worker, one request's life:
+  0. As for prefill: `check_sampling` on a thread, or INVALID_ARGUMENT.
   1. `DecodeBackend.register` + `admit`: the coordinator's Decode stream waits in line until the
      KV budget can hold prompt + max tokens (WAITING_FOR_BUDGET), then is told `accepted`
      (WAITING_FOR_KV).
@@ -22,7 +25,9 @@ Decode worker, one request's life:
      as a prefill worker would (PREFILLING_LOCALLY). Either way the sequence is then queued for the
      batch (DECODING).
   3. Every step runs one batched forward over all running sequences; a sequence joins at the
-     next step and a finished or cancelled one leaves at once, freeing its rows.
+     next step and a finished or cancelled one leaves at once, freeing its rows. A guided
+     sequence got its grammar matcher at admission (over the replayed tokens and the first token);
+     the step masks all constrained rows together before sampling (`grammar_masks`).
   4. `DecodeBackend.release` (end of the stream, for any reason) frees the budget; the request ends
      FINISHED, CANCELLED or FAILED.
 
