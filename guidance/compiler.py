@@ -34,11 +34,15 @@ class GrammarCompiler:
         eos = sorted(eos_token_ids)
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos or None)
         self.vocab_size = self.tokenizer.vocab_size
-        self._cache: OrderedDict[str, llguidance.LLMatcher | GrammarError] = OrderedDict()
+        # A compiled grammar, or the message of one that does not compile (never the exception itself: a
+        # re-raised exception keeps growing its traceback, and with it the frames of every request).
+        self._cache: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
     def _compiled(self, grammar: str) -> llguidance.LLMatcher:
+        if len(grammar) > MAX_GRAMMAR_CHARS:  # before the cache, so it never keeps oversized text
+            raise GrammarError(f"the grammar has {len(grammar)} characters; at most {MAX_GRAMMAR_CHARS} are allowed")
         with self._lock:
             hit = self._cache.get(grammar)
             if hit is not None:
@@ -49,17 +53,13 @@ class GrammarCompiler:
                 self._cache[grammar] = hit
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
-        if isinstance(hit, GrammarError):
-            raise hit
+        if isinstance(hit, str):
+            raise GrammarError(hit)
         return hit
 
-    def _compile(self, grammar: str) -> llguidance.LLMatcher | GrammarError:
-        if len(grammar) > MAX_GRAMMAR_CHARS:
-            return GrammarError(f"the grammar has {len(grammar)} characters; at most {MAX_GRAMMAR_CHARS} are allowed")
+    def _compile(self, grammar: str) -> llguidance.LLMatcher | str:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
-        if matcher.is_error():
-            return GrammarError(matcher_error(matcher))
-        return matcher
+        return matcher_error(matcher) if matcher.is_error() else matcher
 
     def check(self, grammar: str) -> None:
         """Raise GrammarError when `grammar` does not compile for this tokenizer (the result is cached)."""

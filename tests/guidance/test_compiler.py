@@ -45,7 +45,7 @@ def test_a_grammar_that_does_not_compile_is_refused_with_one_line_and_the_refusa
     with pytest.raises(GrammarError) as again:
         compiler.check(bad)
     assert "missing_rule" in str(first.value) and "\n" not in str(first.value)
-    assert again.value is first.value
+    assert str(again.value) == str(first.value) and bad in compiler._cache  # compiled once, refused twice
 
 
 def test_replayed_tokens_outside_the_grammar_are_refused_without_the_parser_dump(compiler, tokenizer):
@@ -64,3 +64,16 @@ def test_a_replayed_token_outside_the_vocabulary_is_refused(compiler):
 def test_grammar_text_beyond_the_limit_is_refused_before_llguidance_sees_it(compiler):
     with pytest.raises(GrammarError, match=f"at most {MAX_GRAMMAR_CHARS}"):
         compiler.check("start: " + "x" * MAX_GRAMMAR_CHARS)
+
+
+def test_a_refused_grammar_raises_a_fresh_error_each_time_and_oversized_text_is_never_cached(compiler):
+    errors = []
+    for _ in range(3):
+        with pytest.raises(GrammarError) as err:
+            compiler.check("start: undefined_rule")
+        errors.append(err.value)
+    # One cached exception re-raised would chain every request's frames onto its traceback.
+    assert errors[0] is not errors[1] is not errors[2]
+    with pytest.raises(GrammarError, match="at most"):
+        compiler.check("x" * 300_000)
+    assert all(len(text) < 300_000 for text in compiler._cache)
