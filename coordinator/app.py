@@ -76,6 +76,15 @@ class InFlightLimit:
             self.in_flight -= 1
 
 
+def _grammar_compiler(tokenizer: PromptTokenizer, cache_size: int) -> GrammarCompiler | None:
+    """llguidance over the served tokenizer; None (guided requests refused with a 400) when it cannot wrap it."""
+    try:
+        return GrammarCompiler(tokenizer.tokenizer, cache_size=cache_size)
+    except Exception as exc:  # e.g. a slow (pure-Python) tokenizer: serve everything else
+        logger.warning("guided decoding unavailable: llguidance cannot use this tokenizer (%s)", exc)
+        return None
+
+
 def create_app(config: CoordinatorConfig) -> web.Application:
     """Build the client-facing app; workers are reached lazily over cached gRPC channels."""
     from embedded_model import ensure_default_model
@@ -123,7 +132,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         model.modelName, model.fullTextEnabled, tokenizer, limits, client, registry, router, monitor, pipeline,
         heartbeat_interval_s=health.heartbeat_interval_s, media_dir=Path(model.multimodalInputsDir),
         body_limit_mb=config.request_limit.body_limit,
-        grammars=GrammarCompiler(tokenizer.tokenizer, cache_size=config.request_limit.grammar_cache_size))
+        grammars=_grammar_compiler(tokenizer, config.request_limit.grammar_cache_size))
 
     async def background(app: web.Application):
         monitor.start()

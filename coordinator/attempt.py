@@ -19,6 +19,10 @@ from coordinator.scheduling.router import Route
 from coordinator.worker_client import DecodeAccepted, DecodedToken, DecodeStream, PrefillDone, WorkerClient
 
 
+# How long a failed decode stream waits for its prefill call's own verdict before reporting itself.
+PREFILL_VERDICT_WAIT_S = 2.0
+
+
 class AttemptFailed(Exception):
     """One attempt failed; `blame` is the instance at fault when another one could do better."""
 
@@ -140,7 +144,10 @@ class AttemptRunner:
                 return read.result()
             if not isinstance(exc, WorkerCallError):
                 raise exc
-            # A failed prefill explains a failed decode better than the decode error does.
+            # A failed prefill explains a failed decode better than the decode error does (a prefill that
+            # refused the request's grammar truncates the KV stream too); its answer is moments behind.
+            if exc.failure.kind is FailureKind.KV_NOT_RECEIVED:
+                await asyncio.wait({prefill_task}, timeout=min(PREFILL_VERDICT_WAIT_S, clocks.left()))
             self._raise_if_prefill_failed(prefill_task, route, clocks)
             raise self._failed(route, exc.failure, clocks)
         finally:

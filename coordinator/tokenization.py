@@ -38,6 +38,10 @@ class PromptTokenizer:
                                                         tokenize=False)
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             # Tokenized apart, as the model generated it: no token merges across the turn's header.
-            return ids + self.tokenizer(resume, add_special_tokens=False)["input_ids"] if resume else ids
+            return ids + self.continuation_ids(resume) if resume else ids
 
         return await asyncio.to_thread(run)
+
+    def continuation_ids(self, text: str) -> list[int]:
+        """A partial reply's tokens, as `encode_chat` appends them (no special tokens)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -76,10 +76,10 @@ class GrammarCompiler:
 
 def matcher_error(matcher: llguidance.LLMatcher) -> str:
     """A matcher's error as one API-ready line, without the parser state dump llguidance appends."""
-    return _one_line(matcher.get_error().split("<state>", 1)[0])
+    return one_line(matcher.get_error().split("<state>", 1)[0])
 
 
-def _one_line(message: str, limit: int = 400) -> str:
-    # llguidance's errors span lines (the fault, then a source excerpt); an API error message is one line.
+def one_line(message: str, limit: int = 400) -> str:
+    """llguidance's multi-line error (the fault, then a source excerpt) as one API-ready line."""
     text = " ".join(message.split()) or "the grammar does not compile"
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -10,22 +10,41 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import llguidance
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, WithJsonSchema, field_validator,
+                      model_validator)
 
 from coordinator.errors import ApiError
 from coordinator.request import GuidedGrammar
-from guidance.compiler import GrammarCompiler, GrammarError
+from guidance.compiler import GrammarCompiler, GrammarError, one_line
 
 # JSON whitespace when the request names none: any JSON whitespace, but at most this many characters
 # in a row, so a weak model cannot spend its whole budget on blank lines inside an object.
 DEFAULT_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
 MAX_CHOICES = 1024
 
-Schema = dict[str, Any] | str  # a JSON schema, as an object or as its JSON text
+def _schema_value(value: Any) -> dict | str:
+    if not isinstance(value, (dict, str)):
+        raise ValueError("must be a JSON schema: an object, or its JSON text")
+    return value
+
+
+# A JSON schema, as an object or as its JSON text (one rule, so an error names the field, not a union member).
+Schema = Annotated[Any, AfterValidator(_schema_value),
+                   WithJsonSchema({"anyOf": [{"type": "object"}, {"type": "string"}]})]
+
+
+def _non_empty(choices: list[str]) -> list[str]:
+    if any(c == "" for c in choices):
+        raise ValueError("every choice must have at least 1 character")
+    return choices
+
+
+Choices = Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES), AfterValidator(_non_empty)]
 
 
 @dataclass(frozen=True)
@@ -110,7 +129,7 @@ class StructuredOutputs(BaseModel):
 
     json_: Schema | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    choice: Choices | None = None
     grammar: str | None = None
     json_object: bool | None = None
     whitespace_pattern: str | None = None
@@ -126,6 +145,10 @@ def _one(found: list[tuple[str, Any]]) -> tuple[str, Any] | None:
 def _build(field: str, kind: str, value: Any, whitespace: str | None, whitespace_field: str) -> Constraint:
     if whitespace is not None and kind not in ("json", "json_object"):
         raise ValueError(f"{whitespace_field} applies only to a JSON constraint, not to {field}")
+    if whitespace:  # checked on its own, so a bad pattern is named as itself, not as the schema's fault
+        error = llguidance.LLMatcher.validate_grammar(regex_grammar(whitespace))
+        if error:
+            raise ValueError(f"{whitespace_field}: {one_line(error)}")
     if kind == "json":
         return Constraint(field, json_grammar(value, field, whitespace))
     if kind == "json_object":
@@ -140,27 +163,26 @@ def _build(field: str, kind: str, value: Any, whitespace: str | None, whitespace
 class GuidedFields(BaseModel):
     """The guided-decoding fields of OpenAI chat and completions (seed 004, OpenAI, vLLM)."""
 
-    response_format: ResponseFormat | Literal["text", "json_object"] | None = None  # seed 004 sends a bare string
+    response_format: ResponseFormat | None = None
     guided_json: Schema | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    guided_choice: Choices | None = None
     guided_grammar: str | None = None  # Lark, as llguidance reads it
     guided_whitespace_pattern: str | None = None
     structured_outputs: StructuredOutputs | None = None
     _constraint: Constraint | None = PrivateAttr(None)
 
-    @field_validator("guided_choice")
+    @field_validator("response_format", mode="before")
     @classmethod
-    def _non_empty_choices(cls, choices: list[str] | None) -> list[str] | None:
-        if choices is not None and any(c == "" for c in choices):
-            raise ValueError("every choice must have at least 1 character")
-        return choices
+    def _bare_type(cls, value: Any) -> Any:
+        # Seed 004 sends the type alone ("json_object"); one model then validates both forms.
+        return {"type": value} if isinstance(value, str) else value
 
     def _requested(self) -> list[tuple[str, str, Any]]:
         """(field, kind, value) for every constraint the body sets."""
         found = []
         rf = self.response_format
-        kind = rf if isinstance(rf, str) else (rf.type if rf else "text")
+        kind = rf.type if rf else "text"
         if kind == "json_object":
             found.append(("response_format", "json_object", None))
         elif kind == "json_schema":
@@ -232,12 +254,23 @@ class TgiGrammar(BaseModel):
         return self._constraint
 
 
-async def checked_grammar(compiler: GrammarCompiler, constraint: Constraint | None) -> GuidedGrammar | None:
-    """The constraint's grammar once it compiles (off the event loop); a 400 naming the field otherwise."""
+async def checked_grammar(compiler: GrammarCompiler | None, constraint: Constraint | None,
+                          replay: Sequence[int] = (), replay_field: str = "") -> GuidedGrammar | None:
+    """The constraint's grammar once it compiles (off the event loop), a 400 naming the field otherwise;
+    `replay` (tokens already in the output, from `replay_field`) must follow it and is replayed first."""
     if constraint is None:
         return None
+    if compiler is None:
+        raise ApiError(400, f"{constraint.field}: guided decoding is not available for this model's tokenizer",
+                       param=constraint.field)
     try:
         await asyncio.to_thread(compiler.check, constraint.grammar)
     except GrammarError as exc:
         raise ApiError(400, f"{constraint.field}: {exc}", param=constraint.field) from None
-    return GuidedGrammar(constraint.grammar)
+    if replay:
+        try:
+            await asyncio.to_thread(compiler.matcher, constraint.grammar, replay)
+        except GrammarError:
+            raise ApiError(400, f"{replay_field}: the text does not follow the grammar {constraint.field} asks for",
+                           param=replay_field) from None
+    return GuidedGrammar(constraint.grammar, tuple(replay))

@@ -296,7 +296,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         state.limits.check_text(body.resume_response, "resume_response")
     prompt_ids = await state.tokenizer.encode_chat(messages, body.template_tools(), body.resume_response)
     state.limits.check_prompt(len(prompt_ids), "messages")
-    guided = await checked_grammar(state.grammars, body.constraint())
+    # A resumed reply is already part of the constrained output: the grammar replays its tokens first.
+    replay = state.tokenizer.continuation_ids(body.resume_response) if body.resume_response else ()
+    guided = await checked_grammar(state.grammars, body.constraint(), replay, "resume_response")
     gen = GenerationRequest(new_id("chatcmpl"), prompt_ids, body.sampling(guided), body.max_tokens)
 
     def formatter() -> ChatFormatter:

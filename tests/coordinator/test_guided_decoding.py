@@ -193,6 +193,21 @@ def test_a_forced_tool_call_has_arguments_that_validate(coordinators, tool_choic
         jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
 
 
+def test_a_resumed_reply_and_its_continuation_together_follow_the_schema(coordinators):
+    partial = '{"name": "Al'
+    body = complete(coordinators["prefill_worker"], {
+        "messages": [{"role": "user", "content": "Who?"}], "resume_response": partial, "guided_json": PERSON,
+        "temperature": 0}, "/v1/chat/completions")
+    jsonschema.validate(json.loads(partial + text_of(body)), PERSON)
+
+
+def test_a_resumed_reply_outside_the_schema_is_a_400_naming_it(coordinators):
+    resp = httpx.post(f"{coordinators['prefill_worker'].address}/v1/chat/completions", timeout=30, json={
+        "model": "pdserve-tiny", "messages": [{"role": "user", "content": "Who?"}], "resume_response": "Hello",
+        "guided_json": PERSON})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "resume_response"
+
+
 def test_a_grammar_that_does_not_compile_is_refused_before_any_worker_is_used(coordinators):
     coordinator = coordinators["prefill_worker"]
     before = served(coordinator, "prefill"), served(coordinator, "decode")

@@ -196,3 +196,34 @@ def test_bad_tgi_grammar_is_400(grammar, needle):
 
 def test_tgi_grammar_model_validates_its_own_value():
     assert TgiGrammar(type="regex", value="a+").constraint().field == "parameters.grammar.value"
+
+
+@pytest.mark.parametrize("extra,param,needle", [
+    ({"response_format": {"type": "bogus"}}, "response_format.type", "'text', 'json_object' or 'json_schema'"),
+    ({"response_format": "bogus"}, "response_format.type", "'text', 'json_object' or 'json_schema'"),
+    ({"guided_json": 5}, "guided_json", "must be a JSON schema"),
+    ({"structured_outputs": {"choice": ["a", ""]}}, "structured_outputs.choice", "at least 1 character"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": "("}, None,
+     "guided_whitespace_pattern: at 1(8): invalid regex"),
+])
+def test_guided_field_errors_name_the_field_itself(extra, param, needle):
+    with pytest.raises(ApiError) as err:
+        parse_request(CompletionRequest, {**COMPLETION, **extra})
+    assert err.value.param == param and needle in err.value.message
+
+
+def test_replayed_text_that_follows_the_grammar_is_carried_as_generated_tokens(compiler):
+    constraint = _constraint(CompletionRequest, {**COMPLETION, "guided_json": {"type": "object"}})
+    partial = compiler.tokenizer.tokenize_str('{"name": "Al')
+    guided = asyncio.run(checked_grammar(compiler, constraint, partial, "resume_response"))
+    assert guided.generated == tuple(partial)
+    with pytest.raises(ApiError) as err:
+        asyncio.run(checked_grammar(compiler, constraint, compiler.tokenizer.tokenize_str("Hello"), "resume_response"))
+    assert err.value.param == "resume_response" and "does not follow the grammar guided_json" in err.value.message
+
+
+def test_without_a_grammar_compiler_a_constraint_is_a_400_not_a_crash():
+    constraint = _constraint(CompletionRequest, {**COMPLETION, "guided_regex": "a+"})
+    with pytest.raises(ApiError) as err:
+        asyncio.run(checked_grammar(None, constraint))
+    assert err.value.status == 400 and "not available for this model's tokenizer" in err.value.message

@@ -33,6 +33,7 @@ class PrefillFailed:
     """The forward failed; the stream ends without a trailer, so the decode worker refuses it."""
 
     message: str
+    invalid: bool = False  # the request's own fault (its grammar failed): any worker would fail it the same way
 
 
 PrefillEvent = KvLayerReady | PrefillDone | PrefillFailed

@@ -106,7 +106,7 @@ class PrefillEngine(PrefillBackend):
             for job, pick in zip(batch, picks):
                 if pick is None:
                     self._emit(job, PrefillFailed(f"guided decoding failed on the worker: "
-                                                  f"{matcher_error(job.matcher)}"))
+                                                  f"{matcher_error(job.matcher)}", invalid=True))
                 else:
                     self._emit(job, PrefillDone(pick[0], (time.perf_counter() - job.submitted_at) * 1000, pick[1]))
                 job.matcher = None
@@ -120,6 +120,6 @@ class PrefillEngine(PrefillBackend):
         try:
             job.matcher = self.guidance.matcher(job.sampling)
         except InvalidRequest as exc:
-            self._emit(job, PrefillFailed(str(exc)))
+            self._emit(job, PrefillFailed(str(exc), invalid=True))
             return False
         return True

@@ -105,6 +105,7 @@ class PrefillKvStream:
         self.first_token_id = -1
         self.prefill_time_ms = 0.0
         self.error: str | None = None
+        self.invalid = False  # the failure is the request's own (its grammar), not this worker's nor the link's
 
     async def items(self):
         yield self.header
@@ -116,9 +117,9 @@ class PrefillKvStream:
                     self.first_token_id, self.prefill_time_ms = first_token_id, prefill_ms
                     yield make_trailer(first_token_id, prefill_ms, (logprobs.logprob, logprobs.top) if logprobs else None)
                     return
-                case PrefillFailed(message):
+                case PrefillFailed(message, invalid):
                     # Ending without a trailer makes the decode worker reject the stream as truncated.
-                    self.error = message
+                    self.error, self.invalid = message, invalid
                     return
 
 
@@ -177,9 +178,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 f"decode worker {request.decode_address} confirmed receipt",
             )
         except KvTransferError as exc:
+            if stream.invalid:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, stream.error)
             self.metrics.kv_failures.inc()
             reason = stream.error or str(exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{KV_SEND_FAILED} {request.decode_address}: {reason}")
+        if stream.error is not None:  # the stream ended without a trailer yet the receiver did not object
+            code = grpc.StatusCode.INVALID_ARGUMENT if stream.invalid else grpc.StatusCode.INTERNAL
+            await context.abort(code, stream.error)
         return pb.PrefillResponse(first_token_id=stream.first_token_id, prefill_time_ms=stream.prefill_time_ms,
                                   kv_bytes=sent, kv_transfer_ms=(time.perf_counter() - start) * 1000)
 
