@@ -13,13 +13,13 @@ from aiohttp import web
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, ValidationInfo
 
 from coordinator.errors import ApiError
+from guidance.token_rules import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES
 from coordinator.request import SamplingOptions
 
 # The seeds type these fields "uint32_t" yet give the range (0, 2147483647]: the int32 range.
 INT32_MAX = 2147483647
 UINT64_MAX = 18446744073709551615
 STOP_TOTAL_CHARS = 32768
-LOGIT_BIAS_LIMIT = 100.0
 
 
 def _temperature(v: float) -> float:
@@ -103,6 +103,8 @@ def check_in_vocab(token_ids, info: ValidationInfo | None) -> None:
 def _logit_bias(v: dict[str, float] | None, info: ValidationInfo) -> dict[int, float] | None:
     """OpenAI's logit_bias: token ids (JSON object keys, so strings) to a bias in [-100, 100]."""
     biases: dict[int, float] = {}
+    if v is not None and len(v) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} token ids may be biased, got {len(v)}")
     for key, bias in (v or {}).items():
         if not re.fullmatch(r"-?[0-9]+", key):
             raise ValueError(f"keys must be token ids written as integers, got {key!r}")

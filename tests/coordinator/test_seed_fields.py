@@ -61,6 +61,7 @@ def test_logit_bias_maps_to_sorted_token_bias_pairs(model, base):
     ({"5": 1, "05": 2}, "token id 5 is given twice"),
     ({"5": "strong"}, "logit_bias.5"),
     ([5], "logit_bias"),
+    ({str(i): 1 for i in range(301)}, "logit_bias: at most 300 token ids may be biased, got 301"),
 ])
 def test_bad_logit_bias_is_400_naming_the_field_and_range(model, base, bias, needle):
     error = refused(model, base, logit_bias=bias)

@@ -68,6 +68,7 @@ def test_the_grammar_mask_comes_after_the_bias(guidance, tokenizer):
     (((-1, 1.0),), "logit_bias names token id -1"),
     (((5, 150.0),), "logit_bias of token id 5 is 150.0; it must be in [-100, 100]"),
     (((5, float("nan")),), "logit_bias of token id 5 is nan"),
+    (tuple((i, 1.0) for i in range(301)), "logit_bias has 301 entries; at most 300 are allowed"),
 ])
 def test_a_bias_outside_the_vocabulary_or_the_range_is_an_invalid_request(guidance, bias, message):
     with pytest.raises(InvalidRequest) as refused:

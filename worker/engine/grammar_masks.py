@@ -15,12 +15,12 @@ import llguidance.torch
 import torch
 
 from guidance.compiler import GrammarCompiler, GrammarError
+from guidance.token_rules import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES
 from worker.engine.errors import InvalidRequest
 from worker.engine.sequence import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGIT_BIAS = 100.0
 
 
 class GrammarMasks:
@@ -81,11 +81,14 @@ class Guidance:
     def check(self, sampling: SamplingParams) -> None:
         """Raise InvalidRequest unless logit_bias names vocabulary ids within range and the grammar compiles
         and accepts the replayed tokens. Compiling may take long: call it off the engine and event loop."""
+        if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequest(f"logit_bias has {len(sampling.logit_bias)} entries; at most "
+                                 f"{MAX_LOGIT_BIAS_ENTRIES} are allowed")
         for token_id, bias in sampling.logit_bias:
             if not 0 <= token_id < self.vocab_size:
                 raise InvalidRequest(f"logit_bias names token id {token_id}, outside the model's vocabulary "
                                      f"[0, {self.vocab_size})")
-            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails too
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:  # NaN fails too
                 raise InvalidRequest(f"logit_bias of token id {token_id} is {bias}; it must be in [-100, 100]")
         self.matcher(sampling)
 
