@@ -55,6 +55,14 @@ def http(cluster: Cluster) -> httpx.Client:
 
 
 @pytest.fixture(scope="session")
+def tokenizer(model_dir: Path):
+    """The embedded model's tokenizer, loaded once."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
 def hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

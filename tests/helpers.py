@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+from aiohttp import web
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -265,3 +266,16 @@ def open_decode_by_hand(channel, request_id: str, prompt_len: int = 9, max_token
     return pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
         request_id=request_id, prompt_len=prompt_len, max_seq_len=512,
         sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=max_tokens)), timeout=30)
+
+
+def one_route_app(handler) -> web.Application:
+    """An in-process coordinator app serving only `handler` at POST /x, with the real error middleware and metrics."""
+    from coordinator.app import error_middleware
+    from coordinator.metrics import METRICS, CoordinatorMetrics
+    from coordinator.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
+
+    app = web.Application(middlewares=[error_middleware])
+    app[ROUTE_TABLE] = RouteTable([Route("POST", "/x", handler, ErrorStyle.OPENAI, "x")])
+    app[METRICS] = CoordinatorMetrics()
+    app[ROUTE_TABLE].add_to(app)
+    return app

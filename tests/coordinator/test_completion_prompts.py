@@ -14,13 +14,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from coordinator.apis.fields import parse_request
 from coordinator.apis.openai_completions import MAX_BATCH_GENERATIONS, CompletionFormatter, CompletionRequest
 from coordinator.apis.prompts import prompt_batch
-from coordinator.app import error_middleware
 from coordinator.choices import serve_choices
 from coordinator.errors import ApiError
-from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.request import GenerationRequest, SamplingOptions
-from coordinator.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
-from tests.helpers import sse_events
+from tests.helpers import one_route_app, sse_events
 
 BASE = {"model": "pdserve-tiny", "max_tokens": 5, "temperature": 0}
 SAMPLED = {"model": "pdserve-tiny", "max_tokens": 5, "temperature": 1.3, "seed": 7}
@@ -93,11 +90,7 @@ def test_a_failed_prompt_of_a_batch_cancels_the_other_generations():
         return await serve_choices(request, Pipeline(), groups, formatters, 1, stream=False)
 
     async def run():
-        app = web.Application(middlewares=[error_middleware])
-        app[ROUTE_TABLE] = RouteTable([Route("POST", "/x", handler, ErrorStyle.OPENAI, "x")])
-        app[METRICS] = CoordinatorMetrics()
-        app[ROUTE_TABLE].add_to(app)
-        async with TestClient(TestServer(app)) as client:
+        async with TestClient(TestServer(one_route_app(handler))) as client:
             resp = await client.post("/x")
             return resp.status, await resp.json(), list(cancelled)  # before the app's shutdown cancels anything
 

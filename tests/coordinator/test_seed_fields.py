@@ -15,13 +15,10 @@ from coordinator.apis.openai_chat import ChatCompletionRequest, ChatFormatter
 from coordinator.apis.openai_common import error_body
 from coordinator.apis.openai_completions import CompletionFormatter, CompletionRequest
 from coordinator.apis.vllm_native import VllmGenerateRequest
-from coordinator.app import error_middleware
 from coordinator.choices import serve_choices
 from coordinator.errors import ApiError, WorkerError
-from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.request import Finished, FinishReason, GenerationRequest, SamplingOptions, TokenDelta
-from coordinator.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
-from tests.helpers import sse_events
+from tests.helpers import one_route_app, sse_events
 
 VOCAB = 1224
 CHAT = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": "Tell me a story"}]}
@@ -143,11 +140,7 @@ def serve(kind: str, pipeline, stream: bool, num_choices: int = 1):
         return await serve_choices(request, pipeline, [gens], [[formatter(kind) for _ in gens]], num_choices, stream)
 
     async def run():
-        app = web.Application(middlewares=[error_middleware])
-        app[ROUTE_TABLE] = RouteTable([Route("POST", "/x", handler, ErrorStyle.OPENAI, "x")])
-        app[METRICS] = CoordinatorMetrics()
-        app[ROUTE_TABLE].add_to(app)
-        async with TestClient(TestServer(app)) as client:
+        async with TestClient(TestServer(one_route_app(handler))) as client:
             resp = await client.post("/x")
             return resp.status, await resp.read()
 

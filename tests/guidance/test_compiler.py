@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import llguidance
 import pytest
-from transformers import AutoTokenizer
 
 from guidance.compiler import MAX_GRAMMAR_CHARS, GrammarCompiler, GrammarError
 
 DIGITS = llguidance.LLMatcher.grammar_from_regex(r"[0-9]{2,4}")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from typing import Any
 import llguidance
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from worker.engine.grammar_masks import Guidance
 from worker.engine.sampling import choose, choose_batch
@@ -27,11 +26,6 @@ class Row:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=lambda: [5, 6, 7])
     matcher: Any = None
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

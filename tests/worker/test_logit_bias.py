@@ -5,7 +5,6 @@ from __future__ import annotations
 import llguidance
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from worker.engine.errors import InvalidRequest
 from worker.engine.grammar_masks import Guidance
@@ -15,11 +14,6 @@ from worker.engine.sequence import Sequence as EngineSequence
 
 VOCAB, EOS = 1224, 2
 RAW = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)) * 4
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")
