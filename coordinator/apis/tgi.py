@@ -145,9 +145,17 @@ async def serve_tgi(request: web.Request, body, stream: bool, native_shapes: boo
     return await serve_generation(request, state.pipeline, gen, formatter, stream)
 
 
+def _stream_flag(body) -> bool | None:
+    """The body's `stream`, which must be a boolean when present (it is read before the body is validated)."""
+    stream = body.get("stream") if isinstance(body, dict) else None
+    if stream is not None and not isinstance(stream, bool):
+        raise ApiError(400, f"stream: must be a boolean, got {type(stream).__name__}", param="stream")
+    return stream
+
+
 async def generate_stream(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
-    if isinstance(body, dict) and body.get("stream") is False:
+    if _stream_flag(body) is False:
         raise ApiError(400, "stream: /generate_stream always streams; omit stream or send true", param="stream")
     return await serve_tgi(request, body, stream=True, native_shapes=False)
 
@@ -155,8 +163,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
 async def tgi_compat(request: web.Request) -> web.StreamResponse:
     """POST /: what TGI clients (huggingface_hub.InferenceClient) call; `stream` picks the mode."""
     body = await read_json(request)
-    stream = bool(body.get("stream")) if isinstance(body, dict) else False
-    return await serve_tgi(request, body, stream=stream, native_shapes=True)
+    return await serve_tgi(request, body, stream=bool(_stream_flag(body)), native_shapes=True)
 
 
 ROUTES = [

@@ -134,3 +134,10 @@ def test_inference_client_streaming(hf_client):
     assert all(isinstance(c.token.id, int) for c in chunks)
     assert chunks[-1].generated_text == "".join(c.token.text for c in chunks)
     assert chunks[-1].details.finish_reason == "length"
+
+
+@pytest.mark.parametrize("path", ["/", "/generate_stream"])
+@pytest.mark.parametrize("stream", [{}, "yes", 1])
+def test_a_stream_flag_that_is_not_a_boolean_is_400(http, path, stream):
+    resp = http.post(path, json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}, "stream": stream})
+    assert resp.status_code == 400 and resp.json()["error"].startswith("stream: must be a boolean")
