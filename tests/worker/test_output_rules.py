@@ -52,3 +52,16 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tokenizer):
     assert "".join(o.text for o in cut) == "The coordinator "
     assert "".join(o.text for o in kept) == "The coordinator sends"
     assert kept[-1].finish_reason is FinishReason.STOP_STRING
+
+
+@pytest.mark.parametrize("text", ["naïve café", "日本語のテキスト", "emoji 😀 ok"])
+@pytest.mark.parametrize("end", ["length", "eos"])
+def test_an_output_ending_inside_a_character_equals_the_decode_of_all_its_ids(tokenizer, text, end):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    cut = next(k for k in range(1, len(ids) + 1) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    generated = ids[:cut] + ([tokenizer.eos_token_id] if end == "eos" else [])
+    seq = Sequence("r", 4, SamplingParams(max_tokens=cut if end == "length" else 100), max_seq_len=1000)
+    processor = OutputProcessor(seq, tokenizer, frozenset({tokenizer.eos_token_id}))
+    outputs = [processor.append(i, 1.0) for i in generated]
+    assert outputs[-1].finish_reason is (FinishReason.LENGTH if end == "length" else FinishReason.EOS)
+    assert "".join(o.text for o in outputs) == tokenizer.decode(generated, skip_special_tokens=True)

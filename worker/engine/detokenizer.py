@@ -25,6 +25,15 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
+    def flush(self) -> str:
+        """At the end of the output: the text still held (an unfinished character decodes as U+FFFD), so
+        the whole output equals the tokenizer's decode of every id."""
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
+        full = decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
 
 class StopStringMatcher:
     """Releases text only once it cannot be the start of a stop string."""

@@ -41,7 +41,7 @@ class OutputProcessor:
         elif seq.num_generated >= params.max_tokens or seq.total_len >= seq.max_seq_len:
             finish = FinishReason.LENGTH
         if finish is not None and finish is not FinishReason.STOP_STRING:
-            text += self._stops.flush()
+            text += self._stops.feed(self._detok.flush()) + self._stops.flush()
         return TokenOutput(
             token_id=token_id,
             text=text,
