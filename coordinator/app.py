@@ -26,7 +26,7 @@ from coordinator.scheduling.policies import make_policy
 from coordinator.scheduling.router import Router
 from coordinator.state import STATE, CoordinatorState
 from coordinator.tokenization import PromptTokenizer
-from guidance.compiler import GrammarCompiler
+from guidance.compiler import compiler_for
 from coordinator.trust import TRUST, CoordinatorTrust
 from coordinator.worker_client import WorkerClient
 
@@ -76,15 +76,6 @@ class InFlightLimit:
             self.in_flight -= 1
 
 
-def _grammar_compiler(tokenizer: PromptTokenizer, cache_size: int) -> GrammarCompiler | None:
-    """llguidance over the served tokenizer; None (guided requests refused with a 400) when it cannot wrap it."""
-    try:
-        return GrammarCompiler(tokenizer.tokenizer, cache_size=cache_size)
-    except Exception as exc:  # e.g. a slow (pure-Python) tokenizer: serve everything else
-        logger.warning("guided decoding unavailable: llguidance cannot use this tokenizer (%s)", exc)
-        return None
-
-
 def create_app(config: CoordinatorConfig) -> web.Application:
     """Build the client-facing app; workers are reached lazily over cached gRPC channels."""
     from embedded_model import ensure_default_model
@@ -132,7 +123,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         model.modelName, model.fullTextEnabled, tokenizer, limits, client, registry, router, monitor, pipeline,
         heartbeat_interval_s=health.heartbeat_interval_s, media_dir=Path(model.multimodalInputsDir),
         body_limit_mb=config.request_limit.body_limit,
-        grammars=_grammar_compiler(tokenizer, config.request_limit.grammar_cache_size))
+        grammars=compiler_for(tokenizer.tokenizer, cache_size=config.request_limit.grammar_cache_size)[0])
 
     async def background(app: web.Application):
         monitor.start()

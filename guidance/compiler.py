@@ -8,12 +8,15 @@ in a bounded LRU, and every request gets a `deep_copy()` of it (microseconds).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
 import llguidance
 import llguidance.hf
+
+logger = logging.getLogger(__name__)
 
 # Grammar text beyond this is refused before llguidance sees it: a request body may be megabytes.
 MAX_GRAMMAR_CHARS = 256 * 1024
@@ -72,6 +75,23 @@ class GrammarCompiler:
         if generated and not matcher.consume_tokens(generated):
             raise GrammarError(f"the tokens generated so far do not follow the grammar: {matcher_error(matcher)}")
         return matcher
+
+
+def compiler_for(hf_tokenizer, vocab_size: int | None = None, eos_token_ids: Iterable[int] = (),
+                 cache_size: int = 256) -> tuple[GrammarCompiler | None, str]:
+    """A GrammarCompiler for the tokenizer, or None and why llguidance cannot use it (say, a slow tokenizer):
+    the caller keeps serving unguided requests and refuses guided ones with that reason."""
+    try:
+        return GrammarCompiler(hf_tokenizer, vocab_size, eos_token_ids, cache_size), ""
+    except Exception as exc:  # llguidance's own errors have no common type
+        reason = f"guided decoding is not available: llguidance cannot use this tokenizer ({exc})"
+        logger.warning("%s", reason)
+        return None, reason
+
+
+def grammar_failure(matcher: llguidance.LLMatcher) -> str:
+    """Why a request's guided decoding ended mid-generation (its grammar's own limits, not the worker's)."""
+    return f"guided decoding failed on the worker: {matcher_error(matcher)}"
 
 
 def matcher_error(matcher: llguidance.LLMatcher) -> str:

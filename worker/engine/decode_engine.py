@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 
-from guidance.compiler import matcher_error
+from guidance.compiler import grammar_failure
 from kv_transfer.base import KvTransferError, TransferredKv
 from kv_transfer.buffer_pool import KvBufferPool
 from kv_transfer.codec import KvAssembler
@@ -183,7 +183,7 @@ class DecodeEngine(DecodeBackend):
             arrived = []
             for row, (job, pick) in enumerate(zip(jobs, picks)):
                 if pick is None:
-                    self._fail_soon(job.seq.request_id, _grammar_failed(job.seq), InvalidRequest)
+                    self._fail_soon(job.seq.request_id, grammar_failure(job.seq.matcher), InvalidRequest)
                     arrived.append(None)
                     continue
                 first, logprobs = pick
@@ -228,7 +228,7 @@ class DecodeEngine(DecodeBackend):
         picks = choose_batch(logits, batch, self.runner.eos_token_ids, self.guidance.masks)
         for seq, pick in zip(batch, picks):
             if pick is None:
-                self._fail_soon(seq.request_id, _grammar_failed(seq), InvalidRequest)
+                self._fail_soon(seq.request_id, grammar_failure(seq.matcher), InvalidRequest)
                 self._retire(seq, DecodeState.FAILED)
                 continue
             token, logprobs = pick
@@ -240,8 +240,3 @@ class DecodeEngine(DecodeBackend):
             if output.finish_reason is not None:
                 self._retire(seq, DecodeState.FINISHED)
 
-
-def _grammar_failed(seq: Sequence) -> str:
-    # The grammar's own limits (say, its lexer fuel) ended it, not this worker: another would fail the same
-    # way, so the request fails as invalid (INVALID_ARGUMENT) and no worker is blamed.
-    return f"guided decoding failed on the worker: {matcher_error(seq.matcher)}"

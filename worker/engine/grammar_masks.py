@@ -7,20 +7,16 @@ rows together (llguidance's executor, one reused bitmask) and the sampler applie
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import llguidance
 import llguidance.torch
 import torch
 
-from guidance.compiler import GrammarCompiler, GrammarError
+from guidance.compiler import GrammarError, compiler_for
 from guidance.token_rules import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES
 from worker.engine.errors import InvalidRequest
 from worker.engine.sequence import SamplingParams
-
-logger = logging.getLogger(__name__)
-
 
 
 class GrammarMasks:
@@ -68,15 +64,8 @@ class Guidance:
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Iterable[int]):
         self.vocab_size = vocab_size
-        self.compiler: GrammarCompiler | None = None
-        self.masks: GrammarMasks | None = None
-        self._unavailable = ""
-        try:
-            self.compiler = GrammarCompiler(hf_tokenizer, vocab_size, eos_token_ids)
-            self.masks = GrammarMasks(vocab_size)
-        except Exception as exc:  # e.g. a slow (Python) tokenizer: unguided requests are still served
-            self._unavailable = f"guided decoding is not available on this worker: {exc}"
-            logger.warning("%s", self._unavailable)
+        self.compiler, self._unavailable = compiler_for(hf_tokenizer, vocab_size, eos_token_ids)
+        self.masks = GrammarMasks(vocab_size) if self.compiler is not None else None
 
     def check(self, sampling: SamplingParams) -> None:
         """Raise InvalidRequest unless logit_bias names vocabulary ids within range and the grammar compiles

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from guidance.compiler import matcher_error
+from guidance.compiler import grammar_failure
 from kv_transfer.codec import DTYPE_NAMES, KvLayer
 from worker.engine.errors import InvalidRequest
 from worker.engine.grammar_masks import Guidance
@@ -105,8 +105,7 @@ class PrefillEngine(PrefillBackend):
             picks = choose_batch(logits, batch, self.runner.eos_token_ids, self.guidance.masks)
             for job, pick in zip(batch, picks):
                 if pick is None:
-                    self._emit(job, PrefillFailed(f"guided decoding failed on the worker: "
-                                                  f"{matcher_error(job.matcher)}", invalid=True))
+                    self._emit(job, PrefillFailed(grammar_failure(job.matcher), invalid=True))
                 else:
                     self._emit(job, PrefillDone(pick[0], (time.perf_counter() - job.submitted_at) * 1000, pick[1]))
                 job.matcher = None
