@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from coordinator.route_table import ROUTE_TABLE, UNROUTED_LABEL
 from security.api_keys import FAILURE_REASONS as AUTH_FAILURE_REASONS
@@ -41,6 +42,46 @@ class InstanceCollector:
         return [healthy, requests, tokens]
 
 
+class LoopHistogram:
+    """A histogram observed only from the event loop: a bisect and two additions per value, no lock (a
+    prometheus_client Histogram takes a lock per observation, once per streamed token here)."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+        self.name = name
+        self.documentation = documentation
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative, running = [], 0
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            running += count
+            cumulative.append((bound, running))
+        return HistogramMetricFamily(self.name, self.documentation, buckets=cumulative, sum_value=self.total)
+
+
+class TokenCollector:
+    """Per-token figures (TTFT, gaps between tokens, tokens generated), kept on the event loop and read at
+    scrape time."""
+
+    def __init__(self):
+        self.ttft = LoopHistogram("pdserve_time_to_first_token_seconds", "Arrival to first generated token.",
+                                  LATENCY_BUCKETS)
+        self.tpot = LoopHistogram("pdserve_time_per_output_token_seconds", "Gap between generated tokens.",
+                                  TOKEN_BUCKETS)
+        self.generated = 0
+
+    def collect(self):
+        tokens = CounterMetricFamily("pdserve_generation_tokens", "Tokens generated.")
+        tokens.add_metric([], self.generated)
+        return [self.ttft.family(), self.tpot.family(), tokens]
+
+
 def api_label(request: web.Request) -> str:
     """The `api` label of a request: its route's metrics label in the app's route table."""
     return request.app[ROUTE_TABLE].metrics_label(request.method, request.path) or UNROUTED_LABEL
@@ -60,13 +101,10 @@ class CoordinatorMetrics:
         self.running = Gauge("pdserve_requests_running", "Generation requests in flight.", registry=r)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Request latency, arrival to last byte.",
                              ["api"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first generated token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "Gap between generated tokens.",
-                              buckets=TOKEN_BUCKETS, registry=r)
+        self.tokens = TokenCollector()
+        r.register(self.tokens)
         self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens of finished requests.",
                                      registry=r)
-        self.generation_tokens = Counter("pdserve_generation_tokens_total", "Tokens generated.", registry=r)
         self.retries = Counter("pdserve_prefill_retries_total",
                                "Requests restarted on other instances before their first token.", registry=r)
         self.migrations = Counter("pdserve_request_migrations_total",
@@ -96,11 +134,12 @@ class CoordinatorMetrics:
         self.queue_time.observe(seconds)
 
     def token(self, index: int, since_start_s: float, since_last_s: float) -> None:
+        tokens = self.tokens
         if index == 0:
-            self.ttft.observe(since_start_s)
+            tokens.ttft.observe(since_start_s)
         else:
-            self.tpot.observe(since_last_s)
-        self.generation_tokens.inc()
+            tokens.tpot.observe(since_last_s)
+        tokens.generated += 1
 
     def generation_done(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -6,18 +6,18 @@ reports late errors the same way.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import orjson
 from aiohttp import web
 
 from coordinator.errors import ApiError
 from coordinator.metrics import METRICS, api_label
 from coordinator.pipeline import RequestPipeline
 from coordinator.request import Finished, GenerationRequest, TokenDelta
-from coordinator.sse import encode_event, open_stream
+from coordinator.sse import JSON_OPTIONS, encode_event, open_stream
 
 logger = logging.getLogger(__name__)
 
@@ -67,31 +67,29 @@ async def serve_generation(
         return web.json_response(formatter.response(transcript), dumps=json_dumps)
 
     response: web.StreamResponse | None = None
+    tail: list[dict | str] = []
     try:
         async for event in events:
             if response is None:
                 # Opened on the first event, so a failure before it is a plain HTTP error.
                 response = await open_stream(http_request, formatter.stream_content_type)
             record(transcript, event)
-            frames = (
-                formatter.token_frames(event, transcript)
-                if isinstance(event, TokenDelta)
-                else formatter.final_frames(event, transcript)
-            )
-            for frame in frames:
-                await response.write(formatter.encode(frame))
+            if isinstance(event, TokenDelta):
+                await response.write(b"".join(map(formatter.encode, formatter.token_frames(event, transcript))))
+            else:  # the end: written below with the stream's last bytes
+                tail = formatter.final_frames(event, transcript)
     except ApiError as error:
         if response is None:
             raise
         logger.warning("request %s failed mid-stream: %s", request.request_id, error.message)
         http_request.app[METRICS].fail(api_label(http_request), error.status)
-        for frame in formatter.error_frames(error, transcript):
-            await response.write(formatter.encode(frame))
+        tail = formatter.error_frames(error, transcript)
     finally:
         await events.aclose()
     if formatter.done_marker is not None:
-        await response.write(formatter.encode(formatter.done_marker))
-    await response.write_eof()
+        tail.append(formatter.done_marker)
+    # The last chunk, usage, the done marker and the end of the body leave in one write.
+    await response.write_eof(b"".join(map(formatter.encode, tail)))
     return response
 
 
@@ -116,4 +114,4 @@ def record(transcript: Transcript, event) -> None:
 
 
 def json_dumps(obj) -> str:
-    return json.dumps(obj, ensure_ascii=False)
+    return orjson.dumps(obj, option=JSON_OPTIONS).decode("utf-8")

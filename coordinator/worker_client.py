@@ -6,6 +6,7 @@ WorkerCallError, carrying a classifiable WorkerFailure, instead of gRPC's own er
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -13,6 +14,7 @@ import grpc
 from coordinator.failures import WorkerCallError, WorkerFailure
 from coordinator.instances import ReportedLoad
 from coordinator.request import FinishReason, GenerationRequest
+from coordinator.token_channels import TokenChannel, TokenChannels
 from kv_transfer.grpc_transport import GRPC_OPTIONS
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
@@ -107,7 +109,7 @@ def token_from_pb(token: pb.TokenEvent) -> DecodedToken:
         finish_reason=FINISH_FROM_PB.get(token.finish_reason),
         matched_stop=token.matched_stop or None,
         logprob=token.logprob,
-        top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs),
+        top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs) if token.top_logprobs else (),
         batch_size=token.batch_size or 1,
         queue_wait_ms=token.queue_wait_ms,
     )
@@ -118,26 +120,60 @@ def _call_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> WorkerCa
 
 
 class DecodeStream:
-    """An open Decode call: `DecodeAccepted` first, then one `DecodedToken` per token."""
+    """An open Decode call: `DecodeAccepted` first, then one `DecodedToken` per token. With a token channel
+    the tokens come from the channel's sink, while a watcher reads the call itself for its end or error."""
 
-    def __init__(self, address: str, call):
+    def __init__(self, address: str, call, channels: TokenChannels, channel: TokenChannel | None = None,
+                 request_id: str = ""):
         self.address = address
         self._call = call
+        self._channels = channels
+        self._channel = channel
+        self._request_id = request_id
+        self._sink = channel.attach(request_id) if channel is not None else None
+        self._accepted = False
+        self._watcher: asyncio.Task | None = None
 
     async def read(self) -> DecodeAccepted | DecodedToken | None:
         """The next event; None when the worker ended the stream."""
+        if self._accepted and self._sink is not None:
+            token = await self._sink.next()
+            return token_from_pb(token) if token is not None else None
+        msg = await self._read_call()
+        if msg is None:
+            return None
+        if msg.WhichOneof("event") == "accepted":
+            self._accepted = True
+            self._channels.learn(self.address, msg.accepted.token_channel_address)
+            if self._sink is not None:
+                self._watcher = asyncio.ensure_future(self._watch())
+            return DecodeAccepted(msg.accepted.kv_data_address, msg.accepted.kv_transfer_token)
+        return token_from_pb(msg.token)
+
+    async def _read_call(self) -> pb.DecodeEvent | None:
         try:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise _call_error("decode", self.address, exc) from None
-        if msg is grpc.aio.EOF:
-            return None
-        if msg.WhichOneof("event") == "accepted":
-            return DecodeAccepted(msg.accepted.kv_data_address, msg.accepted.kv_transfer_token)
-        return token_from_pb(msg.token)
+        return None if msg is grpc.aio.EOF else msg
+
+    async def _watch(self) -> None:
+        """Read the call after `accepted`: its end or error ends the sink; a token on it (the worker did not
+        bind the channel) joins the sink."""
+        try:
+            while (msg := await self._read_call()) is not None:
+                self._sink.push(msg.token)
+        except WorkerCallError as exc:
+            self._sink.end(exc)
+        else:
+            self._sink.end()
 
     def cancel(self) -> None:
         self._call.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._channel is not None:
+            self._channel.detach(self._request_id)
 
 
 class WorkerClient:
@@ -147,12 +183,14 @@ class WorkerClient:
         # A request may run for up to exception_config.infer_timeout (at most an hour) on a channel a reload retired.
         self._channels = ChannelCache(tls, GRPC_OPTIONS, grace_s=3600)
         self._secret = secret
+        self.token_channels = TokenChannels(tls, secret)
 
     def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float,
                     local_prefill: bool = False) -> DecodeStream:
         """Start a Decode stream (with `local_prefill`, the decode worker prefills the prompt itself)."""
         stub = pb_grpc.DecodeServiceStub(self._channels.get(address))
         send_prompt = local_prefill or request.sampling.repetition_penalty != 1.0
+        channel = self.token_channels.open_channel(address)
         call = stub.Decode(
             pb.DecodeRequest(
                 request_id=request.request_id,
@@ -161,11 +199,12 @@ class WorkerClient:
                 max_seq_len=max_seq_len,
                 prompt_token_ids=request.prompt_token_ids if send_prompt else [],
                 local_prefill=local_prefill,
+                token_channel_id=channel.channel_id if channel is not None else "",
             ),
             timeout=timeout,
             metadata=secret_metadata(self._secret),
         )
-        return DecodeStream(address, call)
+        return DecodeStream(address, call, self.token_channels, channel, request.request_id)
 
     async def prefill(
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
@@ -204,8 +243,10 @@ class WorkerClient:
         ), draining=reply.draining)
 
     async def forget(self, address: str) -> None:
-        """Close the channel of an instance that left."""
+        """Close the channels of an instance that left."""
+        self.token_channels.forget(address)
         await self._channels.forget(address)
 
     async def close(self) -> None:
+        self.token_channels.close()
         await self._channels.close()

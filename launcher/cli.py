@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -27,11 +28,24 @@ def _coordinator(args: argparse.Namespace) -> int:
     if args.predict_port is not None:
         config.http_config.predict_port = args.predict_port
     try:
-        asyncio.run(run_coordinator(config))
+        run_event_loop(run_coordinator(config))
     except (ConfigError, TlsError, SecretError) as exc:
         print(f"pdserve coordinator: cannot start:\n{exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def run_event_loop(main) -> None:
+    """Run `main` on uvloop where it is installed (a cheaper wake-up and socket write per token), else asyncio;
+    PDSERVE_EVENT_LOOP=asyncio picks asyncio's own (to compare, or to profile Python frames)."""
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    if uvloop is None or os.environ.get("PDSERVE_EVENT_LOOP") == "asyncio":
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -68,11 +82,12 @@ def _worker(args: argparse.Namespace) -> int:
                             kv_budget_tokens=args.kv_budget_tokens, max_prefill_tokens=args.max_prefill_tokens,
                             max_prefill_batch_size=args.max_prefill_batch_size, max_running=args.max_running,
                             kv_data_port=args.kv_data_port, metrics_port=args.metrics_port,
+                            token_channel_port=args.token_channel_port,
                             coordinator_url=args.coordinator, heartbeat_interval_s=args.heartbeat_interval,
                             advertise_host=args.advertise_host, drain_seconds=args.drain_seconds,
                             tls=security.tls_config, auth=auth)
     try:
-        asyncio.run(serve(options))
+        run_event_loop(serve(options))
     except (TlsError, SecretError) as exc:
         print(f"pdserve worker: cannot start:\n{exc}", file=sys.stderr)
         return 2
@@ -127,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prometheus /metrics port (0 picks one, -1 disables it)")
     p.add_argument("--kv-data-port", type=int, default=0,
                    help="decode: raw-TCP KV receiver port (0 picks one, -1 disables it: KV over gRPC only)")
+    p.add_argument("--token-channel-port", type=int, default=0,
+                   help="decode: token channel port, one connection per coordinator carrying its tokens (0 picks one, "
+                        "-1 disables it: tokens on each request's gRPC stream)")
     p.add_argument("--advertise-host", default=None,
                    help="host the coordinator and other workers dial (e.g. the pod IP when --host is 0.0.0.0)")
     p.add_argument("--coordinator", default=None,

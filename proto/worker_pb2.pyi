@@ -114,20 +114,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill")
+    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill", "token_channel_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     sampling: SamplingParams
     max_seq_len: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     local_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    token_channel_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., local_prefill: _Optional[bool] = ..., token_channel_id: _Optional[str] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("accepted", "token")
@@ -138,12 +140,14 @@ class DecodeEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("kv_data_address", "kv_transfer_token")
+    __slots__ = ("kv_data_address", "kv_transfer_token", "token_channel_address")
     KV_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHANNEL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     kv_data_address: str
     kv_transfer_token: str
-    def __init__(self, kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ...) -> None: ...
+    token_channel_address: str
+    def __init__(self, kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., token_channel_address: _Optional[str] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_id", "text", "time_ms", "finish_reason", "index", "matched_stop", "logprob", "top_logprobs", "batch_size", "queue_wait_ms")
@@ -252,3 +256,27 @@ class KvAck(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     bytes_received: int
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
+
+class TokenChannelHello(_message.Message):
+    __slots__ = ("worker_secret",)
+    WORKER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    worker_secret: str
+    def __init__(self, worker_secret: _Optional[str] = ...) -> None: ...
+
+class RoutedToken(_message.Message):
+    __slots__ = ("request_id", "token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token: TokenEvent
+    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ...) -> None: ...
+
+class TokenChannelFrame(_message.Message):
+    __slots__ = ("channel_id", "tokens", "refused")
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    tokens: _containers.RepeatedCompositeFieldContainer[RoutedToken]
+    refused: str
+    def __init__(self, channel_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[RoutedToken, _Mapping]]] = ..., refused: _Optional[str] = ...) -> None: ...

@@ -38,6 +38,9 @@ class DecodeHandle:
     # Set once nothing more is awaited from a KV transfer: the cache arrived, is made here, or failed.
     kv_arrived: asyncio.Event = field(default_factory=asyncio.Event)
     registered_at: float = field(default_factory=time.perf_counter)
+    # Where its tokens go instead of `events` (a token channel); the last token goes to both, so the
+    # stream learns the request ended.
+    relay: Callable[[TokenOutput], None] | None = None
 
     @property
     def request_id(self) -> str:
@@ -171,8 +174,18 @@ class DecodeBackend(abc.ABC):
             kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used,
         )
 
+    def _deliver_all(self, items: list[tuple[str, TokenOutput | Exception]]) -> None:
+        """One decode step's hand-off: each request's token (or error), in order."""
+        for request_id, item in items:
+            self._deliver(request_id, item)
+
     def _deliver(self, request_id: str, item: TokenOutput | Exception) -> None:
         """Hand a token (or an error) to the request's stream, on the event loop; a released one gets nothing."""
         handle = self._handles.get(request_id)
-        if handle is not None:
-            handle.events.put_nowait(item)
+        if handle is None:
+            return
+        if handle.relay is not None and not isinstance(item, Exception):
+            handle.relay(item)
+            if item.finish_reason is None:
+                return
+        handle.events.put_nowait(item)

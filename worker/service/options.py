@@ -45,6 +45,9 @@ class WorkerOptions:
     max_prefill_batch_size: int = 16
     max_running: int = 64
     kv_data_port: int = 0  # decode: raw-TCP KV receiver port; 0 picks one, -1 disables (gRPC PushKv only)
+    # decode: the token channel listener (coordinators take their requests' tokens from it, one frame per
+    # step); 0 picks one, -1 disables (tokens on each request's gRPC stream)
+    token_channel_port: int = 0
     metrics_port: int = 0  # Prometheus /metrics; 0 picks one, -1 disables
     coordinator_url: str | None = None  # the coordinator's management URL to register with; None: no registration
     advertise_host: str | None = None  # the host others reach this worker at (e.g. a pod IP); None: `host`

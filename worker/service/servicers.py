@@ -26,6 +26,7 @@ from worker.engine.sequence import FinishReason, SamplingParams, TokenOutput
 from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate, refuse_if_draining
 from worker.service.errors import abort_with, engine_errors_as_status
+from worker.service.token_channel import TokenChannel, TokenChannelListener
 
 _FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -71,7 +72,7 @@ async def checked_sampling(engine: PrefillBackend | DecodeBackend, msg: pb.Sampl
     return sampling
 
 
-def token_to_pb(output: TokenOutput) -> pb.DecodeEvent:
+def token_to_pb(output: TokenOutput) -> pb.TokenEvent:
     event = pb.TokenEvent(
         token_id=output.token_id,
         text=output.text,
@@ -85,7 +86,7 @@ def token_to_pb(output: TokenOutput) -> pb.DecodeEvent:
     if output.logprobs is not None:
         event.logprob = output.logprobs.logprob
         event.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in output.logprobs.top)
-    return pb.DecodeEvent(token=event)
+    return event
 
 
 def load_to_pb(load: WorkerLoad, draining: bool) -> pb.HealthResponse:
@@ -197,8 +198,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     """Register a request, wait for its KV cache (or prefill it here), stream its tokens."""
 
     def __init__(self, engine: DecodeBackend, kv_trans_timeout_s: float, kv_data_address: str,
-                 tokens: KvTransferTokens, metrics: WorkerMetrics, gate: DrainGate):
+                 tokens: KvTransferTokens, metrics: WorkerMetrics, gate: DrainGate,
+                 channels: TokenChannelListener | None = None, token_channel_address: str = ""):
         self.engine = engine
+        self.channels = channels
+        self.token_channel_address = token_channel_address
         self.kv_trans_timeout_s = kv_trans_timeout_s
         self.kv_data_address = kv_data_address
         self.tokens = tokens  # the KV receivers' sink redeems what this issues
@@ -236,7 +240,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             # Only the sender the coordinator hands this token to can deliver the KV cache; no stream
             # is taken for a local prefill.
             token = "" if request.local_prefill else self.tokens.issue(request.request_id)
-            yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address, kv_transfer_token=token))
+            channel = self._bind(handle, request.token_channel_id)
+            yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address, kv_transfer_token=token,
+                                                      token_channel_address=self.token_channel_address))
             if request.local_prefill:
                 self.engine.prefill_locally(handle)
             await self._wait_for_kv(handle, context)
@@ -244,12 +250,24 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 item = await handle.events.get()
                 if isinstance(item, Exception):
                     await abort_with(context, item)
-                yield token_to_pb(item)
+                if channel is None:
+                    yield pb.DecodeEvent(token=token_to_pb(item))
                 if item.finish_reason is not None:
                     return
         finally:
+            if channel is not None:
+                channel.bound.discard(request.request_id)
             self.tokens.revoke(request.request_id)  # the token dies with the request
             self.engine.release(request.request_id)
+
+    def _bind(self, handle: DecodeHandle, channel_id: str) -> TokenChannel | None:
+        """Send the request's tokens over the named token channel, if it is open here; else on the stream."""
+        channel = self.channels.channel(channel_id) if self.channels is not None else None
+        if channel is not None:
+            request_id = handle.request_id
+            channel.bound.add(request_id)
+            handle.relay = lambda output: channel.send(request_id, token_to_pb(output))
+        return channel
 
     async def _wait_for_kv(self, handle: DecodeHandle, context: grpc.aio.ServicerContext) -> None:
         """Wait for the request's KV cache; abort with DEADLINE_EXCEEDED if nothing came in time."""

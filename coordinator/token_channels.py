@@ -1,0 +1,211 @@
+"""The coordinator's side of the token channels (life cycle in worker/service/token_channel.py): one
+connection per decode worker, dialled in the background once the worker names its listener in an
+`accepted`; each frame's tokens go to the TokenSink of their request as the frame arrives."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import time
+
+from coordinator.failures import WorkerCallError, WorkerFailure
+from proto import worker_pb2 as pb
+from proto.token_channel import FrameError, FrameReader, encode_frame
+from security.secrets import SecretFile
+from security.tls import LinkTls
+
+logger = logging.getLogger(__name__)
+
+# A decode stream that ended well has put its last token on the channel first; this long it may lag.
+LAST_TOKEN_GRACE_S = 2.0
+CONNECT_TIMEOUT_S = 5.0
+# After a failed dial, requests to that worker use their gRPC streams this long before the next try.
+REDIAL_AFTER_S = 5.0
+
+_ENDED = object()  # the request's decode stream ended without an error
+
+
+class TokenSink:
+    """The tokens of one request, read in order by its attempt; they may come on the channel or, when
+    the worker could not bind the channel, on the request's own stream."""
+
+    __slots__ = ("_items", "_waiter", "_end")
+
+    def __init__(self):
+        self._items: collections.deque[pb.TokenEvent] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._end: object | None = None  # _ENDED or the WorkerCallError that ended it
+
+    def push(self, token: pb.TokenEvent) -> None:
+        self._items.append(token)
+        self._wake()
+
+    def end(self, error: WorkerCallError | None = None) -> None:
+        """No more tokens will come (after any already in flight on the channel, when `error` is None)."""
+        if self._end is None:
+            self._end = error if error is not None else _ENDED
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next(self) -> pb.TokenEvent | None:
+        """The next token; None once the stream ended and no token followed within LAST_TOKEN_GRACE_S."""
+        while not self._items:
+            if isinstance(self._end, WorkerCallError):
+                raise self._end
+            ended = self._end is _ENDED
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                if ended:
+                    await asyncio.wait_for(self._waiter, LAST_TOKEN_GRACE_S)
+                else:
+                    await self._waiter
+            except TimeoutError:
+                return None
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
+class ChannelState(enum.Enum):
+    CONNECTING = "connecting"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class TokenChannel(asyncio.Protocol):
+    """One decode worker's channel: hands each token to its request's sink."""
+
+    def __init__(self, worker_address: str, listener_address: str):
+        self.worker_address = worker_address
+        self.listener_address = listener_address
+        self.state = ChannelState.CONNECTING
+        self.channel_id = ""
+        self.sinks: dict[str, TokenSink] = {}
+        self.opened: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._reader = FrameReader()
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+
+    def hello(self, secret: SecretFile | None) -> None:
+        self._transport.write(encode_frame(pb.TokenChannelHello(
+            worker_secret=secret.value if secret is not None else "").SerializeToString()))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._reader.feed(data)
+        except FrameError as exc:
+            logger.warning("token channel to %s: %s", self.worker_address, exc)
+            self._transport.abort()
+            return
+        frame = pb.TokenChannelFrame()
+        for payload in frames:
+            frame.ParseFromString(payload)
+            if self.state is ChannelState.CONNECTING:
+                self._greeted(frame)
+                continue
+            sinks = self.sinks
+            for routed in frame.tokens:
+                sink = sinks.get(routed.request_id)
+                if sink is not None:  # a request that ended (client gone) still has tokens in flight
+                    sink.push(routed.token)
+
+    def _greeted(self, frame: pb.TokenChannelFrame) -> None:
+        if not frame.channel_id:
+            logger.warning("decode worker %s refused the token channel: %s", self.worker_address, frame.refused)
+            self._transport.close()
+            return
+        self.channel_id = frame.channel_id
+        self.state = ChannelState.OPEN
+        if not self.opened.done():
+            self.opened.set_result(None)
+
+    def attach(self, request_id: str) -> TokenSink:
+        sink = self.sinks[request_id] = TokenSink()
+        return sink
+
+    def detach(self, request_id: str) -> None:
+        self.sinks.pop(request_id, None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.state = ChannelState.CLOSED
+        if not self.opened.done():
+            self.opened.set_exception(ConnectionError(f"closed before the worker named the channel: {exc}"))
+            self.opened.exception()  # retrieved: the dialler reports it
+        error = WorkerCallError(WorkerFailure("decode", self.worker_address, "UNAVAILABLE",
+                                              f"token channel lost: {exc or 'closed by the worker'}"))
+        for sink in self.sinks.values():
+            sink.end(error)
+        self.sinks.clear()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+class TokenChannels:
+    """The coordinator's token channels, one per decode worker, opened once a worker names its listener."""
+
+    def __init__(self, tls: LinkTls | None = None, secret: SecretFile | None = None):
+        self.tls = tls
+        self.secret = secret
+        self._channels: dict[str, TokenChannel] = {}
+        self._dialling: dict[str, asyncio.Task] = {}
+        self._failed_at: dict[str, float] = {}
+
+    def open_channel(self, worker_address: str) -> TokenChannel | None:
+        """The worker's open channel, or None (its tokens come on each request's stream meanwhile)."""
+        channel = self._channels.get(worker_address)
+        if channel is not None and channel.state is ChannelState.OPEN:
+            return channel
+        return None
+
+    def learn(self, worker_address: str, channel_address: str) -> None:
+        """A worker named its listener: dial it in the background unless a channel is open or being opened."""
+        if not channel_address or self.open_channel(worker_address) is not None or worker_address in self._dialling:
+            return
+        if time.monotonic() - self._failed_at.get(worker_address, -REDIAL_AFTER_S) < REDIAL_AFTER_S:
+            return
+        task = asyncio.create_task(self._dial(worker_address, channel_address))
+        self._dialling[worker_address] = task
+        task.add_done_callback(lambda _: self._dialling.pop(worker_address, None))
+
+    async def _dial(self, worker_address: str, channel_address: str) -> None:
+        host, port = channel_address.rsplit(":", 1)
+        loop = asyncio.get_running_loop()
+        ssl_context = self.tls.ssl_context() if self.tls is not None else None
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                _, channel = await loop.create_connection(
+                    lambda: TokenChannel(worker_address, channel_address), host.strip("[]"), int(port), ssl=ssl_context,
+                    server_hostname=host.strip("[]") if ssl_context is not None else None)
+                channel.hello(self.secret)
+                await channel.opened
+        except (OSError, ConnectionError, TimeoutError) as exc:
+            self._failed_at[worker_address] = time.monotonic()
+            logger.warning("token channel to decode worker %s (%s) failed: %s; its tokens stay on gRPC streams",
+                           worker_address, channel_address, exc)
+            return
+        old = self._channels.get(worker_address)
+        if old is not None:
+            old.close()
+        self._channels[worker_address] = channel
+
+    def forget(self, worker_address: str) -> None:
+        """Close the channel of a worker that left."""
+        channel = self._channels.pop(worker_address, None)
+        if channel is not None:
+            channel.close()
+
+    def close(self) -> None:
+        for task in self._dialling.values():
+            task.cancel()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
