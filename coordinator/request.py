@@ -75,9 +75,10 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenDelta:
-    """One generated token and the text it released."""
+    """One generated token and the text it released (made once per streamed token: not frozen, whose
+    __init__ costs a setattr call per field)."""
 
     token_id: int
     text: str

@@ -7,7 +7,6 @@ reports late errors the same way.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import orjson
@@ -22,14 +21,33 @@ from coordinator.sse import JSON_OPTIONS, encode_event, open_stream
 logger = logging.getLogger(__name__)
 
 
-@dataclass
 class Transcript:
-    """What has been generated so far."""
+    """What has been generated so far; the text is kept as pieces and joined when read."""
 
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    deltas: list[TokenDelta] = field(default_factory=list)
-    finished: Finished | None = None
+    def __init__(self, text: str = ""):
+        self.pieces: list[str] = [text] if text else []
+        self.length = len(text)  # characters of text so far
+        self.token_ids: list[int] = []
+        self.deltas: list[TokenDelta] = []
+        self.finished: Finished | None = None
+
+    @property
+    def text(self) -> str:
+        pieces = self.pieces
+        if len(pieces) > 1:
+            pieces[:] = ["".join(pieces)]
+        return pieces[0] if pieces else ""
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self.pieces = [value] if value else []
+        self.length = len(value)
+
+    def add(self, delta: TokenDelta) -> None:
+        self.pieces.append(delta.text)
+        self.length += len(delta.text)
+        self.token_ids.append(delta.token_id)
+        self.deltas.append(delta)
 
 
 class ResponseFormatter(Protocol):
@@ -38,7 +56,10 @@ class ResponseFormatter(Protocol):
     done_marker: str | None
     stream_content_type: str
 
-    def encode(self, frame: dict | str) -> bytes: ...
+    def encode(self, frame: dict | str | bytes) -> bytes: ...
+
+    def token_bytes(self, delta: TokenDelta, transcript: Transcript) -> bytes | None:
+        """The token's stream bytes when a cheaper path than `token_frames` gives them (the same bytes)."""
 
     def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]: ...
 
@@ -75,7 +96,10 @@ async def serve_generation(
                 response = await open_stream(http_request, formatter.stream_content_type)
             record(transcript, event)
             if isinstance(event, TokenDelta):
-                await response.write(b"".join(map(formatter.encode, formatter.token_frames(event, transcript))))
+                data = formatter.token_bytes(event, transcript)
+                if data is None:
+                    data = b"".join(map(formatter.encode, formatter.token_frames(event, transcript)))
+                await response.write(data)
             else:  # the end: written below with the stream's last bytes
                 tail = formatter.final_frames(event, transcript)
     except ApiError as error:
@@ -99,16 +123,17 @@ class SseFormatter:
     done_marker: str | None = None
     stream_content_type = "text/event-stream; charset=utf-8"
 
-    def encode(self, frame: dict | str) -> bytes:
+    def encode(self, frame: dict | str | bytes) -> bytes:
         return encode_event(frame)
+
+    def token_bytes(self, delta: TokenDelta, transcript: Transcript) -> bytes | None:
+        return None
 
 
 def record(transcript: Transcript, event) -> None:
     """Add one event to a transcript."""
     if isinstance(event, TokenDelta):
-        transcript.text += event.text
-        transcript.token_ids.append(event.token_id)
-        transcript.deltas.append(event)
+        transcript.add(event)
     else:
         transcript.finished = event
 

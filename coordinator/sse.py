@@ -9,9 +9,26 @@ from aiohttp import web
 JSON_OPTIONS = orjson.OPT_NON_STR_KEYS
 
 
-def encode_event(payload: dict | str) -> bytes:
+def encode_event(payload: dict | str | bytes) -> bytes:
+    """One `data:` event; bytes are an event already encoded (a ChunkTemplate's)."""
+    if isinstance(payload, bytes):
+        return payload
     body = payload.encode("utf-8") if isinstance(payload, str) else orjson.dumps(payload, option=JSON_OPTIONS)
     return b"data: " + body + b"\n\n"
+
+
+class ChunkTemplate:
+    """A streamed chunk's bytes around its one varying JSON string, for the common shape of a token's chunk
+    (a fifth of the cost of building its dict and encoding that)."""
+
+    SLOT = "\x00pdserve-slot\x00"
+
+    def __init__(self, frame: dict):
+        """`frame` is the chunk with SLOT where the string goes."""
+        self.head, self.tail = encode_event(frame).split(orjson.dumps(self.SLOT))
+
+    def fill(self, text: str) -> bytes:
+        return self.head + orjson.dumps(text) + self.tail
 
 
 async def open_stream(request: web.Request, content_type: str = "text/event-stream; charset=utf-8") -> web.StreamResponse:

@@ -38,7 +38,7 @@ class DecodeAccepted:
     kv_transfer_token: str = ""  # one-time: the prefill worker must send it with the KV cache, or is refused
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DecodedToken:
     """One token of a decode stream; `index` counts from 0 within this stream."""
 

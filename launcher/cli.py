@@ -35,7 +35,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_event_loop(main) -> None:
+def run_event_loop(main):
     """Run `main` on uvloop where it is installed (a cheaper wake-up and socket write per token), else asyncio;
     PDSERVE_EVENT_LOOP=asyncio picks asyncio's own (to compare, or to profile Python frames)."""
     try:
@@ -43,9 +43,8 @@ def run_event_loop(main) -> None:
     except ImportError:
         uvloop = None
     if uvloop is None or os.environ.get("PDSERVE_EVENT_LOOP") == "asyncio":
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _worker(args: argparse.Namespace) -> int:

@@ -218,13 +218,14 @@ class ChatFormatter(OpenAIFormatter):
         super().__init__(*args, **kwargs)
         self.parse_tools = parse_tools
         self._parser: ChatOutputParser | None = None  # made on first use, once parse_tools is final
-        self._content = ""  # content released so far (fullTextEnabled streams it whole)
+        self._released = Transcript()  # content released so far (fullTextEnabled streams it whole)
 
     def _piece(self, text: str, final: bool = False) -> ChatPiece:
         if self._parser is None:
             self._parser = ChatOutputParser(self.parse_tools)
         piece = self._parser.feed(text, final)
-        self._content += piece.content
+        if self.full_text:
+            self._released.pieces.append(piece.content)
         return piece
 
     def _chunk(self, content: str, finish: str | None, logprobs: dict | None = None, reasoning: str = "",
@@ -240,6 +241,14 @@ class ChatFormatter(OpenAIFormatter):
         return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, **extra, "choices": [choice]}
 
+    def token_bytes(self, delta: TokenDelta, transcript: Transcript) -> bytes | None:
+        if not self.plain_chunk(delta):
+            return None
+        piece = self._piece(delta.text)
+        if piece.reasoning:
+            return self.encode(self._chunk(piece.content, None, None, piece.reasoning))
+        return self.templated(piece.content, lambda text: self._chunk(text, None))
+
     def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]:
         extra = {"token_ids": [delta.token_id]} if self.return_token_ids else {}
         if self.return_token_ids and delta.index == 0:
@@ -247,19 +256,19 @@ class ChatFormatter(OpenAIFormatter):
         if self.continuous_usage:
             extra["usage"] = self.running_usage(delta)
         piece = self._piece(delta.text)
-        content = self._content if self.full_text else piece.content
+        content = self._released.text if self.full_text else piece.content
         return [self._chunk(content, None, self._logprobs([delta]), piece.reasoning, **extra)]
 
     def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
         piece = self._piece("", final=True)
         calls, invalid = self._parser.tool_calls()
-        self._content += invalid
+        self._released.pieces.append(invalid)
         extra = {"full_text": transcript.text} if self.full_text else {}
         reason = finish_reason(finished)
         if calls:
             extra["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
             reason = "tool_calls"
-        content = self._content if self.full_text else piece.content + invalid
+        content = self._released.text if self.full_text else piece.content + invalid
         return [self._chunk(content, reason, None, piece.reasoning, **extra, usage=usage(finished), error_info=None)] \
             + self.usage_chunks(finished)
 

@@ -15,6 +15,7 @@ from coordinator.choices import fan_out, serve_choices
 from coordinator.errors import ApiError
 from coordinator.request import Finished, FinishReason, GenerationRequest, GuidedGrammar, SamplingOptions, TokenDelta
 from coordinator.serving import SseFormatter
+from coordinator.sse import ChunkTemplate
 from coordinator.state import STATE
 
 # Fields real clients send that later work will honour; until then a non-default value is a
@@ -158,6 +159,18 @@ class OpenAIFormatter(SseFormatter):
         self.continuous_usage = bool(stream_options and stream_options.continuous_usage_stats)
 
     chunk_object = "chat.completion.chunk"
+    _template: ChunkTemplate | None = None
+
+    def plain_chunk(self, delta: TokenDelta) -> bool:
+        """Whether a token's chunk has the common shape: its text is all that varies from token to token."""
+        return not (self.full_text or self.return_token_ids or self.continuous_usage
+                    or (delta.logprob is not None and self.show_logprobs))
+
+    def templated(self, text: str, make_frame: Callable[[str], dict]) -> bytes:
+        """The chunk `make_frame(text)` encodes to, from a template made on first use."""
+        if self._template is None:
+            self._template = ChunkTemplate(make_frame(ChunkTemplate.SLOT))
+        return self._template.fill(text)
 
     def running_usage(self, delta: TokenDelta) -> dict:
         """Usage so far, for `continuous_usage_stats` (seed 001 puts it on every chunk)."""

@@ -92,8 +92,13 @@ class CompletionFormatter(OpenAIFormatter):
 
     echo_text = ""  # the prompt, when the request asked for echo
 
+    def token_bytes(self, delta: TokenDelta, transcript: Transcript) -> bytes | None:
+        if not self.plain_chunk(delta) or (self.echo_text and delta.index == 0):
+            return None
+        return self.templated(delta.text, lambda text: self._body(self._choice(text, None)))
+
     def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]:
-        logprobs = self._logprobs([delta], len(transcript.text) - len(delta.text))
+        logprobs = self._logprobs([delta], transcript.length - len(delta.text)) if delta.logprob is not None else None
         text = transcript.text if self.full_text else delta.text
         if self.full_text or delta.index == 0:
             text = self.echo_text + text

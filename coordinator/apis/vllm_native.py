@@ -46,6 +46,9 @@ class VllmFormatter:
     def encode(self, frame: dict | str) -> bytes:
         return json.dumps(frame, ensure_ascii=False).encode("utf-8") + b"\0"
 
+    def token_bytes(self, delta: TokenDelta, transcript: Transcript) -> None:
+        return None
+
     def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]:
         return [{"text": [transcript.text if self.full_text else delta.text]}]
 
