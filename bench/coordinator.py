@@ -1,23 +1,40 @@
-"""What the coordinator sustains and the latency it adds, against clients that call the workers directly.
+"""What the coordinator costs per streamed request, against a floor measured in the same run: a minimal aiohttp
+pass-through proxy in the coordinator's place.
 
-    .venv/bin/python bench/coordinator.py [--concurrency 1 8 32 128] [--seconds 5] [--max-tokens 32]
-                                          [--no-tls | --plain-kv]
+    .venv/bin/python bench/coordinator.py [--max-tokens 64 256] [--concurrency 1 32 128] [--seconds 5]
+                                          [--workers 2] [--decode-step-ms 1] [--direct] [--tls | --plain-kv]
+    .venv/bin/python bench/coordinator.py --fleet 2 64 256 [--seconds 5]
 
-Simulated workers (`pdserve worker --simulate`, near-zero cost: no model in the way) serve both
-paths, pinned off the first core. The coordinator runs pinned to the first core, its streaming
-HTTP clients (aiohttp) beside the workers. Baseline: the same requests made straight to the
-workers over gRPC from the first core, the way the coordinator's pipeline makes them (open the
-Decode stream, then Prefill naming the decode worker, then read the tokens), through
-coordinator/worker_client.py. Each level is a closed loop: `concurrency` clients each send their
-next streaming request as soon as the last one ends, for `--seconds`.
+Each row is a closed loop of streaming /v1/completions requests at one `--max-tokens` and one concurrency:
+`concurrency` clients each send their next request as soon as the last one ends, for `--seconds` (their last
+requests included), after a warm-up of 1 s. The clients start staggered over one request's unloaded length (tokens
+x decode step): simulated requests of one length step in lockstep, so clients that start together stay a burst.
 
-Unless `--no-tls`, a second cluster speaks mutual TLS on every link the requests use, as `pdserve up
---tls` sets it up (certificates from security/certificates.py): clients -> predict port (aiohttp
-with the CA and a client certificate, kept-alive connections), coordinator -> workers' gRPC, and
-prefill -> decode KV over raw TCP. Its rows run beside the plaintext ones at each level, and a second
-table gives what TLS costs: CPU per request and requests/s against plaintext in the same run.
-`--plain-kv` leaves the KV link of that cluster in plaintext, which tells the coordinator's own
-cost of TLS apart from what a handshake per KV transfer costs the workers.
+- pass-through (floor): bench/passthrough.py. A mock upstream streams what the coordinator streams (one `data:`
+  chunk per token, of the coordinator's chunk size; the first at once, as prefill costs 0 ms here, then one per
+  simulated decode step on one clock shared by every stream, as a decode worker's batch steps; then the usage chunk
+  and `data: [DONE]`), through a minimal aiohttp proxy (one shared ClientSession; the request body relayed
+  upstream, the answer relayed with iter_any() -> StreamResponse.write). Both run on the coordinator's event loop
+  (launcher.cli.run_event_loop). What any Python HTTP relay in the coordinator's place pays.
+- coordinator: `pdserve coordinator` (round robin) in front of `--workers` simulated prefill and decode workers
+  (`pdserve worker --simulate`, a process each: prefill 0 ms, one decode step `--decode-step-ms`, no model).
+- direct gRPC (`--direct`): no HTTP at all; the bench makes the coordinator pipeline's worker calls itself (open
+  the Decode stream, then Prefill naming the decode worker, then read the tokens) via coordinator/worker_client.py.
+- `--tls`: a second cluster with mutual TLS on every link the requests use, as `pdserve up --tls` sets it up
+  (clients -> predict port, coordinator -> workers' gRPC, prefill -> decode KV over raw TCP); its rows run beside
+  the plaintext ones, and a second table gives TLS's cost against plaintext. `--plain-kv` (implies `--tls`)
+  leaves the KV link in plaintext, which tells the coordinator's own TLS cost apart from a handshake per transfer.
+
+Pinning: the coordinator and the proxy are started under `taskset -c <first core>` (so every thread they ever
+start stays there), and for direct rows the bench moves its own threads there; the workers, the mock upstream and
+the HTTP clients (this process) run on the other cores. CPU per request is the pinned process's user + system time
+(/proc/PID/stat) over the measured loop, divided by the requests it completed. Summary lines: the coordinator's
+CPU/request over the pass-through's at c=32 (target <= 2.0 at 64 tokens), and the TTFT p50 it adds over the
+pass-through at c=1 (target < 1 ms). A request answered with an error, or short of tokens, ends the bench.
+
+`--fleet N ...` measures instead the coordinator alone, at 64 tokens c=32, in front of N simulated instances (N/2
+prefill, N/2 decode, all in one process: bench/sim_fleet.py) for each N in turn, warmed up until every instance has
+served a request, and its CPU per request against the smallest fleet's (target: at most 1.2x apart at 64 vs 2).
 """
 
 from __future__ import annotations
@@ -29,7 +46,6 @@ import itertools
 import json
 import os
 import ssl
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,43 +68,88 @@ from security.settings import TlsLink  # noqa: E402
 from security.tls import LinkTls  # noqa: E402
 
 PROMPT = "Tell me a story about a lighthouse keeper who counts the ships that pass at night"
-BASELINE = "direct gRPC (baseline)"
-THROUGH = "through the coordinator"
+PASSTHROUGH = "pass-through (floor)"
+THROUGH = "coordinator"
+BASELINE = "direct gRPC"
 TLS = ", mutual TLS"
 PLAIN_KV = " (KV in plaintext)"
+FLEET_TOKENS, FLEET_CONCURRENCY = 64, 32  # the fleet comparison's one level
+CPU_RATIO_TARGET, TTFT_ADDED_TARGET_MS, FLEET_RATIO_TARGET = 2.0, 1.0, 1.2
 
 
 @dataclass
 class Sample:
     ttft_s: float
     e2e_s: float
+
+
+@dataclass
+class Row:
     tokens: int
+    concurrency: int
+    path: str
+    samples: list[Sample]
+    elapsed_s: float
+    cpu: float  # the pinned process's busy fraction of its core
+
+    @property
+    def rps(self) -> float:
+        return len(self.samples) / self.elapsed_s
+
+    @property
+    def cpu_ms(self) -> float:
+        return self.cpu * 1000 / self.rps
+
+    def ttft_ms(self, q: float = 0.5) -> float:
+        return percentile([s.ttft_s for s in self.samples], q) * 1000
+
+    def e2e_ms(self, q: float = 0.5) -> float:
+        return percentile([s.e2e_s for s in self.samples], q) * 1000
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Process:
-    """A pdserve process started for the benchmark; `address` comes from its ready line."""
+    """A process started for the benchmark; `address` (and the whole `ready_line`) come from its ready line."""
 
     def __init__(self, argv: list[str], ready_prefix: str, cpus: set[int]):
         # Pinned before it starts (taskset execs it), so every thread it ever starts stays on `cpus`.
         pin = ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
         self.proc = subprocess.Popen(pin + argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
+        output = []
         for line in self.proc.stdout:
             if line.startswith(ready_prefix):
+                self.ready_line = line.strip()
                 self.address = line.split()[-1].split("=", 1)[-1]
                 break
+            output.append(line)
         else:
-            raise RuntimeError(f"{argv} exited with {self.proc.wait()}")
+            raise RuntimeError(f"{argv} exited with {self.proc.wait()}:\n{''.join(output[-20:])}")
         # Keep draining its output so a chatty process never blocks on a full pipe.
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
+
+    def rss_mib(self) -> float:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
+
+
+class ThisProcess:
+    """The bench itself, as the pinned process of the direct rows (it does the coordinator's gRPC work there)."""
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(os.getpid())
 
 
 def pin_self(cpus: set[int]) -> None:
@@ -104,43 +165,58 @@ def pdserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "launcher.cli", *args]
 
 
+def bench_script(name: str, *args: str) -> list[str]:
+    return [sys.executable, str(REPO / "bench" / name), *args]
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def closed_loop(one, concurrency: int, seconds: float) -> tuple[list[Sample], float]:
-    """`concurrency` clients, each sending its next request when the last ends, until `seconds` pass."""
+async def closed_loop(one, concurrency: int, seconds: float, stagger_s: float = 0.0) -> tuple[list[Sample], float]:
+    """`concurrency` clients, each sending its next request when the last ends, until `seconds` pass (their last
+    requests included). The i-th starts i / `concurrency` of `stagger_s` late: simulated requests of one length step
+    in lockstep, so clients that start together would stay a burst forever."""
     samples: list[Sample] = []
-    deadline = time.perf_counter() + seconds
+    start = time.perf_counter()
+    deadline = start + seconds
 
-    async def client():
+    async def client(i: int):
+        await asyncio.sleep(i * stagger_s / concurrency)
         while time.perf_counter() < deadline:
             samples.append(await one())
 
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
     return samples, time.perf_counter() - start
 
 
-def coordinator_request(session: aiohttp.ClientSession, max_tokens: int):
+def completions_request(session: aiohttp.ClientSession, max_tokens: int):
+    """One streaming /v1/completions request; raises unless it streams `max_tokens` token chunks, usage and [DONE]."""
     body = {"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True}
 
     async def one() -> Sample:
         start = time.perf_counter()
-        ttft, tokens = None, 0
+        ttft, received = None, []
         async with session.post("/v1/completions", json=body) as resp:
             if resp.status != 200:
-                raise RuntimeError(f"coordinator answered {resp.status}: {await resp.text()}")
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = json.loads(line[6:])
+                raise RuntimeError(f"{resp.url} answered {resp.status}: {await resp.text()}")
+            # Whole reads, split into events at the end: the load generator shares the workers' cores.
+            async for data in resp.content.iter_any():
                 if ttft is None:
                     ttft = time.perf_counter() - start
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-        return Sample(ttft, time.perf_counter() - start, tokens)
+                received.append(data)
+        e2e = time.perf_counter() - start
+        events = [event for event in b"".join(received).split(b"\n\n") if event.startswith(b"data: ")]
+        done = bool(events) and events.pop() == b"data: [DONE]"
+        final = json.loads(events.pop()[6:]) if events else {}
+        if final.get("error"):
+            raise RuntimeError(f"{resp.url} failed mid-stream: {final['error']}")
+        tokens = final.get("usage", {}).get("completion_tokens", 0)
+        if not done or len(events) != max_tokens or tokens != max_tokens:
+            raise RuntimeError(f"{resp.url} came back short: {len(events)} token chunks, final {final}, "
+                               f"[DONE] {'seen' if done else 'missing'}; {max_tokens} tokens asked for")
+        return Sample(ttft, e2e)
 
     return one
 
@@ -167,7 +243,9 @@ def direct_request(client: WorkerClient, prefill: list[str], decode: list[str], 
             if event.finish_reason is not None:
                 break
         await prefill_task
-        return Sample(ttft, time.perf_counter() - start, tokens)
+        if tokens != max_tokens:
+            raise RuntimeError(f"decode worker {d} came back short: {tokens} of {max_tokens} tokens")
+        return Sample(ttft, time.perf_counter() - start)
 
     return one
 
@@ -191,6 +269,19 @@ def write_config(path: Path, prefill: list[str], decode: list[str], cert_dir: Pa
     return path
 
 
+def sim_flags(args) -> tuple[str, ...]:
+    """The simulated workers' flags (`pdserve worker` and bench/sim_fleet.py take the same): prefill 0 ms, one decode
+    step of `--decode-step-ms` whatever the batch, no batch cap."""
+    return ("--simulate", "--sim-prefill-base-ms", "0", "--sim-prefill-ms-per-token", "0", "--sim-decode-base-ms",
+            str(args.decode_step_ms), "--sim-decode-ms-per-seq", "0", "--max-running", "4096")
+
+
+@dataclass(frozen=True)
+class Cores:
+    pinned: set[int]  # the coordinator, the proxy, the direct client: the process whose CPU is measured
+    others: set[int]  # the workers, the mock upstream, the HTTP clients
+
+
 @dataclass
 class Cluster:
     """Simulated workers and a coordinator in front of them, plaintext or mutual TLS throughout."""
@@ -209,9 +300,8 @@ class Cluster:
                 process.stop()
 
 
-def start_cluster(args, tmp: Path, cert_dir: Path | None, cpus: dict[str, set[int]]) -> Cluster:
-    sim = ("--simulate", "--sim-prefill-base-ms", "0", "--sim-prefill-ms-per-token", "0", "--sim-decode-base-ms",
-           str(args.decode_step_ms), "--sim-decode-ms-per-seq", "0", "--max-running", "4096", "--metrics-port", "-1")
+def start_cluster(args, tmp: Path, cert_dir: Path | None, cores: Cores) -> Cluster:
+    sim = (*sim_flags(args), "--metrics-port", "-1")
     suffix = (TLS + PLAIN_KV if args.plain_kv else TLS) if cert_dir is not None else ""
     tls_worker_links = ("worker_grpc",) if args.plain_kv else ("worker_grpc", "kv_transfer")
     if cert_dir is not None:
@@ -223,14 +313,14 @@ def start_cluster(args, tmp: Path, cert_dir: Path | None, cpus: dict[str, set[in
     roles = ["prefill"] * args.workers + ["decode"] * args.workers
     with ThreadPoolExecutor(len(roles)) as pool:
         workers = list(pool.map(lambda role: Process(pdserve("worker", "--role", role, "--port", "0", *sim),
-                                                         "pdserve worker ready:", cpus[THROUGH]), roles))
+                                                         "pdserve worker ready:", cores.others), roles))
     cluster = Cluster(suffix, workers, [w.address for w in workers[: args.workers]],
                       [w.address for w in workers[args.workers:]])
     try:
         config = write_config(tmp / f"ms_coordinator{'-tls' if suffix else ''}.json", cluster.prefill, cluster.decode,
                               cert_dir)
         cluster.coordinator = Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:",
-                                      cpus[BASELINE])
+                                      cores.pinned)
     except BaseException:
         cluster.stop()
         raise
@@ -241,114 +331,191 @@ def start_cluster(args, tmp: Path, cert_dir: Path | None, cpus: dict[str, set[in
     return cluster
 
 
-async def measure(args, clusters: list[Cluster], cpus: dict[str, set[int]]) -> list[tuple]:
+def http_session(address: str, client_ssl: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
+    # No connection cap: 128 clients each keep their own connection alive.
+    return aiohttp.ClientSession(address, connector=aiohttp.TCPConnector(limit=0, ssl=client_ssl or True),
+                                 timeout=aiohttp.ClientTimeout(total=120))
+
+
+async def measure_row(tokens: int, concurrency: int, name: str, one, client_cpus: set[int], pinned, args,
+                      warmup_requests: int = 0) -> Row:
+    """A closed loop after a warm-up (of at least `warmup_requests`), and the pinned process's CPU over all of it."""
+    pin_self(client_cpus)
+    warm, _ = await closed_loop(one, concurrency, min(1.0, args.seconds))  # opens channels and connections
+    while len(warm) < warmup_requests:
+        warm += (await closed_loop(one, concurrency, 0.1))[0]
+    cpu0 = pinned.cpu_seconds()
+    # Staggered over one request's unloaded length, so that unloaded, requests end evenly spread in time.
+    samples, elapsed = await closed_loop(one, concurrency, args.seconds, tokens * args.decode_step_ms / 1000)
+    row = Row(tokens, concurrency, name, samples, elapsed, (pinned.cpu_seconds() - cpu0) / elapsed)
+    print(f"{tokens} tokens c={concurrency} {name}: {row.rps:.0f} req/s, pinned CPU {row.cpu:.0%}, "
+          f"{row.cpu_ms:.2f} ms/request", file=sys.stderr)
+    return row
+
+
+async def table_rows(args, proxy: Process, clusters: list[Cluster], cores: Cores) -> list[Row]:
     async with contextlib.AsyncExitStack() as stack:
-        paths = {}
+        session = await stack.enter_async_context(http_session(proxy.address))
+        paths = {PASSTHROUGH: (lambda tokens, s=session: completions_request(s, tokens), cores.others, proxy)}
         for cluster in clusters:
-            connector = aiohttp.TCPConnector(limit=0, ssl=cluster.client_ssl or True)
-            session = await stack.enter_async_context(aiohttp.ClientSession(
-                cluster.coordinator.address, connector=connector, timeout=aiohttp.ClientTimeout(total=120)))
-            async with session.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": PROMPT,
-                                                             "max_tokens": 1}) as resp:
-                prompt_len = (await resp.json())["usage"]["prompt_tokens"]
-            client = WorkerClient(cluster.worker_tls)
-            stack.push_async_callback(client.close)
-            paths[BASELINE + cluster.suffix] = (direct_request(client, cluster.prefill, cluster.decode, prompt_len,
-                                                               args.max_tokens), cpus[BASELINE], cluster)
-            paths[THROUGH + cluster.suffix] = (coordinator_request(session, args.max_tokens), cpus[THROUGH], cluster)
-        rows = []
-        for concurrency in args.concurrency:
-            for name, (one, path_cpus, cluster) in paths.items():
-                pin_self(path_cpus)
-                await closed_loop(one, concurrency, min(1.0, args.seconds))  # warm up: channels, connections
-                cpu0 = cluster.coordinator.cpu_seconds()
-                samples, elapsed = await closed_loop(one, concurrency, args.seconds)
-                cpu = (cluster.coordinator.cpu_seconds() - cpu0) / elapsed
-                assert all(s.tokens == args.max_tokens for s in samples), "a request came back short"
-                rows.append((concurrency, name, samples, elapsed, cpu))
-                print(f"{name} c={concurrency}: {len(samples) / elapsed:.0f} req/s, coordinator CPU {cpu:.0%}",
-                      file=sys.stderr)
-    return rows
+            session = await stack.enter_async_context(http_session(cluster.coordinator.address, cluster.client_ssl))
+            paths[THROUGH + cluster.suffix] = (lambda tokens, s=session: completions_request(s, tokens), cores.others,
+                                               cluster.coordinator)
+            if args.direct:
+                async with session.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": PROMPT,
+                                                                 "max_tokens": 1}) as resp:
+                    prompt_len = (await resp.json())["usage"]["prompt_tokens"]
+                client = WorkerClient(cluster.worker_tls)
+                stack.push_async_callback(client.close)
+                paths[BASELINE + cluster.suffix] = (
+                    lambda tokens, c=client, cl=cluster, n=prompt_len: direct_request(c, cl.prefill, cl.decode, n,
+                                                                                       tokens),
+                    cores.pinned, ThisProcess())
+        return [await measure_row(tokens, concurrency, name, make(tokens), client_cpus, pinned, args)
+                for tokens in args.max_tokens for concurrency in args.concurrency
+                for name, (make, client_cpus, pinned) in paths.items()]
+
+
+async def fleet_row(args, size: int, coordinator: Process, cores: Cores) -> Row:
+    async with http_session(coordinator.address) as session:
+        # Round robin: `size` / 2 requests have opened channels to every instance before the measured loop.
+        return await measure_row(FLEET_TOKENS, FLEET_CONCURRENCY, THROUGH, completions_request(session, FLEET_TOKENS),
+                                 cores.others, coordinator, args, warmup_requests=size // 2)
+
+
+def run_fleet(args, tmp: Path, cores: Cores) -> list[tuple[int, Row, float]]:
+    """For each fleet size: its row and the fleet process's resident memory (MiB) after it."""
+    results = []
+    for size in args.fleet:
+        with contextlib.ExitStack() as running:
+            fleet = Process(bench_script("sim_fleet.py", "--prefill", str(size // 2), "--decode", str(size // 2),
+                                         *sim_flags(args)), "sim fleet ready:", cores.others)
+            running.callback(fleet.stop)
+            prefill, decode = (field.split("=", 1)[1].split(",") for field in fleet.ready_line.split()[-2:])
+            config = write_config(tmp / f"ms_coordinator-fleet{size}.json", prefill, decode)
+            coordinator = Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:",
+                                  cores.pinned)
+            running.callback(coordinator.stop)
+            row = asyncio.run(fleet_row(args, size, coordinator, cores))
+            results.append((size, row, fleet.rss_mib()))
+    return results
+
+
+def even_size(text: str) -> int:
+    size = int(text)
+    if size < 2 or size % 2:
+        raise argparse.ArgumentTypeError(f"a fleet is half prefill, half decode: {size} is not an even count >= 2")
+    return size
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
-    parser.add_argument("--seconds", type=float, default=5.0, help="measured time per level and path")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[64, 256], help="streamed tokens per request")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--seconds", type=float, default=5.0, help="measured time per row")
     parser.add_argument("--workers", type=int, default=2, help="simulated prefill and decode workers, each")
     parser.add_argument("--decode-step-ms", type=float, default=1.0, help="the simulated decode step's cost")
-    tls = parser.add_mutually_exclusive_group()
-    tls.add_argument("--no-tls", action="store_true", help="plaintext rows only (no mutual-TLS cluster)")
-    tls.add_argument("--plain-kv", action="store_true", help="the TLS cluster moves KV (prefill -> decode) in "
-                     "plaintext: TLS on the client and coordinator -> worker links only")
+    parser.add_argument("--direct", action="store_true", help="add the direct gRPC rows (no coordinator, no HTTP)")
+    parser.add_argument("--tls", action="store_true", help="add a mutual-TLS cluster's rows and TLS's cost")
+    parser.add_argument("--plain-kv", action="store_true", help="with --tls (implied), the KV link (prefill -> "
+                        "decode) in plaintext: TLS on the client and coordinator -> worker links only")
+    parser.add_argument("--fleet", type=even_size, nargs="+", metavar="N", help="instead of the table: the "
+                        f"coordinator's CPU per request at {FLEET_TOKENS} tokens c={FLEET_CONCURRENCY} in front of "
+                        "N simulated instances (N/2 prefill, N/2 decode) for each N")
     args = parser.parse_args()
+    args.tls = args.tls or args.plain_kv
 
-    cores = sorted(os.sched_getaffinity(0))
-    coordinator_cpus, other_cpus = {cores[0]}, set(cores[1:]) or {cores[0]}
-    # The direct client does the coordinator's gRPC work itself, so it gets the coordinator's core; the
-    # HTTP client of the coordinator path shares the workers' cores.
-    cpus = {BASELINE: coordinator_cpus, THROUGH: other_cpus}
-    clusters: list[Cluster] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            clusters.append(start_cluster(args, Path(tmp), None, cpus))
-            if not args.no_tls:
-                cert_dir = ensure_local_certificates(Path(tmp) / "tls")
-                clusters.append(start_cluster(args, Path(tmp), cert_dir, cpus))
-            rows = asyncio.run(measure(args, clusters, cpus))
-        finally:
-            for cluster in clusters:
-                cluster.stop()
+    cpus = sorted(os.sched_getaffinity(0))
+    cores = Cores({cpus[0]}, set(cpus[1:]) or {cpus[0]})
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as running:
+        if args.fleet:
+            print_fleet(args, run_fleet(args, Path(tmp), cores), cores)
+            return
+        upstream = Process(bench_script("passthrough.py", "upstream", "--decode-step-ms", str(args.decode_step_ms)),
+                           "passthrough upstream ready:", cores.others)
+        running.callback(upstream.stop)
+        proxy = Process(bench_script("passthrough.py", "proxy", "--upstream", upstream.address),
+                        "passthrough proxy ready:", cores.pinned)
+        running.callback(proxy.stop)
+        clusters = [start_cluster(args, Path(tmp), None, cores)]
+        running.callback(clusters[0].stop)
+        if args.tls:
+            clusters.append(start_cluster(args, Path(tmp), ensure_local_certificates(Path(tmp) / "tls"), cores))
+            running.callback(clusters[1].stop)
+        rows = asyncio.run(table_rows(args, proxy, clusters, cores))
+    print_table(args, rows, cores)
+    if args.tls:
+        print_tls_costs(args, rows)
 
+
+def print_table(args, rows: list[Row], cores: Cores) -> None:
+    floor = {(r.tokens, r.concurrency): r for r in rows if r.path == PASSTHROUGH}
     print(f"\n{args.workers} simulated prefill + {args.workers} simulated decode workers (prefill 0 ms, decode step "
-          f"{args.decode_step_ms} ms), {args.max_tokens} streamed tokens per request, a closed loop of "
-          f"{args.seconds:g} s per row. CPU {cores[0]}: the coordinator, or the direct client in its place; "
-          f"CPU {sorted(other_cpus)}: the workers (and the coordinator's HTTP client). Latencies in ms; (x) = vs the "
-          f"direct gRPC baseline (plaintext) at the same concurrency.\n")
-    print("| concurrency | path | requests/s | tokens/s | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 "
-          "| coordinator CPU | coordinator CPU ms / request |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    baseline = {}
-    measured = {}
-    for concurrency, name, samples, elapsed, cpu in rows:
-        stats = {
-            "rps": len(samples) / elapsed,
-            "tps": sum(s.tokens for s in samples) / elapsed,
-            "ttft50": percentile([s.ttft_s for s in samples], 0.5) * 1000,
-            "ttft99": percentile([s.ttft_s for s in samples], 0.99) * 1000,
-            "e2e50": percentile([s.e2e_s for s in samples], 0.5) * 1000,
-            "e2e99": percentile([s.e2e_s for s in samples], 0.99) * 1000,
-        }
-        base = baseline.setdefault(concurrency, stats)
-        measured[concurrency, name] = stats | {"cpu_ms": cpu * 1000 / stats["rps"]}
-        cells = [f"{stats[k]:.0f} ({stats[k] / base[k]:.2f}x)" if k in ("rps", "tps")
-                 else f"{stats[k]:.1f} ({stats[k] / base[k]:.2f}x)" for k in stats]
-        if name.startswith("direct"):
-            cells += ["-", "-"]
-        else:  # how busy its one core was, and what each request cost it: the headroom left
-            cells += [f"{cpu:.0%}", f"{cpu * 1000 / stats['rps']:.1f}"]
-        print(f"| {concurrency} | {name} | " + " | ".join(cells) + " |")
-    print(f"\nmedian requests per row: {statistics.median(len(r[2]) for r in rows):.0f}")
-    if not args.no_tls:
-        print_tls_costs(args.concurrency, measured, args.plain_kv)
+          f"{args.decode_step_ms:g} ms), a closed loop of {args.seconds:g} s per row. CPU {sorted(cores.pinned)}: the "
+          f"pinned process (the proxy, the coordinator, or the direct client); CPU {sorted(cores.others)}: the "
+          f"workers, the mock upstream and the HTTP clients. Latencies in ms; 'vs floor' and 'TTFT added' against the "
+          f"pass-through at the same tokens and concurrency.\n")
+    print("| tokens | concurrency | path | requests/s | pinned CPU | CPU ms / request | vs floor | TTFT p50 | TTFT p99 "
+          "| TTFT added | e2e p50 | e2e p99 |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        base = floor[r.tokens, r.concurrency]
+        ttft = r.ttft_ms()
+        vs_floor, added = ("-", "-") if r is base else (f"{r.cpu_ms / base.cpu_ms:.2f}x",
+                                                        f"{ttft - base.ttft_ms():+.2f}")
+        print(f"| {r.tokens} | {r.concurrency} | {r.path} | {r.rps:.0f} | {r.cpu:.0%} | {r.cpu_ms:.2f} | {vs_floor} "
+              f"| {ttft:.2f} | {r.ttft_ms(0.99):.2f} | {added} | {r.e2e_ms():.1f} | {r.e2e_ms(0.99):.1f} |")
+    print(f"\nrequests per row: {min(len(r.samples) for r in rows)} to {max(len(r.samples) for r in rows)}\n")
+    through = {(r.tokens, r.concurrency): r for r in rows if r.path == THROUGH}
+    for tokens in args.max_tokens:
+        if (tokens, 32) in through:
+            ratio = through[tokens, 32].cpu_ms / floor[tokens, 32].cpu_ms
+            print(f"CPU/request ratio at {tokens} tokens c=32: {ratio:.2f} (target <= {CPU_RATIO_TARGET:g}): "
+                  f"{'met' if ratio <= CPU_RATIO_TARGET else 'MISSED'}")
+    for tokens in args.max_tokens:
+        if (tokens, 1) in through:
+            added = through[tokens, 1].ttft_ms() - floor[tokens, 1].ttft_ms()
+            print(f"TTFT added at c=1 ({tokens} tokens): {added:.2f} ms (target < {TTFT_ADDED_TARGET_MS:g}): "
+                  f"{'met' if added < TTFT_ADDED_TARGET_MS else 'MISSED'}")
 
 
-def print_tls_costs(levels: list[int], measured: dict, plain_kv: bool) -> None:
+def print_tls_costs(args, rows: list[Row]) -> None:
     """Each path over mutual TLS against the same path in plaintext, same run."""
-    kv = "KV in plaintext" if plain_kv else "KV over TCP"
+    kv = "KV in plaintext" if args.plain_kv else "KV over TCP"
+    measured = {(r.tokens, r.concurrency, r.path): r for r in rows}
     print(f"\nMutual TLS vs plaintext, same run (clients -> predict port, coordinator -> workers' gRPC, {kv}):\n")
-    print("| concurrency | path | requests/s, TLS | vs plaintext | coordinator CPU ms / request, TLS | vs plaintext "
-          "| TTFT p50, TLS | vs plaintext | e2e p50, TLS | vs plaintext |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for concurrency in levels:
-        for label, name in (("direct gRPC", BASELINE), (THROUGH, THROUGH)):
-            plain = measured[concurrency, name]
-            tls = measured[concurrency, name + TLS + (PLAIN_KV if plain_kv else "")]
-            cpu = "- | -" if name == BASELINE else f"{tls['cpu_ms']:.1f} | {tls['cpu_ms'] / plain['cpu_ms']:.2f}x"
-            print(f"| {concurrency} | {label} | {tls['rps']:.0f} | {tls['rps'] / plain['rps']:.2f}x | {cpu} "
-                  f"| {tls['ttft50']:.1f} | {tls['ttft50'] / plain['ttft50']:.2f}x "
-                  f"| {tls['e2e50']:.1f} | {tls['e2e50'] / plain['e2e50']:.2f}x |")
+    print("| tokens | concurrency | path | requests/s, TLS | vs plaintext | pinned CPU ms / request, TLS "
+          "| vs plaintext | TTFT p50, TLS | vs plaintext | e2e p50, TLS | vs plaintext |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for tokens in args.max_tokens:
+        for concurrency in args.concurrency:
+            for name in (THROUGH, BASELINE) if args.direct else (THROUGH,):
+                plain = measured[tokens, concurrency, name]
+                tls = measured[tokens, concurrency, name + TLS + (PLAIN_KV if args.plain_kv else "")]
+                print(f"| {tokens} | {concurrency} | {name} | {tls.rps:.0f} | {tls.rps / plain.rps:.2f}x "
+                      f"| {tls.cpu_ms:.2f} | {tls.cpu_ms / plain.cpu_ms:.2f}x "
+                      f"| {tls.ttft_ms():.1f} | {tls.ttft_ms() / plain.ttft_ms():.2f}x "
+                      f"| {tls.e2e_ms():.1f} | {tls.e2e_ms() / plain.e2e_ms():.2f}x |")
+
+
+def print_fleet(args, results: list[tuple[int, Row, float]], cores: Cores) -> None:
+    smallest = min(results, key=lambda result: result[0])
+    print(f"\nThe coordinator (CPU {sorted(cores.pinned)}) in front of N simulated instances, N/2 prefill and N/2 "
+          f"decode in one process (bench/sim_fleet.py, CPU {sorted(cores.others)}; prefill 0 ms, decode step "
+          f"{args.decode_step_ms:g} ms), {FLEET_TOKENS} tokens, c={FLEET_CONCURRENCY}, a closed loop of "
+          f"{args.seconds:g} s each. Latencies in ms.\n")
+    print(f"| instances | requests/s | coordinator CPU | CPU ms / request | vs {smallest[0]} instances | TTFT p50 "
+          "| e2e p50 | fleet process RSS, MiB |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for size, row, rss in results:
+        print(f"| {size} | {row.rps:.0f} | {row.cpu:.0%} | {row.cpu_ms:.2f} | {row.cpu_ms / smallest[1].cpu_ms:.2f}x "
+              f"| {row.ttft_ms():.2f} | {row.e2e_ms():.1f} | {rss:.0f} |")
+    print()
+    for size, row, _ in results:
+        if size != smallest[0]:
+            target = f" (target <= {FLEET_RATIO_TARGET:g} up to 64 instances)" if size <= 64 else " (no target)"
+            print(f"coordinator CPU/request, {size} instances vs {smallest[0]}: "
+                  f"{row.cpu_ms / smallest[1].cpu_ms:.2f}x{target}")
 
 
 if __name__ == "__main__":
