@@ -16,7 +16,7 @@ from coordinator.limits import ModelLimits
 from coordinator.metrics import CoordinatorMetrics, NullMetrics
 from coordinator.request import Finished, GenerationEvent, GenerationRequest, TokenDelta
 from coordinator.scheduling.router import Route
-from coordinator.worker_client import DecodeAccepted, DecodedToken, DecodeStream, PrefillDone, WorkerClient
+from coordinator.worker_client import DecodeAccepted, DecodeCall, DecodedToken, PrefillDone, WorkerClient
 
 
 # How long a failed decode stream waits for its prefill call's own verdict before reporting itself.
@@ -116,7 +116,7 @@ class AttemptRunner:
                                              self.first_token_timeout, kv_data_address=accepted.kv_data_address,
                                              kv_transfer_token=accepted.kv_transfer_token)
 
-    async def _read_within(self, stream: DecodeStream, route: Route, clocks: _Deadlines):
+    async def _read_within(self, stream: DecodeCall, route: Route, clocks: _Deadlines):
         try:
             return await asyncio.wait_for(stream.read(), clocks.left())
         except TimeoutError:
@@ -124,7 +124,7 @@ class AttemptRunner:
         except WorkerCallError as exc:
             raise self._failed(route, exc.failure, clocks) from None
 
-    async def _first_token(self, stream: DecodeStream, prefill_task: asyncio.Task | None, route: Route,
+    async def _first_token(self, stream: DecodeCall, prefill_task: asyncio.Task | None, route: Route,
                            clocks: _Deadlines) -> DecodedToken | None:
         """The first token event, racing the decode stream against the prefill and the clock."""
         if prefill_task is None:
@@ -154,7 +154,7 @@ class AttemptRunner:
             if not read.done():
                 read.cancel()
 
-    async def _relay(self, stream: DecodeStream, token: DecodedToken | None, route: Route, progress: Progress,
+    async def _relay(self, stream: DecodeCall, token: DecodedToken | None, route: Route, progress: Progress,
                      prompt_len: int, wants_logprobs: bool, admission_ms: float, clocks: _Deadlines,
                      arrived_at: float):
         loop_time = time.monotonic

@@ -1,6 +1,7 @@
 """The coordinator's side of the token channels (life cycle in worker/service/token_channel.py): one
 connection per decode worker, dialled in the background once the worker names its listener in an
-`accepted`; each frame's tokens go to the TokenSink of their request as the frame arrives."""
+`accepted` (until then, and whenever it is down, requests take gRPC Decode calls). Decode requests
+go out on it; each frame's events go to the TokenSink of their request as the frame arrives."""
 
 from __future__ import annotations
 
@@ -18,54 +19,41 @@ from security.tls import LinkTls
 
 logger = logging.getLogger(__name__)
 
-# A decode stream that ended well has put its last token on the channel first; this long it may lag.
-LAST_TOKEN_GRACE_S = 2.0
 CONNECT_TIMEOUT_S = 5.0
 # After a failed dial, requests to that worker use their gRPC streams this long before the next try.
 REDIAL_AFTER_S = 5.0
 
-_ENDED = object()  # the request's decode stream ended without an error
-
-
 class TokenSink:
-    """The tokens of one request, read in order by its attempt; they may come on the channel or, when
-    the worker could not bind the channel, on the request's own stream."""
+    """The events of one request on a channel, read in order by its attempt."""
 
-    __slots__ = ("_items", "_waiter", "_end")
+    __slots__ = ("_items", "_waiter", "_lost")
 
     def __init__(self):
-        self._items: collections.deque[pb.TokenEvent] = collections.deque()
+        self._items: collections.deque[pb.RoutedEvent] = collections.deque()
         self._waiter: asyncio.Future | None = None
-        self._end: object | None = None  # _ENDED or the WorkerCallError that ended it
+        self._lost: WorkerCallError | None = None  # the channel closed under it
 
-    def push(self, token: pb.TokenEvent) -> None:
-        self._items.append(token)
+    def push(self, event: pb.RoutedEvent) -> None:
+        self._items.append(event)
         self._wake()
 
-    def end(self, error: WorkerCallError | None = None) -> None:
-        """No more tokens will come (after any already in flight on the channel, when `error` is None)."""
-        if self._end is None:
-            self._end = error if error is not None else _ENDED
-            self._wake()
+    def lose(self, error: WorkerCallError) -> None:
+        """No more events will come: the channel is gone."""
+        self._lost = error
+        self._wake()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def next(self) -> pb.TokenEvent | None:
-        """The next token; None once the stream ended and no token followed within LAST_TOKEN_GRACE_S."""
+    async def next(self) -> pb.RoutedEvent:
+        """The next event; raises the channel's loss once the events that came before it are read."""
         while not self._items:
-            if isinstance(self._end, WorkerCallError):
-                raise self._end
-            ended = self._end is _ENDED
+            if self._lost is not None:
+                raise self._lost
             self._waiter = asyncio.get_running_loop().create_future()
             try:
-                if ended:
-                    await asyncio.wait_for(self._waiter, LAST_TOKEN_GRACE_S)
-                else:
-                    await self._waiter
-            except TimeoutError:
-                return None
+                await self._waiter
             finally:
                 self._waiter = None
         return self._items.popleft()
@@ -104,17 +92,17 @@ class TokenChannel(asyncio.Protocol):
             logger.warning("token channel to %s: %s", self.worker_address, exc)
             self._transport.abort()
             return
-        frame = pb.TokenChannelFrame()
         for payload in frames:
+            frame = pb.TokenChannelFrame()
             frame.ParseFromString(payload)
             if self.state is ChannelState.CONNECTING:
                 self._greeted(frame)
                 continue
             sinks = self.sinks
-            for routed in frame.tokens:
-                sink = sinks.get(routed.request_id)
-                if sink is not None:  # a request that ended (client gone) still has tokens in flight
-                    sink.push(routed.token)
+            for event in frame.events:
+                sink = sinks.get(event.request_id)
+                if sink is not None:  # a request that ended (client gone) may still have events in flight
+                    sink.push(event)
 
     def _greeted(self, frame: pb.TokenChannelFrame) -> None:
         if not frame.channel_id:
@@ -126,12 +114,23 @@ class TokenChannel(asyncio.Protocol):
         if not self.opened.done():
             self.opened.set_result(None)
 
-    def attach(self, request_id: str) -> TokenSink:
-        sink = self.sinks[request_id] = TokenSink()
+    def submit(self, request: pb.DecodeRequest, timeout_s: float) -> TokenSink:
+        """Send a decode request; its events come to the returned sink."""
+        sink = self.sinks[request.request_id] = TokenSink()
+        self._send(pb.TokenChannelRequest(decode=request, timeout_s=timeout_s))
         return sink
 
-    def detach(self, request_id: str) -> None:
+    def cancel(self, request_id: str) -> None:
+        """End a request the worker still runs, and forget it."""
+        if self.sinks.pop(request_id, None) is not None and self.state is ChannelState.OPEN:
+            self._send(pb.TokenChannelRequest(cancel=request_id))
+
+    def forget(self, request_id: str) -> None:
+        """Forget a request the worker has ended (its last token or its error came)."""
         self.sinks.pop(request_id, None)
+
+    def _send(self, request: pb.TokenChannelRequest) -> None:
+        self._transport.write(encode_frame(request.SerializeToString()))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = ChannelState.CLOSED
@@ -141,7 +140,7 @@ class TokenChannel(asyncio.Protocol):
         error = WorkerCallError(WorkerFailure("decode", self.worker_address, "UNAVAILABLE",
                                               f"token channel lost: {exc or 'closed by the worker'}"))
         for sink in self.sinks.values():
-            sink.end(error)
+            sink.lose(error)
         self.sinks.clear()
 
     def close(self) -> None:

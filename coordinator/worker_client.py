@@ -6,7 +6,6 @@ WorkerCallError, carrying a classifiable WorkerFailure, instead of gRPC's own er
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -120,60 +119,64 @@ def _call_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> WorkerCa
 
 
 class DecodeStream:
-    """An open Decode call: `DecodeAccepted` first, then one `DecodedToken` per token. With a token channel
-    the tokens come from the channel's sink, while a watcher reads the call itself for its end or error."""
+    """An open Decode call: `DecodeAccepted` first, then one `DecodedToken` per token."""
 
-    def __init__(self, address: str, call, channels: TokenChannels, channel: TokenChannel | None = None,
-                 request_id: str = ""):
+    def __init__(self, address: str, call, channels: TokenChannels):
         self.address = address
         self._call = call
         self._channels = channels
-        self._channel = channel
-        self._request_id = request_id
-        self._sink = channel.attach(request_id) if channel is not None else None
-        self._accepted = False
-        self._watcher: asyncio.Task | None = None
 
     async def read(self) -> DecodeAccepted | DecodedToken | None:
         """The next event; None when the worker ended the stream."""
-        if self._accepted and self._sink is not None:
-            token = await self._sink.next()
-            return token_from_pb(token) if token is not None else None
-        msg = await self._read_call()
-        if msg is None:
-            return None
-        if msg.WhichOneof("event") == "accepted":
-            self._accepted = True
-            self._channels.learn(self.address, msg.accepted.token_channel_address)
-            if self._sink is not None:
-                self._watcher = asyncio.ensure_future(self._watch())
-            return DecodeAccepted(msg.accepted.kv_data_address, msg.accepted.kv_transfer_token)
-        return token_from_pb(msg.token)
-
-    async def _read_call(self) -> pb.DecodeEvent | None:
         try:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise _call_error("decode", self.address, exc) from None
-        return None if msg is grpc.aio.EOF else msg
-
-    async def _watch(self) -> None:
-        """Read the call after `accepted`: its end or error ends the sink; a token on it (the worker did not
-        bind the channel) joins the sink."""
-        try:
-            while (msg := await self._read_call()) is not None:
-                self._sink.push(msg.token)
-        except WorkerCallError as exc:
-            self._sink.end(exc)
-        else:
-            self._sink.end()
+        if msg is grpc.aio.EOF:
+            return None
+        if msg.WhichOneof("event") == "accepted":
+            self._channels.learn(self.address, msg.accepted.token_channel_address)
+            return DecodeAccepted(msg.accepted.kv_data_address, msg.accepted.kv_transfer_token)
+        return token_from_pb(msg.token)
 
     def cancel(self) -> None:
         self._call.cancel()
-        if self._watcher is not None:
-            self._watcher.cancel()
-        if self._channel is not None:
-            self._channel.detach(self._request_id)
+
+
+class ChannelDecodeStream:
+    """A decode request on the worker's token channel: the same events as a DecodeStream, and a worker's
+    failure as the same WorkerCallError its Decode call would have ended with."""
+
+    def __init__(self, address: str, channel: TokenChannel, request: pb.DecodeRequest, timeout_s: float):
+        self.address = address
+        self._channel = channel
+        self._request_id = request.request_id
+        self._sink = channel.submit(request, timeout_s)
+        self._ended = False
+
+    async def read(self) -> DecodeAccepted | DecodedToken:
+        event = await self._sink.next()
+        kind = event.WhichOneof("event")
+        if kind == "token":
+            token = token_from_pb(event.token)
+            if token.finish_reason is not None:
+                self._end()
+            return token
+        if kind == "accepted":
+            return DecodeAccepted(event.accepted.kv_data_address, event.accepted.kv_transfer_token)
+        self._end()
+        raise WorkerCallError(WorkerFailure("decode", self.address, event.error.code, event.error.details))
+
+    def _end(self) -> None:
+        self._ended = True
+        self._channel.forget(self._request_id)
+
+    def cancel(self) -> None:
+        if not self._ended:
+            self._channel.cancel(self._request_id)
+
+
+DecodeCall = DecodeStream | ChannelDecodeStream
 
 
 class WorkerClient:
@@ -184,27 +187,35 @@ class WorkerClient:
         self._channels = ChannelCache(tls, GRPC_OPTIONS, grace_s=3600)
         self._secret = secret
         self.token_channels = TokenChannels(tls, secret)
+        self._stubs: dict[tuple[type, grpc.aio.Channel], object] = {}
+
+    def _stub(self, kind: type, address: str):
+        """A stub on the address's current channel, made once (a stub builds a callable per method)."""
+        channel = self._channels.get(address)
+        stub = self._stubs.get((kind, channel))
+        if stub is None:
+            stub = self._stubs[kind, channel] = kind(channel)
+        return stub
 
     def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float,
-                    local_prefill: bool = False) -> DecodeStream:
-        """Start a Decode stream (with `local_prefill`, the decode worker prefills the prompt itself)."""
-        stub = pb_grpc.DecodeServiceStub(self._channels.get(address))
+                    local_prefill: bool = False) -> DecodeCall:
+        """Start a decode, on the worker's token channel when one is open, else as a Decode call (with
+        `local_prefill`, the decode worker prefills the prompt itself)."""
         send_prompt = local_prefill or request.sampling.repetition_penalty != 1.0
-        channel = self.token_channels.open_channel(address)
-        call = stub.Decode(
-            pb.DecodeRequest(
-                request_id=request.request_id,
-                prompt_len=len(request.prompt_token_ids),
-                sampling=sampling_to_pb(request, max_tokens),
-                max_seq_len=max_seq_len,
-                prompt_token_ids=request.prompt_token_ids if send_prompt else [],
-                local_prefill=local_prefill,
-                token_channel_id=channel.channel_id if channel is not None else "",
-            ),
-            timeout=timeout,
-            metadata=secret_metadata(self._secret),
+        message = pb.DecodeRequest(
+            request_id=request.request_id,
+            prompt_len=len(request.prompt_token_ids),
+            sampling=sampling_to_pb(request, max_tokens),
+            max_seq_len=max_seq_len,
+            prompt_token_ids=request.prompt_token_ids if send_prompt else [],
+            local_prefill=local_prefill,
         )
-        return DecodeStream(address, call, self.token_channels, channel, request.request_id)
+        channel = self.token_channels.open_channel(address)
+        if channel is not None:
+            return ChannelDecodeStream(address, channel, message, timeout)
+        call = self._stub(pb_grpc.DecodeServiceStub, address).Decode(message, timeout=timeout,
+                                                                      metadata=secret_metadata(self._secret))
+        return DecodeStream(address, call, self.token_channels)
 
     async def prefill(
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
@@ -212,9 +223,8 @@ class WorkerClient:
     ) -> PrefillDone:
         """Prefill on `address` and push the KV cache to the decode worker that answered `accepted` with
         `kv_data_address` and `kv_transfer_token`."""
-        stub = pb_grpc.PrefillServiceStub(self._channels.get(address))
         try:
-            reply = await stub.Prefill(
+            reply = await self._stub(pb_grpc.PrefillServiceStub, address).Prefill(
                 pb.PrefillRequest(
                     request_id=request.request_id,
                     prompt_token_ids=request.prompt_token_ids,
@@ -231,8 +241,7 @@ class WorkerClient:
         return PrefillDone(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms)
 
     async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
-        channel = self._channels.get(address)
-        stub = pb_grpc.PrefillServiceStub(channel) if role == "prefill" else pb_grpc.DecodeServiceStub(channel)
+        stub = self._stub(pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub, address)
         try:
             reply = await stub.Health(pb.HealthRequest(), timeout=timeout, metadata=secret_metadata(self._secret))
         except grpc.aio.AioRpcError as exc:

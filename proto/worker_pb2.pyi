@@ -114,22 +114,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill", "token_channel_id")
+    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     sampling: SamplingParams
     max_seq_len: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     local_prefill: bool
-    token_channel_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., local_prefill: _Optional[bool] = ..., token_channel_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("accepted", "token")
@@ -263,20 +261,42 @@ class TokenChannelHello(_message.Message):
     worker_secret: str
     def __init__(self, worker_secret: _Optional[str] = ...) -> None: ...
 
-class RoutedToken(_message.Message):
-    __slots__ = ("request_id", "token")
+class TokenChannelRequest(_message.Message):
+    __slots__ = ("decode", "cancel", "timeout_s")
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    decode: DecodeRequest
+    cancel: str
+    timeout_s: float
+    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ChannelError(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    details: str
+    def __init__(self, code: _Optional[str] = ..., details: _Optional[str] = ...) -> None: ...
+
+class RoutedEvent(_message.Message):
+    __slots__ = ("request_id", "accepted", "token", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
+    accepted: Accepted
     token: TokenEvent
-    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ...) -> None: ...
+    error: ChannelError
+    def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., error: _Optional[_Union[ChannelError, _Mapping]] = ...) -> None: ...
 
 class TokenChannelFrame(_message.Message):
-    __slots__ = ("channel_id", "tokens", "refused")
+    __slots__ = ("channel_id", "events", "refused")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
-    tokens: _containers.RepeatedCompositeFieldContainer[RoutedToken]
+    events: _containers.RepeatedCompositeFieldContainer[RoutedEvent]
     refused: str
-    def __init__(self, channel_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[RoutedToken, _Mapping]]] = ..., refused: _Optional[str] = ...) -> None: ...
+    def __init__(self, channel_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ..., refused: _Optional[str] = ...) -> None: ...

@@ -1,5 +1,6 @@
-"""The token channel: a decode worker's tokens for one coordinator on one connection, against a real simulated
-decode worker process, with the coordinator's own WorkerClient (plaintext, a worker secret, mutual TLS)."""
+"""The token channel: a coordinator's decode requests and their events on one connection per decode worker,
+against a real simulated decode worker process, with the coordinator's own WorkerClient (plaintext, a worker
+secret, mutual TLS): the same tokens and the same failures as a gRPC Decode call."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import uuid
 
 import pytest
 
-from coordinator.failures import WorkerCallError
+from coordinator.failures import FailureKind, WorkerCallError
 from coordinator.request import GenerationRequest, SamplingOptions
-from coordinator.worker_client import DecodeAccepted, WorkerClient
+from coordinator.worker_client import ChannelDecodeStream, DecodeAccepted, DecodeStream, WorkerClient
 from security.secrets import SecretFile
 from security.settings import TlsLink
 from security.tls import LinkTls
 from tests.certificates import make_pki
-from tests.helpers import start_sim_worker
+from tests.helpers import start_sim_worker, wait_for_idle
 
 pytestmark = pytest.mark.system
 
@@ -25,10 +26,12 @@ PROMPT = list(range(1, 10))
 SECRET = "the-cluster-worker-secret"
 
 
-async def generate(client: WorkerClient, address: str, max_tokens: int = 12, seed: int = 7) -> list:
-    """A whole local-prefill generation through `client`; returns its tokens."""
+async def generate(client: WorkerClient, address: str, max_tokens: int = 12, seed: int = 7,
+                   via: type = ChannelDecodeStream) -> list:
+    """A whole local-prefill generation through `client`, taken `via` a channel or a Decode call; its tokens."""
     request = GenerationRequest(uuid.uuid4().hex, PROMPT, SamplingOptions(temperature=1.0, seed=seed), max_tokens)
     stream = client.open_decode(address, request, max_tokens, 512, 30, local_prefill=True)
+    assert isinstance(stream, via)
     try:
         assert isinstance(await stream.read(), DecodeAccepted)
         tokens = []
@@ -61,16 +64,12 @@ def summary(tokens) -> list[tuple]:
     return [(t.token_id, t.text, t.index, t.finish_reason) for t in tokens]
 
 
-async def test_tokens_after_the_first_request_come_on_the_channel_and_equal_the_stream_path(decode_worker):
+async def test_requests_after_the_first_go_on_the_channel_and_get_the_tokens_a_decode_call_gets(decode_worker):
     client = WorkerClient()
     try:
-        on_stream = await generate(client, decode_worker.address)  # this `accepted` names the listener
+        on_stream = await generate(client, decode_worker.address, via=DecodeStream)  # its `accepted` names the listener
         channel = await channel_opens(client, decode_worker.address)
-        request_ids = []
-        original_attach = channel.attach
-        channel.attach = lambda request_id: request_ids.append(request_id) or original_attach(request_id)
         on_channel = await generate(client, decode_worker.address)
-        assert len(request_ids) == 1, "the second request did not take its tokens from the channel"
         assert summary(on_channel) == summary(on_stream)
         assert len(on_channel) == 12 and on_channel[-1].finish_reason is not None
         assert not channel.sinks, "a finished request's sink stayed attached"
@@ -81,7 +80,7 @@ async def test_tokens_after_the_first_request_come_on_the_channel_and_equal_the_
 async def test_many_concurrent_requests_share_one_channel_and_each_gets_its_own_tokens(decode_worker):
     client = WorkerClient()
     try:
-        await generate(client, decode_worker.address)
+        await generate(client, decode_worker.address, via=DecodeStream)
         await channel_opens(client, decode_worker.address)
         alone = {seed: summary(await generate(client, decode_worker.address, 20, seed)) for seed in range(3)}
         together = await asyncio.gather(*(generate(client, decode_worker.address, 20, seed % 3) for seed in range(24)))
@@ -91,27 +90,91 @@ async def test_many_concurrent_requests_share_one_channel_and_each_gets_its_own_
         await client.close()
 
 
-async def test_a_lost_channel_fails_its_streams_as_a_lost_decode_worker(decode_worker):
+async def long_request(client: WorkerClient, address: str, timeout_s: float = 30):
+    request = GenerationRequest(uuid.uuid4().hex, PROMPT, SamplingOptions(temperature=0.0), 5000)
+    stream = client.open_decode(address, request, 5000, 8192, timeout_s, local_prefill=True)
+    assert isinstance(stream, ChannelDecodeStream)
+    assert isinstance(await stream.read(), DecodeAccepted)
+    await stream.read()  # a first token: the request is decoding
+    return stream
+
+
+async def read_until_failure(stream) -> WorkerCallError:
+    with pytest.raises(WorkerCallError) as failed:
+        while True:
+            await stream.read()
+    return failed.value
+
+
+async def test_a_lost_channel_fails_its_streams_as_a_lost_decode_worker_and_the_worker_frees_them(decode_worker):
     client = WorkerClient()
     try:
-        await generate(client, decode_worker.address)
+        await generate(client, decode_worker.address, via=DecodeStream)
         channel = await channel_opens(client, decode_worker.address)
-        request = GenerationRequest(uuid.uuid4().hex, PROMPT, SamplingOptions(temperature=0.0), 5000)
-        stream = client.open_decode(decode_worker.address, request, 5000, 8192, 30, local_prefill=True)
-        await stream.read()  # accepted
-        await stream.read()  # a first token: the request is decoding
+        stream = await long_request(client, decode_worker.address)
         channel.close()
-        with pytest.raises(WorkerCallError) as failed:
-            while await stream.read() is not None:
-                pass
-        assert failed.value.failure.code == "UNAVAILABLE" and failed.value.failure.stage == "decode"
+        failure = (await read_until_failure(stream)).failure
+        assert (failure.code, failure.stage, failure.kind) == ("UNAVAILABLE", "decode", FailureKind.WORKER_GONE)
         stream.cancel()
-        # The worker released the request: nothing runs on it any more, and a new channel opens on demand.
-        await generate(client, decode_worker.address)
+        await asyncio.to_thread(wait_for_idle, decode_worker.address, "decode")
+        # The next request takes a Decode call, whose `accepted` opens a new channel.
+        await generate(client, decode_worker.address, via=DecodeStream)
         await channel_opens(client, decode_worker.address)
         assert len(await generate(client, decode_worker.address)) == 12
     finally:
         await client.close()
+
+
+async def test_a_cancelled_channel_request_is_freed_on_the_worker(decode_worker):
+    client = WorkerClient()
+    try:
+        await generate(client, decode_worker.address, via=DecodeStream)
+        await channel_opens(client, decode_worker.address)
+        stream = await long_request(client, decode_worker.address)
+        assert wait_for_idle_fails(decode_worker.address)
+        stream.cancel()
+        await asyncio.to_thread(wait_for_idle, decode_worker.address, "decode")
+    finally:
+        await client.close()
+
+
+def wait_for_idle_fails(address: str) -> bool:
+    try:
+        wait_for_idle(address, "decode", timeout_s=0.2)
+    except AssertionError:
+        return True
+    return False
+
+
+async def test_a_channel_request_past_its_deadline_fails_as_a_decode_call_past_its_deadline(decode_worker):
+    client = WorkerClient()
+    try:
+        await generate(client, decode_worker.address, via=DecodeStream)
+        await channel_opens(client, decode_worker.address)
+        stream = await long_request(client, decode_worker.address, timeout_s=0.5)
+        failure = (await read_until_failure(stream)).failure
+        assert (failure.code, failure.kind) == ("DEADLINE_EXCEEDED", FailureKind.DEADLINE)
+        await asyncio.to_thread(wait_for_idle, decode_worker.address, "decode")
+    finally:
+        await client.close()
+
+
+async def test_a_bad_channel_request_gets_the_status_a_decode_call_gets(decode_worker):
+    fresh, warm = WorkerClient(), WorkerClient()  # no channel yet / a channel open
+    try:
+        await generate(warm, decode_worker.address, via=DecodeStream)
+        await channel_opens(warm, decode_worker.address)
+        failures = []
+        for client, via in ((fresh, DecodeStream), (warm, ChannelDecodeStream)):
+            request = GenerationRequest(uuid.uuid4().hex, PROMPT, SamplingOptions(temperature=0.0), 4)
+            stream = client.open_decode(decode_worker.address, request, 4, 5, 30)  # the prompt is over max_seq_len
+            assert isinstance(stream, via)
+            failures.append((await read_until_failure(stream)).failure)
+        assert failures[0].code == failures[1].code == "INVALID_ARGUMENT"
+        assert failures[0].details == failures[1].details and "max_seq_len=5" in failures[1].details
+    finally:
+        await fresh.close()
+        await warm.close()
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +196,7 @@ async def test_the_channel_runs_over_mutual_tls_and_needs_the_worker_secret(secu
     tls = LinkTls("tls_config.worker_grpc", TlsLink(**pki.link("client")), "client")
     good = WorkerClient(tls, SecretFile("auth_config.worker_secret_file", str(tmp / "secret")))
     try:
-        first = await generate(good, worker.address)
+        first = await generate(good, worker.address, via=DecodeStream)
         listener = (await channel_opens(good, worker.address)).listener_address
         assert summary(await generate(good, worker.address)) == summary(first)
     finally:
@@ -144,7 +207,7 @@ async def test_the_channel_runs_over_mutual_tls_and_needs_the_worker_secret(secu
     wrong = WorkerClient(tls, SecretFile("auth_config.worker_secret_file", str(tmp / "wrong")))
     try:
         with pytest.raises(WorkerCallError) as refused:
-            await generate(wrong, worker.address)
+            await generate(wrong, worker.address, via=DecodeStream)
         assert refused.value.failure.code == "UNAUTHENTICATED"
         with caplog.at_level(logging.WARNING, logger="coordinator.token_channels"):
             wrong.token_channels.learn(worker.address, listener)

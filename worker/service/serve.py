@@ -22,7 +22,6 @@ from worker.service.lifecycle import serve_until_stopped
 from worker.service.options import SimulatedBackend, WorkerOptions
 from worker.service.servicers import DecodeServicer, PrefillServicer
 from worker.service.token_channel import TokenChannelListener
-from worker.engine.errors import RequestFailed
 from worker.service.trust import WorkerTrust
 
 
@@ -69,16 +68,12 @@ async def serve(options: WorkerOptions) -> None:
             receiver = TcpKvReceiver(sink, timeout_s=options.kv_trans_timeout_s, tls=trust.kv_server)
             kv_data_address = f"{options.public_host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
-        channels, token_channel_address = None, ""
+        servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, tokens, metrics, gate)
         if options.token_channel_port >= 0:
-            channels = TokenChannelListener(
-                lambda request_id: engine.fail(request_id, "the token channel to the coordinator closed", RequestFailed),
-                trust.worker_secret, trust.grpc_server)
+            channels = TokenChannelListener(servicer.serve_on_channel, trust.worker_secret, trust.grpc_server)
             port = await channels.start(options.host, options.token_channel_port)
-            token_channel_address = f"{options.public_host}:{port}"
+            servicer.token_channel_address = f"{options.public_host}:{port}"
             closers.append(channels.stop)
-        servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, tokens, metrics, gate,
-                                  channels, token_channel_address)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(sink), server)
 

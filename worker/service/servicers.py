@@ -26,7 +26,7 @@ from worker.engine.sequence import FinishReason, SamplingParams, TokenOutput
 from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate, refuse_if_draining
 from worker.service.errors import abort_with, engine_errors_as_status
-from worker.service.token_channel import TokenChannel, TokenChannelListener
+from worker.service.token_channel import ChannelAbort, ChannelCallContext, TokenChannel
 
 _FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -198,10 +198,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     """Register a request, wait for its KV cache (or prefill it here), stream its tokens."""
 
     def __init__(self, engine: DecodeBackend, kv_trans_timeout_s: float, kv_data_address: str,
-                 tokens: KvTransferTokens, metrics: WorkerMetrics, gate: DrainGate,
-                 channels: TokenChannelListener | None = None, token_channel_address: str = ""):
+                 tokens: KvTransferTokens, metrics: WorkerMetrics, gate: DrainGate, token_channel_address: str = ""):
         self.engine = engine
-        self.channels = channels
         self.token_channel_address = token_channel_address
         self.kv_trans_timeout_s = kv_trans_timeout_s
         self.kv_data_address = kv_data_address
@@ -210,6 +208,23 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.gate = gate
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        async for event in self._serve(request, context):
+            yield event
+
+    async def serve_on_channel(self, channel: TokenChannel, request: pb.DecodeRequest, timeout_s: float) -> None:
+        """A decode request that came on a token channel: run as a Decode call, its events sent on the channel."""
+        request_id = request.request_id
+        try:
+            async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
+                async for event in self._serve(request, ChannelCallContext(), channel):
+                    channel.send_accepted(request_id, event.accepted)  # tokens go by the handle's relay
+        except ChannelAbort as abort:
+            channel.send_error(request_id, abort.code.name, abort.details)
+        except TimeoutError:
+            # gRPC's own words for a call whose deadline passed, which the coordinator tells apart from an abort.
+            channel.send_error(request_id, grpc.StatusCode.DEADLINE_EXCEEDED.name, "Deadline Exceeded")
+
+    async def _serve(self, request: pb.DecodeRequest, context, channel: TokenChannel | None = None):
         await refuse_if_draining(self.gate, context)
         if request.prompt_len <= 0 or request.prompt_len >= request.max_seq_len:
             await context.abort(
@@ -224,11 +239,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             )
         with self.gate.request():
             # aclosing: a stream ended early still runs _decode's cleanup now, not at garbage collection.
-            async with contextlib.aclosing(self._decode(request, context)) as events:
+            async with contextlib.aclosing(self._decode(request, context, channel)) as events:
                 async for event in events:
                     yield event
 
-    async def _decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+    async def _decode(self, request: pb.DecodeRequest, context, channel: TokenChannel | None):
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
             handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
@@ -240,7 +255,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             # Only the sender the coordinator hands this token to can deliver the KV cache; no stream
             # is taken for a local prefill.
             token = "" if request.local_prefill else self.tokens.issue(request.request_id)
-            channel = self._bind(handle, request.token_channel_id)
+            if channel is not None:
+                handle.relay = lambda output, rid=request.request_id: channel.send_token(rid, token_to_pb(output))
             yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address, kv_transfer_token=token,
                                                       token_channel_address=self.token_channel_address))
             if request.local_prefill:
@@ -255,19 +271,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 if item.finish_reason is not None:
                     return
         finally:
-            if channel is not None:
-                channel.bound.discard(request.request_id)
             self.tokens.revoke(request.request_id)  # the token dies with the request
             self.engine.release(request.request_id)
-
-    def _bind(self, handle: DecodeHandle, channel_id: str) -> TokenChannel | None:
-        """Send the request's tokens over the named token channel, if it is open here; else on the stream."""
-        channel = self.channels.channel(channel_id) if self.channels is not None else None
-        if channel is not None:
-            request_id = handle.request_id
-            channel.bound.add(request_id)
-            handle.relay = lambda output: channel.send(request_id, token_to_pb(output))
-        return channel
 
     async def _wait_for_kv(self, handle: DecodeHandle, context: grpc.aio.ServicerContext) -> None:
         """Wait for the request's KV cache; abort with DEADLINE_EXCEEDED if nothing came in time."""

@@ -1,15 +1,17 @@
-"""The decode worker's token channels: one raw connection per coordinator carries every token of that
-coordinator's requests, one frame per event-loop turn (so one per decode step), where a gRPC stream
-would cost a message and a wake-up per token on both ends.
+"""The decode worker's token channels: one raw connection per coordinator carries that coordinator's
+decode requests and every event of theirs, one frame per event-loop turn (so one per decode step),
+where gRPC would cost a call per request and a message and a wake-up per token on both ends.
 
 Life of a channel:
   1. A coordinator connects (TLS as tls_config.worker_grpc, when it is on) and sends a
      TokenChannelHello with the worker secret (when one is set) within HELLO_TIMEOUT_S.
   2. The worker names the channel with a random id in its first frame (or says why it refused, and
-     closes). The id is the channel's only handle: a Decode call, itself authenticated, names it.
-  3. A Decode call naming the channel has its tokens queued on it; the queue is written as one frame
-     when the event loop turn that filled it ends.
-  4. When the connection closes, every request still bound to it fails, so the coordinator moves it.
+     closes).
+  3. Each TokenChannelRequest `decode` runs as a Decode call would (the same servicer code, with a
+     context whose abort becomes an `error` event) under its `timeout_s`; its accepted, tokens and
+     error are queued as events, and the queue is written as one frame when the event loop turn that
+     filled it ends. `cancel` ends one at once.
+  4. When the connection closes, its requests are cancelled and released.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import logging
 import secrets
 import ssl
 
+import grpc
+
 from proto import worker_pb2 as pb
-from proto.token_channel import HELLO_TIMEOUT_S, MAX_HELLO_BYTES, FrameError, FrameReader, encode_frame
+from proto.token_channel import HELLO_TIMEOUT_S, MAX_FRAME_BYTES, MAX_HELLO_BYTES, FrameError, FrameReader, encode_frame
 from security.secrets import SecretFile
 from security.tls import LinkTls
 
@@ -37,16 +41,32 @@ class ChannelState(enum.Enum):
     CLOSED = "closed"
 
 
+class ChannelAbort(Exception):
+    """A channel request ended with a status, as a gRPC call's abort ends it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class ChannelCallContext:
+    """What the Decode servicer uses of a gRPC context, for a request on a channel."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = ""):
+        raise ChannelAbort(code, details)
+
+
 class TokenChannel(asyncio.Protocol):
-    """One coordinator's connection: the tokens of the requests bound to it, written once per loop turn."""
+    """One coordinator's connection: its decode requests, and their events written once per loop turn."""
 
     def __init__(self, listener: TokenChannelListener):
         self.listener = listener
         self.state = ChannelState.AWAITING_HELLO
         self.channel_id = ""
-        self.bound: set[str] = set()
+        self.tasks: dict[str, asyncio.Task] = {}  # the decodes running for this channel, by request id
         self._reader = FrameReader(MAX_HELLO_BYTES)
-        self._pending: list[pb.RoutedToken] = []
+        self._pending: list[pb.RoutedEvent] = []
         self._transport: asyncio.Transport | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
 
@@ -55,17 +75,37 @@ class TokenChannel(asyncio.Protocol):
         self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, transport.abort)
 
     def data_received(self, data: bytes) -> None:
-        if self.state is not ChannelState.AWAITING_HELLO:
-            self._transport.abort()  # nothing follows the hello: a peer that sends more is not a coordinator
-            return
         try:
             frames = self._reader.feed(data)
         except FrameError:
             self._transport.abort()
             return
-        if frames:
-            self._hello_timer.cancel()
-            self._greet(frames[0])
+        for frame in frames:
+            if self.state is ChannelState.AWAITING_HELLO:
+                self._hello_timer.cancel()
+                self._greet(frame)
+            elif self.state is ChannelState.OPEN:
+                self._request(frame)
+
+    def _request(self, frame: bytes) -> None:
+        request = pb.TokenChannelRequest()
+        try:
+            request.ParseFromString(frame)
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError: not a coordinator speaking
+            self._transport.abort()
+            return
+        if request.WhichOneof("kind") == "cancel":
+            task = self.tasks.get(request.cancel)
+            if task is not None:
+                task.cancel()
+            return
+        request_id = request.decode.request_id
+        if request_id in self.tasks:
+            self.send_error(request_id, "ALREADY_EXISTS", f"request {request_id!r} already runs on this channel")
+            return
+        task = asyncio.ensure_future(self.listener.serve_decode(self, request.decode, request.timeout_s))
+        self.tasks[request_id] = task
+        task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
 
     def _greet(self, frame: bytes) -> None:
         hello = pb.TokenChannelHello()
@@ -78,6 +118,7 @@ class TokenChannel(asyncio.Protocol):
             return self._refuse("missing or wrong worker secret")
         self.channel_id = secrets.token_hex(16)
         self.state = ChannelState.OPEN
+        self._reader.max_frame_bytes = MAX_FRAME_BYTES  # a decode request carries a prompt and maybe a grammar
         self.listener.channels[self.channel_id] = self
         self._write(pb.TokenChannelFrame(channel_id=self.channel_id))
 
@@ -86,17 +127,26 @@ class TokenChannel(asyncio.Protocol):
         self._write(pb.TokenChannelFrame(refused=reason))
         self._transport.close()
 
-    def send(self, request_id: str, token: pb.TokenEvent) -> None:
-        """Queue a token; the first one queued in a loop turn schedules the turn's single write."""
+    def send_token(self, request_id: str, token: pb.TokenEvent) -> None:
+        self._queue(pb.RoutedEvent(request_id=request_id, token=token))
+
+    def send_accepted(self, request_id: str, accepted: pb.Accepted) -> None:
+        self._queue(pb.RoutedEvent(request_id=request_id, accepted=accepted))
+
+    def send_error(self, request_id: str, code: str, details: str) -> None:
+        self._queue(pb.RoutedEvent(request_id=request_id, error=pb.ChannelError(code=code, details=details)))
+
+    def _queue(self, event: pb.RoutedEvent) -> None:
+        """The first event queued in a loop turn schedules the turn's single write."""
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._pending.append(pb.RoutedToken(request_id=request_id, token=token))
+        self._pending.append(event)
 
     def _flush(self) -> None:
-        tokens, self._pending = self._pending, []
+        events, self._pending = self._pending, []
         if self.state is not ChannelState.OPEN:
             return
-        self._write(pb.TokenChannelFrame(tokens=tokens))
+        self._write(pb.TokenChannelFrame(events=events))
         if self._transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
             logger.warning("token channel %s: the coordinator stopped reading; closing it", self.channel_id)
             self._transport.abort()
@@ -109,16 +159,16 @@ class TokenChannel(asyncio.Protocol):
             self._hello_timer.cancel()
         self.state = ChannelState.CLOSED
         self.listener.channels.pop(self.channel_id, None)
-        for request_id in list(self.bound):
-            self.listener.on_lost(request_id)
-        self.bound.clear()
+        for task in self.tasks.values():  # nobody reads their events any more
+            task.cancel()
 
 
 class TokenChannelListener:
     """Accepts coordinators' token channels; `channels` maps each open one's id to it."""
 
-    def __init__(self, on_lost, secret: SecretFile | None = None, tls: LinkTls | None = None):
-        self.on_lost = on_lost  # called with the id of each request whose channel closed under it
+    def __init__(self, serve_decode, secret: SecretFile | None = None, tls: LinkTls | None = None):
+        # serve_decode(channel, pb.DecodeRequest, timeout_s): runs one decode request of a channel
+        self.serve_decode = serve_decode
         self.secret = secret
         self.tls = tls
         self.channels: dict[str, TokenChannel] = {}
@@ -141,10 +191,6 @@ class TokenChannelListener:
 
         base.sni_callback = current_material
         return base
-
-    def channel(self, channel_id: str) -> TokenChannel | None:
-        channel = self.channels.get(channel_id) if channel_id else None
-        return channel if channel is not None and channel.state is ChannelState.OPEN else None
 
     async def stop(self) -> None:
         if self._server is not None:
