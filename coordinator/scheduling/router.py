@@ -21,7 +21,8 @@ class Route:
 
 
 class Router:
-    """Applies the configured policy to the instances that are routable right now."""
+    """Applies the configured policy to the instances that are routable right now (the registry keeps them
+    ready per role, so a request costs the same whatever the number of instances)."""
 
     def __init__(self, registry: InstanceRegistry, policy: RoundRobinPolicy, local_prefill_max_tokens: int = 0):
         self.registry = registry
@@ -29,18 +30,16 @@ class Router:
         self.local_prefill_max_tokens = local_prefill_max_tokens
 
     def choose_decode(self, exclude: set[str] = frozenset()) -> Instance:
-        candidates = self.registry.available("decode", exclude)
-        if not candidates:
+        choice = self.policy.choose_decode(self.registry.pool("decode"), exclude)
+        if choice is None:
             raise WorkerError(_none_left("decode", self.registry, exclude))
-        return self.policy.choose_decode(candidates)
+        return choice
 
     def choose_prefill(self, prompt_token_ids: list[int], exclude: set[str] = frozenset()) -> Instance | None:
         """A prefill instance, or None when none is left outside `exclude`."""
-        candidates = self.registry.available("prefill", exclude)
-        if not candidates:
-            return None
-        choice = self.policy.choose_prefill(candidates, prompt_token_ids)
-        self.policy.on_prefill_routed(choice, prompt_token_ids)
+        choice = self.policy.choose_prefill(self.registry.pool("prefill"), prompt_token_ids, exclude)
+        if choice is not None:
+            self.policy.on_prefill_routed(choice, prompt_token_ids)
         return choice
 
     def route(self, prompt_token_ids: list[int], exclude_decode: set[str] = frozenset(),

@@ -40,7 +40,7 @@ def test_load_balance_picks_the_prefill_with_fewest_queued_prompt_tokens():
     for address, queued in (("p0:1", 900), ("p1:1", 100), ("p2:1", 400)):
         registry.get("prefill", address).reported = ReportedLoad(queued_prompt_tokens=queued)
     policy = LoadBalancePolicy()
-    assert policy.choose_prefill(registry.available("prefill"), prompt(8)).address == "p1:1"
+    assert policy.choose_prefill(registry.pool("prefill"), prompt(8)).address == "p1:1"
 
 
 def test_load_balance_counts_work_sent_since_the_last_report():
@@ -48,7 +48,7 @@ def test_load_balance_counts_work_sent_since_the_last_report():
     registry.get("prefill", "p0:1").reported = ReportedLoad(queued_prompt_tokens=100)
     registry.get("prefill", "p1:1").outstanding_prompt_tokens = 500  # sent after its last report said 0
     policy = LoadBalancePolicy()
-    assert policy.choose_prefill(registry.available("prefill"), prompt(8)).address == "p0:1"
+    assert policy.choose_prefill(registry.pool("prefill"), prompt(8)).address == "p0:1"
 
 
 def test_load_balance_picks_the_decode_with_fewest_sequences_then_least_kv_use():
@@ -56,7 +56,7 @@ def test_load_balance_picks_the_decode_with_fewest_sequences_then_least_kv_use()
     registry.get("decode", "d0:1").reported = ReportedLoad(num_running=4, kv_used_tokens=10, kv_capacity_tokens=100)
     registry.get("decode", "d1:1").reported = ReportedLoad(num_running=2, kv_used_tokens=90, kv_capacity_tokens=100)
     registry.get("decode", "d2:1").reported = ReportedLoad(num_running=2, kv_used_tokens=20, kv_capacity_tokens=100)
-    assert LoadBalancePolicy().choose_decode(registry.available("decode")).address == "d2:1"
+    assert LoadBalancePolicy().choose_decode(registry.pool("decode")).address == "d2:1"
 
 
 def test_load_balance_spreads_a_burst_over_idle_instances():
@@ -64,7 +64,7 @@ def test_load_balance_spreads_a_burst_over_idle_instances():
     policy = LoadBalancePolicy()
     chosen = Counter()
     for _ in range(8):
-        instance = policy.choose_decode(registry.available("decode"))
+        instance = policy.choose_decode(registry.pool("decode"))
         instance.outstanding_requests += 1  # what the pipeline does while the request runs
         chosen[instance.address] += 1
     assert set(chosen.values()) == {2}
@@ -84,7 +84,7 @@ def test_cache_affinity_prefers_the_instance_with_the_longest_shared_prefix():
     policy = CacheAffinityPolicy(block_tokens=4)
     policy.on_prefill_routed(registry.get("prefill", "p0:1"), prompt(8))
     policy.on_prefill_routed(registry.get("prefill", "p2:1"), prompt(32))
-    assert policy.choose_prefill(registry.available("prefill"), prompt(24) + [5]).address == "p2:1"
+    assert policy.choose_prefill(registry.pool("prefill"), prompt(24) + [5]).address == "p2:1"
 
 
 def test_cache_affinity_gives_way_when_the_affine_instance_is_overloaded():
@@ -95,9 +95,9 @@ def test_cache_affinity_gives_way_when_the_affine_instance_is_overloaded():
     registry.get("prefill", "p1:1").outstanding_prompt_tokens = 20
     registry.get("prefill", "p2:1").outstanding_prompt_tokens = 30
     # 150 <= 2 * 20 + 100 = 140 is false: the least loaded instance wins.
-    assert policy.choose_prefill(registry.available("prefill"), prompt(32)).address == "p1:1"
+    assert policy.choose_prefill(registry.pool("prefill"), prompt(32)).address == "p1:1"
     registry.get("prefill", "p0:1").outstanding_prompt_tokens = 130
-    assert policy.choose_prefill(registry.available("prefill"), prompt(32)).address == "p0:1"
+    assert policy.choose_prefill(registry.pool("prefill"), prompt(32)).address == "p0:1"
 
 
 def test_cache_affinity_ignores_an_instance_that_is_out_of_rotation():
@@ -105,7 +105,7 @@ def test_cache_affinity_ignores_an_instance_that_is_out_of_rotation():
     policy = CacheAffinityPolicy(block_tokens=4)
     policy.on_prefill_routed(registry.get("prefill", "p0:1"), prompt(32))
     registry.record_failure(registry.get("prefill", "p0:1"), "gone", gone=True)
-    assert policy.choose_prefill(registry.available("prefill"), prompt(32)).address != "p0:1"
+    assert policy.choose_prefill(registry.pool("prefill"), prompt(32)).address != "p0:1"
 
 
 def test_short_prompts_are_prefilled_on_the_decode_worker_when_enabled():
