@@ -274,7 +274,8 @@ def sim_flags(args) -> tuple[str, ...]:
     """The simulated workers' flags (`pdserve worker` and bench/sim_fleet.py take the same): prefill 0 ms, one decode
     step of `--decode-step-ms` whatever the batch, no batch cap."""
     return ("--simulate", "--sim-prefill-base-ms", "0", "--sim-prefill-ms-per-token", "0", "--sim-decode-base-ms",
-            str(args.decode_step_ms), "--sim-decode-ms-per-seq", "0", "--max-running", "4096")
+            str(args.decode_step_ms), "--sim-decode-ms-per-seq", "0", "--max-running", "4096",
+            *(("--token-channel-port", "-1") if args.no_token_channel else ()))
 
 
 @dataclass(frozen=True)
@@ -418,6 +419,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="simulated prefill and decode workers, each")
     parser.add_argument("--decode-step-ms", type=float, default=1.0, help="the simulated decode step's cost")
     parser.add_argument("--direct", action="store_true", help="add the direct gRPC rows (no coordinator, no HTTP)")
+    parser.add_argument("--no-token-channel", action="store_true", help="decode workers without a token channel: "
+                        "every request a gRPC Decode call, every token a message (to measure what the channel buys)")
     parser.add_argument("--tls", action="store_true", help="add a mutual-TLS cluster's rows and TLS's cost")
     parser.add_argument("--plain-kv", action="store_true", help="with --tls (implied), the KV link (prefill -> "
                         "decode) in plaintext: TLS on the client and coordinator -> worker links only")

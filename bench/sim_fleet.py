@@ -52,7 +52,8 @@ async def run(args: argparse.Namespace) -> None:
     ready = ReadyLines(len(roles))
     with contextlib.redirect_stdout(ready):
         workers = asyncio.gather(*(serve(WorkerOptions(role=role, backend=backend, host=args.host,
-                                                       max_running=args.max_running, metrics_port=-1))
+                                                       max_running=args.max_running, metrics_port=-1,
+                                                       token_channel_port=args.token_channel_port))
                                    for role in roles))
         waiting = asyncio.ensure_future(ready.all_ready.wait())
         await asyncio.wait([workers, waiting], return_when=asyncio.FIRST_COMPLETED)
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=1, help="simulated decode workers")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--max-running", type=int, default=64, help="sequences per decode step, per decode worker")
+    parser.add_argument("--token-channel-port", type=int, default=0, help="0: each decode worker picks one; -1: none")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     add_simulation_flags(parser)
     args = parser.parse_args()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import secrets
@@ -215,11 +216,12 @@ async def read_json(request: web.Request) -> Any:
     try:
         # A client that trickles its body must not hold its request slot for long.
         async with asyncio.timeout(timeout):
-            await request.read()
+            body = await request.read()
     except TimeoutError:
         raise ApiError(408, f"request body not received within http_config.body_timeout_s={timeout:g}s") from None
     try:
-        return await request.json()
+        # From the bytes: json detects UTF-8/16/32 itself, where request.json() parses headers for a charset first.
+        return json.loads(body)
     except ValueError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # the parser recurses per nesting level; a hostile body must not become a 500
