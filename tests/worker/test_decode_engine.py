@@ -57,3 +57,32 @@ async def test_a_failed_decode_step_fails_its_requests_as_a_worker_fault_and_the
         engine.release("r2")
     finally:
         engine.shutdown()
+
+
+async def test_each_step_hands_all_its_tokens_to_the_event_loop_in_one_call(runner, monkeypatch):
+    engine = DecodeEngine(runner, budget_tokens=1000)
+    handoffs = []
+    deliver_all = engine._deliver_all
+
+    def record(items):
+        handoffs.append(sorted((rid, out.index) for rid, out in items))
+        deliver_all(items)
+
+    monkeypatch.setattr(engine, "_deliver_all", record)
+    handles = []
+    for rid in "abcd":  # all four caches are in the inbox before the engine starts: they join the same step
+        handle = engine.register(rid, len(PROMPT), SamplingParams(max_tokens=3, ignore_eos=True), 64, PROMPT)
+        await engine.admit(handle)
+        engine.on_kv(prompt_kv(runner, rid))
+        handles.append(handle)
+    engine.start()
+    try:
+        for handle in handles:
+            outputs = [await asyncio.wait_for(handle.events.get(), 10) for _ in range(3)]
+            assert [o.index for o in outputs] == [0, 1, 2] and outputs[-1].finish_reason is not None
+        # The arrived caches' first tokens in one hand-off, then one per step.
+        assert handoffs == [[(rid, index) for rid in "abcd"] for index in range(3)]
+    finally:
+        for rid in "abcd":
+            engine.release(rid)
+        engine.shutdown()

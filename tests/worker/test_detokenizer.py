@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from worker.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
-def test_incremental_text_equals_full_decode_with_multibyte_characters(hf_model):
-    _, tokenizer = hf_model
+def test_incremental_text_equals_full_decode_with_multibyte_characters(tokenizer):
     text = "Grüße, 世界! naïve café ☕ done"
     ids = tokenizer(text)["input_ids"]
     detok = IncrementalDetokenizer(tokenizer)
@@ -44,3 +47,37 @@ def test_flush_releases_held_text_at_the_end():
 
 def test_no_stop_strings_passes_text_through():
     assert StopStringMatcher(()).feed("anything") == "anything"
+
+
+class PythonOnly:
+    """The same tokenizer behind a plain object, so the detokenizer decodes its window in Python."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_stream_emits_exactly_what_the_python_window_does_and_ends_on_the_full_decode(tokenizer, skip):
+    rng = random.Random(0)
+    special = tokenizer.all_special_ids
+    for _ in range(200):
+        # Random ids: partial UTF-8 characters, invalid byte runs and special tokens, in any order.
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tokenizer))
+               for _ in range(rng.randrange(1, 40))]
+        rust, python = IncrementalDetokenizer(tokenizer, skip), IncrementalDetokenizer(PythonOnly(tokenizer), skip)
+        pieces = [rust.push(i) for i in ids]
+        assert pieces == [python.push(i) for i in ids]
+        tail = rust.flush()
+        assert tail == python.flush()
+        assert "".join(pieces) + tail == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_fast_tokenizer_decodes_in_rust_until_the_flush(tokenizer, monkeypatch):
+    calls = []
+    decode = tokenizer.decode
+    monkeypatch.setattr(tokenizer, "decode", lambda *a, **k: calls.append(a) or decode(*a, **k))
+    ids = tokenizer("naïve café ☕", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.push(i) for i in ids)
+    assert not calls
+    assert text + detok.flush() == decode(ids)

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
-from worker.engine.sampling import apply_penalties, choose, mask_early_stops, sample_token, token_logprobs
-from worker.engine.sequence import SamplingParams
+from worker.engine.sampling import (
+    PenaltyCounts,
+    apply_penalties,
+    batch_logprobs,
+    choose,
+    choose_batch,
+    mask_early_stops,
+    sample_batch,
+    sample_token,
+    token_logprobs,
+)
+from worker.engine.sequence import SamplingParams, Sequence
 
 LOGITS = torch.tensor([0.1, 2.0, 1.9, -1.0, 0.5, 1.0])
+WIDE = torch.randn(1224, generator=torch.Generator().manual_seed(12)) * 3
 
 
 def test_temperature_zero_is_argmax():
@@ -80,3 +94,61 @@ def test_choose_reports_logprobs_of_the_unpenalised_distribution():
     token, lp = choose(LOGITS, params, prompt_ids=[1], output_ids=[], eos_ids=[])
     assert token == 2  # 1 was penalised below 2
     assert abs(lp.logprob - float(torch.log_softmax(LOGITS, -1)[2])) < 1e-6
+
+
+# Tokens the row-by-row sampler drew before sampling was batched: a seed must keep drawing them.
+@pytest.mark.parametrize("params,tokens", [
+    (SamplingParams(temperature=1.0, seed=7), [1052, 193, 1132, 1179, 753, 1132]),
+    (SamplingParams(temperature=0.7, seed=123456789, top_k=40), [1179, 1179, 1054, 753, 269, 1132]),
+    (SamplingParams(temperature=1.3, seed=5, top_p=0.9), [273, 466, 1179, 551, 1132, 1132]),
+    (SamplingParams(temperature=0.9, seed=2**40 + 3, top_k=100, top_p=0.8), [1179, 1179, 257, 49, 351, 753]),
+])
+def test_a_seed_draws_the_same_tokens_as_before_sampling_was_batched(params, tokens):
+    assert [sample_token(WIDE, params, i) for i in range(6)] == tokens
+
+
+def mixed_params(rng: random.Random) -> SamplingParams:
+    if rng.random() < 0.3:
+        return SamplingParams()
+    return SamplingParams(temperature=rng.choice([0.3, 0.8, 1.0, 1.7]), seed=rng.randrange(1, 2**40),
+                          top_k=rng.choice([0, 0, 1, 5, 200]), top_p=rng.choice([1.0, 1.0, 0.5, 0.9, 0.99]))
+
+
+def test_each_row_of_a_batch_gets_the_token_it_gets_alone():
+    rng = random.Random(4)
+    logits = torch.randn(40, 1224, generator=torch.Generator().manual_seed(1)) * 3
+    logits[::7] = (logits[::7] * 2).round() / 2  # ties
+    params = [mixed_params(rng) for _ in range(40)]
+    indices = [rng.randrange(100) for _ in range(40)]
+    assert sample_batch(logits, params, indices) == [sample_token(logits[i], p, n)
+                                                     for i, (p, n) in enumerate(zip(params, indices))]
+
+
+def test_batched_logprobs_equal_each_rows_own():
+    logits = torch.randn(5, 1224, generator=torch.Generator().manual_seed(2))
+    tokens, tops = [3, 70, 0, 1223, 9], [0, 1, 5, 20, 2]
+    assert batch_logprobs(logits, tokens, tops) == [token_logprobs(logits[i], t, k)
+                                                    for i, (t, k) in enumerate(zip(tokens, tops))]
+
+
+def test_penalty_counts_kept_across_steps_equal_a_recount_of_the_whole_history():
+    rng = random.Random(5)
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
+    prompt = [rng.randrange(1224) for _ in range(8)]
+    counts, output = PenaltyCounts(prompt, 1224), []
+    for step in range(30):
+        output += [rng.choice(prompt + output + [rng.randrange(1224)]) for _ in range(step % 3)]  # repeats, new ids
+        counts.update(output)
+        recounted = apply_penalties(WIDE, params, prompt, output)
+        assert torch.equal(apply_penalties(WIDE, params, prompt, output, counts), recounted)
+
+
+def test_a_sequence_keeps_its_penalty_counts_and_samples_as_a_recount_would():
+    params = SamplingParams(temperature=1.0, seed=3, repetition_penalty=1.5, frequency_penalty=0.5)
+    seq = Sequence("r", 3, params, 1000, prompt_token_ids=[5, 6, 7])
+    for step in range(20):
+        raw = torch.randn(1, 1224, generator=torch.Generator().manual_seed(step)) * 3
+        (token, _), = choose_batch(raw, [seq], [2], None)
+        assert token == choose(raw[0], params, seq.prompt_token_ids, seq.output_token_ids, [2])[0]
+        seq.output_token_ids.append(token)
+    assert seq.penalties.num_counted == 19

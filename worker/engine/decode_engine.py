@@ -38,6 +38,7 @@ class DecodeEngine(DecodeBackend):
         self.kv_pool = KvBufferPool()
         self.guidance = Guidance(runner.tokenizer, runner.vocab_size, runner.eos_token_ids)
         self._processors: dict[str, OutputProcessor] = {}
+        self._outbox: list[tuple[str, TokenOutput]] = []  # tokens for the next hand-off to the event loop
         self._inbox: queue.SimpleQueue[DecodeCommand] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
@@ -68,10 +69,18 @@ class DecodeEngine(DecodeBackend):
         self._inbox.put(CancelSequence(request_id))
 
     # engine thread -----------------------------------------------------------------------
-    def _emit(self, request_id: str, item: TokenOutput | Exception) -> None:
-        self._loop.call_soon_threadsafe(self._deliver, request_id, item)
+    def _emit(self, request_id: str, item: TokenOutput) -> None:
+        """Queue a token for the next `_flush`."""
+        self._outbox.append((request_id, item))
+
+    def _flush(self) -> None:
+        """Hand every queued token to the event loop in one call: a step wakes the loop once, not once per row."""
+        if self._outbox:
+            items, self._outbox = self._outbox, []
+            self._loop.call_soon_threadsafe(self._deliver_all, items)
 
     def _fail_soon(self, request_id: str, message: str, error: type[Exception]) -> None:
+        self._flush()  # tokens queued before the failure reach their streams before it, as they were emitted
         self._loop.call_soon_threadsafe(self.fail, request_id, message, error)
 
     def _drain_inbox(self, block: bool) -> None:
@@ -153,6 +162,7 @@ class DecodeEngine(DecodeBackend):
             try:
                 idle = not self.scheduler.running and not self.scheduler.waiting and not self.local_prefills.queue
                 self._drain_inbox(block=idle)
+                self._flush()  # the first tokens of caches that just arrived go out before the next forward
                 # One prefill forward per turn, between decode steps, so running sequences keep moving.
                 self._prefill_locally(self.local_prefills.next_batch())
                 joined, batch = self.scheduler.schedule()
@@ -167,6 +177,8 @@ class DecodeEngine(DecodeBackend):
             except Exception:  # a failure must end the affected streams, never the engine thread
                 logger.exception("decode step failed; failing its %d sequences", len(batch))
                 self._fail_all(batch)
+            finally:
+                self._flush()
 
     def _prefill_locally(self, jobs: list[LocalPrefill]) -> None:
         # A request released while queued is not worth a forward.
@@ -201,6 +213,7 @@ class DecodeEngine(DecodeBackend):
                 continue
             job.seq.pending_kv = kv
             self._admit(job.seq)
+        self._flush()  # the batch's first tokens in one hand-off
 
     def _with_matcher(self, seq: Sequence) -> bool:
         """Give a sequence about to be prefilled here its grammar's matcher (if it has a grammar); False: failed."""
@@ -239,4 +252,5 @@ class DecodeEngine(DecodeBackend):
             self._emit(seq.request_id, output)
             if output.finish_reason is not None:
                 self._retire(seq, DecodeState.FINISHED)
+        self._flush()
 

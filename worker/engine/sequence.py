@@ -104,6 +104,8 @@ class Sequence:
     pending_kv: Any = None
     # Its grammar's llguidance matcher, advanced over every token generated so far; None: unconstrained.
     matcher: Any = None
+    # The sampler's running penalty counts (a PenaltyCounts), made at its first penalised step; None before.
+    penalties: Any = None
     last_step_at: float = 0.0
 
     @property
