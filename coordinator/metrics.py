@@ -9,6 +9,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from coordinator.route_table import ROUTE_TABLE, UNROUTED_LABEL
 from security.api_keys import FAILURE_REASONS as AUTH_FAILURE_REASONS
@@ -59,7 +60,8 @@ class LoopHistogram:
 
     def family(self) -> HistogramMetricFamily:
         cumulative, running = [], 0
-        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
+        # As prometheus_client labels its own buckets (le="1.0"), so series keep their names across versions.
+        for bound, count in zip([*map(floatToGoString, self.bounds), "+Inf"], self.counts):
             running += count
             cumulative.append((bound, running))
         return HistogramMetricFamily(self.name, self.documentation, buckets=cumulative, sum_value=self.total)

@@ -9,6 +9,7 @@ import asyncio
 import collections
 import enum
 import logging
+import socket
 import time
 
 from coordinator.failures import WorkerCallError, WorkerFailure
@@ -20,6 +21,7 @@ from security.tls import LinkTls
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S = 10, 5
 # After a failed dial, requests to that worker use their gRPC streams this long before the next try.
 REDIAL_AFTER_S = 5.0
 
@@ -77,6 +79,10 @@ class TokenChannel(asyncio.Protocol):
         self.opened: asyncio.Future = asyncio.get_running_loop().create_future()
         self._reader = FrameReader()
         self._transport: asyncio.Transport | None = None
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._transport
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
@@ -138,7 +144,7 @@ class TokenChannel(asyncio.Protocol):
             self.opened.set_exception(ConnectionError(f"closed before the worker named the channel: {exc}"))
             self.opened.exception()  # retrieved: the dialler reports it
         error = WorkerCallError(WorkerFailure("decode", self.worker_address, "UNAVAILABLE",
-                                              f"token channel lost: {exc or 'closed by the worker'}"))
+                                              f"token channel lost: {exc or 'closed'}"))
         for sink in self.sinks.values():
             sink.lose(error)
         self.sinks.clear()
@@ -146,6 +152,19 @@ class TokenChannel(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+
+def keep_alive(channel: TokenChannel) -> None:
+    """TCP keepalive on the channel: a peer that vanished without a reset (a dead host, a cut link) is found
+    within about KEEPALIVE_IDLE_S + 3 x KEEPALIVE_INTERVAL_S instead of never, failing its requests."""
+    sock = channel.transport.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                          ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 class TokenChannels:
@@ -176,20 +195,27 @@ class TokenChannels:
         task.add_done_callback(lambda _: self._dialling.pop(worker_address, None))
 
     async def _dial(self, worker_address: str, channel_address: str) -> None:
-        host, port = channel_address.rsplit(":", 1)
         loop = asyncio.get_running_loop()
         ssl_context = self.tls.ssl_context() if self.tls is not None else None
+        channel: TokenChannel | None = None
         try:
+            host, port = channel_address.rsplit(":", 1)
+            host = host.strip("[]")
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 _, channel = await loop.create_connection(
-                    lambda: TokenChannel(worker_address, channel_address), host.strip("[]"), int(port), ssl=ssl_context,
-                    server_hostname=host.strip("[]") if ssl_context is not None else None)
+                    lambda: TokenChannel(worker_address, channel_address), host, int(port), ssl=ssl_context,
+                    server_hostname=host if ssl_context is not None else None)
+                keep_alive(channel)
                 channel.hello(self.secret)
                 await channel.opened
-        except (OSError, ConnectionError, TimeoutError) as exc:
+        except BaseException as exc:  # noqa: BLE001 - a half-open channel is closed whatever ended the dial
+            if channel is not None:
+                channel.close()
+            if not isinstance(exc, Exception):  # cancelled: the worker left, or the coordinator stops
+                raise
             self._failed_at[worker_address] = time.monotonic()
-            logger.warning("token channel to decode worker %s (%s) failed: %s; its tokens stay on gRPC streams",
-                           worker_address, channel_address, exc)
+            logger.warning("token channel to decode worker %s (%s) failed: %s; its requests stay on gRPC calls",
+                           worker_address, channel_address, exc or type(exc).__name__)
             return
         old = self._channels.get(worker_address)
         if old is not None:
@@ -197,7 +223,10 @@ class TokenChannels:
         self._channels[worker_address] = channel
 
     def forget(self, worker_address: str) -> None:
-        """Close the channel of a worker that left."""
+        """Close the channel of a worker that left (and stop dialling it)."""
+        dialling = self._dialling.pop(worker_address, None)
+        if dialling is not None:
+            dialling.cancel()
         channel = self._channels.pop(worker_address, None)
         if channel is not None:
             channel.close()

@@ -6,14 +6,16 @@ WorkerCallError, carrying a classifiable WorkerFailure, instead of gRPC's own er
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import grpc
 
-from coordinator.failures import WorkerCallError, WorkerFailure
+from coordinator.failures import CALL_DEADLINE_DETAILS, WorkerCallError, WorkerFailure
 from coordinator.instances import ReportedLoad
 from coordinator.request import FinishReason, GenerationRequest
 from coordinator.token_channels import TokenChannel, TokenChannels
+from proto.token_channel import MAX_FRAME_BYTES
 from kv_transfer.grpc_transport import GRPC_OPTIONS
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
@@ -145,7 +147,7 @@ class DecodeStream:
 
 class ChannelDecodeStream:
     """A decode request on the worker's token channel: the same events as a DecodeStream, and a worker's
-    failure as the same WorkerCallError its Decode call would have ended with."""
+    failure, or the deadline passing, as the same WorkerCallError its Decode call would have ended with."""
 
     def __init__(self, address: str, channel: TokenChannel, request: pb.DecodeRequest, timeout_s: float):
         self.address = address
@@ -153,6 +155,8 @@ class ChannelDecodeStream:
         self._request_id = request.request_id
         self._sink = channel.submit(request, timeout_s)
         self._ended = False
+        # The worker ends it at its deadline too; this clock holds when the worker cannot (frozen, cut off).
+        self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire) if timeout_s > 0 else None
 
     async def read(self) -> DecodeAccepted | DecodedToken:
         event = await self._sink.next()
@@ -167,16 +171,28 @@ class ChannelDecodeStream:
         self._end()
         raise WorkerCallError(WorkerFailure("decode", self.address, event.error.code, event.error.details))
 
+    def _expire(self) -> None:
+        # gRPC's own words for a call whose deadline passed, as failures.py tells it apart from an abort.
+        self._sink.push(pb.RoutedEvent(request_id=self._request_id, error=pb.ChannelError(
+            code=grpc.StatusCode.DEADLINE_EXCEEDED.name, details=CALL_DEADLINE_DETAILS)))
+        self.cancel()
+
     def _end(self) -> None:
         self._ended = True
         self._channel.forget(self._request_id)
+        if self._deadline is not None:
+            self._deadline.cancel()
 
     def cancel(self) -> None:
         if not self._ended:
+            self._ended = True
             self._channel.cancel(self._request_id)
+            if self._deadline is not None:
+                self._deadline.cancel()
 
 
 DecodeCall = DecodeStream | ChannelDecodeStream
+MAX_REQUEST_FRAME_BYTES = MAX_FRAME_BYTES // 2
 
 
 class WorkerClient:
@@ -187,14 +203,14 @@ class WorkerClient:
         self._channels = ChannelCache(tls, GRPC_OPTIONS, grace_s=3600)
         self._secret = secret
         self.token_channels = TokenChannels(tls, secret)
-        self._stubs: dict[tuple[type, grpc.aio.Channel], object] = {}
+        self._stubs: dict[tuple[type, str, grpc.aio.Channel], object] = {}
 
     def _stub(self, kind: type, address: str):
         """A stub on the address's current channel, made once (a stub builds a callable per method)."""
         channel = self._channels.get(address)
-        stub = self._stubs.get((kind, channel))
+        stub = self._stubs.get((kind, address, channel))
         if stub is None:
-            stub = self._stubs[kind, channel] = kind(channel)
+            stub = self._stubs[kind, address, channel] = kind(channel)
         return stub
 
     def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float,
@@ -211,7 +227,8 @@ class WorkerClient:
             local_prefill=local_prefill,
         )
         channel = self.token_channels.open_channel(address)
-        if channel is not None:
+        # A request too big for one frame goes as a call: the channel would be cut, failing its other requests.
+        if channel is not None and message.ByteSize() < MAX_REQUEST_FRAME_BYTES:
             return ChannelDecodeStream(address, channel, message, timeout)
         call = self._stub(pb_grpc.DecodeServiceStub, address).Decode(message, timeout=timeout,
                                                                       metadata=secret_metadata(self._secret))
@@ -253,6 +270,7 @@ class WorkerClient:
 
     async def forget(self, address: str) -> None:
         """Close the channels of an instance that left."""
+        self._stubs = {key: stub for key, stub in self._stubs.items() if key[1] != address}
         self.token_channels.forget(address)
         await self._channels.forget(address)
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
+import time
 import uuid
 
 import pytest
@@ -216,3 +219,24 @@ async def test_the_channel_runs_over_mutual_tls_and_needs_the_worker_secret(secu
         assert "refused the token channel: missing or wrong worker secret" in caplog.text
     finally:
         await wrong.close()
+
+
+async def test_a_frozen_worker_fails_a_channel_request_at_its_deadline_as_a_decode_call_does():
+    worker = start_sim_worker("decode", "--metrics-port", "-1")
+    client = WorkerClient()
+    try:
+        await generate(client, worker.address, via=DecodeStream)
+        await channel_opens(client, worker.address)
+        stream = await long_request(client, worker.address, timeout_s=1.0)
+        os.kill(worker.proc.pid, signal.SIGSTOP)  # it can neither send its tokens nor its own deadline error
+        try:
+            started = time.monotonic()
+            failure = (await read_until_failure(stream)).failure
+            assert (failure.code, failure.kind) == ("DEADLINE_EXCEEDED", FailureKind.DEADLINE)
+            assert time.monotonic() - started < 2.0
+        finally:
+            os.kill(worker.proc.pid, signal.SIGCONT)
+        await asyncio.to_thread(wait_for_idle, worker.address, "decode")  # the cancel reached it after all
+    finally:
+        await client.close()
+        assert worker.stop() == 0

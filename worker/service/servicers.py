@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 
 import grpc
@@ -27,6 +28,8 @@ from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate, refuse_if_draining
 from worker.service.errors import abort_with, engine_errors_as_status
 from worker.service.token_channel import ChannelAbort, ChannelCallContext, TokenChannel
+
+logger = logging.getLogger(__name__)
 
 _FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -223,6 +226,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         except TimeoutError:
             # gRPC's own words for a call whose deadline passed, which the coordinator tells apart from an abort.
             channel.send_error(request_id, grpc.StatusCode.DEADLINE_EXCEEDED.name, "Deadline Exceeded")
+        except Exception as exc:  # noqa: BLE001 - what a gRPC call ends with on an unexpected error: UNKNOWN
+            logger.exception("decode request %s failed", request_id)
+            channel.send_error(request_id, grpc.StatusCode.UNKNOWN.name, f"unexpected error on the worker: {exc}")
 
     async def _serve(self, request: pb.DecodeRequest, context, channel: TokenChannel | None = None):
         await refuse_if_draining(self.gate, context)

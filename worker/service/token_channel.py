@@ -124,6 +124,7 @@ class TokenChannel(asyncio.Protocol):
 
     def _refuse(self, reason: str) -> None:
         logger.warning("token channel refused: %s", reason)
+        self.state = ChannelState.CLOSED  # nothing more it sent is read
         self._write(pb.TokenChannelFrame(refused=reason))
         self._transport.close()
 
