@@ -5,6 +5,7 @@ secret, mutual TLS): the same tokens and the same failures as a gRPC Decode call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -56,6 +57,17 @@ async def channel_opens(client: WorkerClient, address: str):
     raise AssertionError(f"no token channel to {address} opened")
 
 
+@contextlib.asynccontextmanager
+async def client_with_channel(address: str):
+    """The coordinator's WorkerClient once its channel to `address` is open (a first request, a gRPC call, named it)."""
+    client = WorkerClient()
+    try:
+        await generate(client, address, via=DecodeStream)
+        yield client, await channel_opens(client, address)
+    finally:
+        await client.close()
+
+
 @pytest.fixture(scope="module")
 def decode_worker():
     worker = start_sim_worker("decode", "--metrics-port", "-1")
@@ -81,16 +93,11 @@ async def test_requests_after_the_first_go_on_the_channel_and_get_the_tokens_a_d
 
 
 async def test_many_concurrent_requests_share_one_channel_and_each_gets_its_own_tokens(decode_worker):
-    client = WorkerClient()
-    try:
-        await generate(client, decode_worker.address, via=DecodeStream)
-        await channel_opens(client, decode_worker.address)
+    async with client_with_channel(decode_worker.address) as (client, _):
         alone = {seed: summary(await generate(client, decode_worker.address, 20, seed)) for seed in range(3)}
         together = await asyncio.gather(*(generate(client, decode_worker.address, 20, seed % 3) for seed in range(24)))
         for seed, tokens in enumerate(together):
             assert summary(tokens) == alone[seed % 3]
-    finally:
-        await client.close()
 
 
 async def long_request(client: WorkerClient, address: str, timeout_s: float = 30):
@@ -110,10 +117,7 @@ async def read_until_failure(stream) -> WorkerCallError:
 
 
 async def test_a_lost_channel_fails_its_streams_as_a_lost_decode_worker_and_the_worker_frees_them(decode_worker):
-    client = WorkerClient()
-    try:
-        await generate(client, decode_worker.address, via=DecodeStream)
-        channel = await channel_opens(client, decode_worker.address)
+    async with client_with_channel(decode_worker.address) as (client, channel):
         stream = await long_request(client, decode_worker.address)
         channel.close()
         failure = (await read_until_failure(stream)).failure
@@ -124,21 +128,14 @@ async def test_a_lost_channel_fails_its_streams_as_a_lost_decode_worker_and_the_
         await generate(client, decode_worker.address, via=DecodeStream)
         await channel_opens(client, decode_worker.address)
         assert len(await generate(client, decode_worker.address)) == 12
-    finally:
-        await client.close()
 
 
 async def test_a_cancelled_channel_request_is_freed_on_the_worker(decode_worker):
-    client = WorkerClient()
-    try:
-        await generate(client, decode_worker.address, via=DecodeStream)
-        await channel_opens(client, decode_worker.address)
+    async with client_with_channel(decode_worker.address) as (client, _):
         stream = await long_request(client, decode_worker.address)
         assert wait_for_idle_fails(decode_worker.address)
         stream.cancel()
         await asyncio.to_thread(wait_for_idle, decode_worker.address, "decode")
-    finally:
-        await client.close()
 
 
 def wait_for_idle_fails(address: str) -> bool:
@@ -150,16 +147,11 @@ def wait_for_idle_fails(address: str) -> bool:
 
 
 async def test_a_channel_request_past_its_deadline_fails_as_a_decode_call_past_its_deadline(decode_worker):
-    client = WorkerClient()
-    try:
-        await generate(client, decode_worker.address, via=DecodeStream)
-        await channel_opens(client, decode_worker.address)
+    async with client_with_channel(decode_worker.address) as (client, _):
         stream = await long_request(client, decode_worker.address, timeout_s=0.5)
         failure = (await read_until_failure(stream)).failure
         assert (failure.code, failure.kind) == ("DEADLINE_EXCEEDED", FailureKind.DEADLINE)
         await asyncio.to_thread(wait_for_idle, decode_worker.address, "decode")
-    finally:
-        await client.close()
 
 
 async def test_a_bad_channel_request_gets_the_status_a_decode_call_gets(decode_worker):
@@ -223,20 +215,17 @@ async def test_the_channel_runs_over_mutual_tls_and_needs_the_worker_secret(secu
 
 async def test_a_frozen_worker_fails_a_channel_request_at_its_deadline_as_a_decode_call_does():
     worker = start_sim_worker("decode", "--metrics-port", "-1")
-    client = WorkerClient()
     try:
-        await generate(client, worker.address, via=DecodeStream)
-        await channel_opens(client, worker.address)
-        stream = await long_request(client, worker.address, timeout_s=1.0)
-        os.kill(worker.proc.pid, signal.SIGSTOP)  # it can neither send its tokens nor its own deadline error
-        try:
-            started = time.monotonic()
-            failure = (await read_until_failure(stream)).failure
-            assert (failure.code, failure.kind) == ("DEADLINE_EXCEEDED", FailureKind.DEADLINE)
-            assert time.monotonic() - started < 2.0
-        finally:
-            os.kill(worker.proc.pid, signal.SIGCONT)
-        await asyncio.to_thread(wait_for_idle, worker.address, "decode")  # the cancel reached it after all
+        async with client_with_channel(worker.address) as (client, _):
+            stream = await long_request(client, worker.address, timeout_s=1.0)
+            os.kill(worker.proc.pid, signal.SIGSTOP)  # it can send neither its tokens nor its own deadline error
+            try:
+                started = time.monotonic()
+                failure = (await read_until_failure(stream)).failure
+                assert (failure.code, failure.kind) == ("DEADLINE_EXCEEDED", FailureKind.DEADLINE)
+                assert time.monotonic() - started < 2.0
+            finally:
+                os.kill(worker.proc.pid, signal.SIGCONT)
+            await asyncio.to_thread(wait_for_idle, worker.address, "decode")  # the cancel reached it after all
     finally:
-        await client.close()
         assert worker.stop() == 0
