@@ -32,9 +32,11 @@ the HTTP clients (this process) run on the other cores. CPU per request is the p
 CPU/request over the pass-through's at c=32 (target <= 2.0 at 64 tokens), and the TTFT p50 it adds at c=1 over
 the direct gRPC row (target < 1 ms; measured at c=1 always), which makes the same worker calls without it. A request answered with an error, or short of tokens, ends the bench.
 
-`--fleet N ...` measures instead the coordinator alone, at 64 tokens c=32, in front of N simulated instances (N/2
+`--fleet N ...` measures instead the coordinator alone, at 64 tokens, in front of N simulated instances (N/2
 prefill, N/2 decode, all in one process: bench/sim_fleet.py) for each N in turn, warmed up until every instance has
 served a request, and its CPU per request against the smallest fleet's (target: at most 1.2x apart at 64 vs 2).
+Every size gets the same offered load, `--fleet-rate` requests started per second (an open loop), so that sizes are
+compared and not load levels; `--fleet-rate 0` runs the closed loop of 32 clients instead.
 """
 
 from __future__ import annotations
@@ -195,6 +197,17 @@ async def closed_loop(one, concurrency: int, seconds: float, stagger_s: float = 
             samples.append(await one())
 
     await asyncio.gather(*(client(i) for i in range(concurrency)))
+    return samples, time.perf_counter() - start
+
+
+async def open_loop(one, rate: float, seconds: float) -> tuple[list[Sample], float]:
+    """A request started every 1 / `rate` seconds for `seconds`, however long each takes; all awaited."""
+    start = time.perf_counter()
+    tasks = []
+    for i in range(int(rate * seconds)):
+        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        tasks.append(asyncio.ensure_future(one()))
+    samples = list(await asyncio.gather(*tasks))
     return samples, time.perf_counter() - start
 
 
@@ -364,7 +377,7 @@ async def server_ttft(metrics_url: str) -> tuple[float, float]:
 
 
 async def measure_row(tokens: int, concurrency: int, name: str, one, client_cpus: set[int], pinned, args,
-                      warmup_requests: int = 0) -> Row:
+                      warmup_requests: int = 0, rate: float | None = None) -> Row:
     """A closed loop after a warm-up (of at least `warmup_requests`), and the pinned process's CPU over all of it."""
     pin_self(client_cpus)
     warm, _ = await closed_loop(one, concurrency, min(1.0, args.seconds))  # opens channels and connections
@@ -373,8 +386,11 @@ async def measure_row(tokens: int, concurrency: int, name: str, one, client_cpus
     metrics_url = getattr(pinned, "metrics_url", None)
     ttft0 = await server_ttft(metrics_url) if metrics_url else None
     cpu0 = pinned.cpu_seconds()
-    # Staggered over one request's unloaded length, so that unloaded, requests end evenly spread in time.
-    samples, elapsed = await closed_loop(one, concurrency, args.seconds, tokens * args.decode_step_ms / 1000)
+    if rate is not None:
+        samples, elapsed = await open_loop(one, rate, args.seconds)
+    else:
+        # Staggered over one request's unloaded length, so that unloaded, requests end evenly spread in time.
+        samples, elapsed = await closed_loop(one, concurrency, args.seconds, tokens * args.decode_step_ms / 1000)
     row = Row(tokens, concurrency, name, samples, elapsed, (pinned.cpu_seconds() - cpu0) / elapsed)
     if ttft0 is not None:
         (sum1, count1), (sum0, count0) = await server_ttft(metrics_url), ttft0
@@ -411,8 +427,11 @@ async def table_rows(args, proxy: Process, clusters: list[Cluster], cores: Cores
 async def fleet_row(args, size: int, coordinator: Process, cores: Cores) -> Row:
     async with http_session(coordinator.address) as session:
         # Round robin: `size` / 2 requests have opened channels to every instance before the measured loop.
+        # At one offered rate for every size: a closed loop runs each at whatever rate its workers' core allows, and
+        # a less loaded coordinator pays more idle wake-ups per request, which would be compared instead of sizes.
         return await measure_row(FLEET_TOKENS, FLEET_CONCURRENCY, THROUGH, completions_request(session, FLEET_TOKENS),
-                                 cores.others, coordinator, args, warmup_requests=size // 2)
+                                 cores.others, coordinator, args, warmup_requests=size // 2,
+                                 rate=args.fleet_rate or None)
 
 
 def run_fleet(args, tmp: Path, cores: Cores) -> list[tuple[int, Row, float]]:
@@ -453,6 +472,8 @@ def main() -> None:
     parser.add_argument("--tls", action="store_true", help="add a mutual-TLS cluster's rows and TLS's cost")
     parser.add_argument("--plain-kv", action="store_true", help="with --tls (implied), the KV link (prefill -> "
                         "decode) in plaintext: TLS on the client and coordinator -> worker links only")
+    parser.add_argument("--fleet-rate", type=float, default=40.0, help="with --fleet: requests started per second, "
+                        "the same for every size (0: a closed loop of 32 clients instead)")
     parser.add_argument("--fleet", type=even_size, nargs="+", metavar="N", help="instead of the table: the "
                         f"coordinator's CPU per request at {FLEET_TOKENS} tokens c={FLEET_CONCURRENCY} in front of "
                         "N simulated instances (N/2 prefill, N/2 decode) for each N")
@@ -542,8 +563,9 @@ def print_fleet(args, results: list[tuple[int, Row, float]], cores: Cores) -> No
     smallest = min(results, key=lambda result: result[0])
     print(f"\nThe coordinator (CPU {sorted(cores.pinned)}) in front of N simulated instances, N/2 prefill and N/2 "
           f"decode in one process (bench/sim_fleet.py, CPU {sorted(cores.others)}; prefill 0 ms, decode step "
-          f"{args.decode_step_ms:g} ms), {FLEET_TOKENS} tokens, c={FLEET_CONCURRENCY}, a closed loop of "
-          f"{args.seconds:g} s each. Latencies in ms.\n")
+          f"{args.decode_step_ms:g} ms), {FLEET_TOKENS} tokens, "
+          f"{f'{args.fleet_rate:g} requests started per second' if args.fleet_rate else f'c={FLEET_CONCURRENCY}'} "
+          f"for {args.seconds:g} s each. Latencies in ms.\n")
     print(f"| instances | requests/s | coordinator CPU | CPU ms / request | vs {smallest[0]} instances | TTFT p50 "
           "| e2e p50 | fleet process RSS, MiB |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
