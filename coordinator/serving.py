@@ -56,7 +56,7 @@ class ResponseFormatter(Protocol):
     done_marker: str | None
     stream_content_type: str
 
-    def encode(self, frame: dict | str | bytes) -> bytes: ...
+    def encode(self, frame: dict | str) -> bytes: ...
 
     def token_bytes(self, delta: TokenDelta, transcript: Transcript) -> bytes | None:
         """The token's stream bytes when a cheaper path than `token_frames` gives them (the same bytes)."""
@@ -123,7 +123,7 @@ class SseFormatter:
     done_marker: str | None = None
     stream_content_type = "text/event-stream; charset=utf-8"
 
-    def encode(self, frame: dict | str | bytes) -> bytes:
+    def encode(self, frame: dict | str) -> bytes:
         return encode_event(frame)
 
     def token_bytes(self, delta: TokenDelta, transcript: Transcript) -> bytes | None:

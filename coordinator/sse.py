@@ -9,10 +9,8 @@ from aiohttp import web
 JSON_OPTIONS = orjson.OPT_NON_STR_KEYS
 
 
-def encode_event(payload: dict | str | bytes) -> bytes:
-    """One `data:` event; bytes are an event already encoded (a ChunkTemplate's)."""
-    if isinstance(payload, bytes):
-        return payload
+def encode_event(payload: dict | str) -> bytes:
+    """One `data:` event."""
     body = payload.encode("utf-8") if isinstance(payload, str) else orjson.dumps(payload, option=JSON_OPTIONS)
     return b"data: " + body + b"\n\n"
 

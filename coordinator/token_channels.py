@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import logging
 import socket
 import time
 
 from coordinator.failures import WorkerCallError, WorkerFailure
 from proto import worker_pb2 as pb
-from proto.token_channel import FrameError, FrameReader, encode_frame
+from proto.token_channel import ChannelState, FrameError, FrameReader, encode_frame
 from security.secrets import SecretFile
 from security.tls import LinkTls
 
@@ -24,6 +23,7 @@ CONNECT_TIMEOUT_S = 5.0
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S = 10, 5
 # After a failed dial, requests to that worker use their gRPC streams this long before the next try.
 REDIAL_AFTER_S = 5.0
+
 
 class TokenSink:
     """The events of one request on a channel, read in order by its attempt."""
@@ -61,31 +61,22 @@ class TokenSink:
         return self._items.popleft()
 
 
-class ChannelState(enum.Enum):
-    CONNECTING = "connecting"
-    OPEN = "open"
-    CLOSED = "closed"
-
-
 class TokenChannel(asyncio.Protocol):
     """One decode worker's channel: hands each token to its request's sink."""
 
     def __init__(self, worker_address: str, listener_address: str):
         self.worker_address = worker_address
         self.listener_address = listener_address
-        self.state = ChannelState.CONNECTING
+        self.state = ChannelState.GREETING
         self.channel_id = ""
         self.sinks: dict[str, TokenSink] = {}
         self.opened: asyncio.Future = asyncio.get_running_loop().create_future()
         self._reader = FrameReader()
         self._transport: asyncio.Transport | None = None
 
-    @property
-    def transport(self) -> asyncio.Transport | None:
-        return self._transport
-
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
+        keep_alive(transport)
 
     def hello(self, secret: SecretFile | None) -> None:
         self._transport.write(encode_frame(pb.TokenChannelHello(
@@ -101,7 +92,7 @@ class TokenChannel(asyncio.Protocol):
         for payload in frames:
             frame = pb.TokenChannelFrame()
             frame.ParseFromString(payload)
-            if self.state is ChannelState.CONNECTING:
+            if self.state is ChannelState.GREETING:
                 self._greeted(frame)
                 continue
             sinks = self.sinks
@@ -126,14 +117,10 @@ class TokenChannel(asyncio.Protocol):
         self._send(pb.TokenChannelRequest(decode=request, timeout_s=timeout_s))
         return sink
 
-    def cancel(self, request_id: str) -> None:
-        """End a request the worker still runs, and forget it."""
-        if self.sinks.pop(request_id, None) is not None and self.state is ChannelState.OPEN:
+    def release(self, request_id: str, cancel: bool) -> None:
+        """Forget a request; with `cancel`, the worker still runs it and is told to stop."""
+        if self.sinks.pop(request_id, None) is not None and cancel and self.state is ChannelState.OPEN:
             self._send(pb.TokenChannelRequest(cancel=request_id))
-
-    def forget(self, request_id: str) -> None:
-        """Forget a request the worker has ended (its last token or its error came)."""
-        self.sinks.pop(request_id, None)
 
     def _send(self, request: pb.TokenChannelRequest) -> None:
         self._transport.write(encode_frame(request.SerializeToString()))
@@ -154,10 +141,10 @@ class TokenChannel(asyncio.Protocol):
             self._transport.close()
 
 
-def keep_alive(channel: TokenChannel) -> None:
-    """TCP keepalive on the channel: a peer that vanished without a reset (a dead host, a cut link) is found
+def keep_alive(transport: asyncio.Transport) -> None:
+    """TCP keepalive on a channel: a peer that vanished without a reset (a dead host, a cut link) is found
     within about KEEPALIVE_IDLE_S + 3 x KEEPALIVE_INTERVAL_S instead of never, failing its requests."""
-    sock = channel.transport.get_extra_info("socket")
+    sock = transport.get_extra_info("socket")
     if sock is None:
         return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -205,7 +192,6 @@ class TokenChannels:
                 _, channel = await loop.create_connection(
                     lambda: TokenChannel(worker_address, channel_address), host, int(port), ssl=ssl_context,
                     server_hostname=host if ssl_context is not None else None)
-                keep_alive(channel)
                 channel.hello(self.secret)
                 await channel.opened
         except BaseException as exc:  # noqa: BLE001 - a half-open channel is closed whatever ended the dial

@@ -116,6 +116,10 @@ def token_from_pb(token: pb.TokenEvent) -> DecodedToken:
     )
 
 
+def accepted_from_pb(accepted: pb.Accepted) -> DecodeAccepted:
+    return DecodeAccepted(accepted.kv_data_address, accepted.kv_transfer_token)
+
+
 def _call_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> WorkerCallError:
     return WorkerCallError(WorkerFailure(stage, address, exc.code().name, exc.details() or ""))
 
@@ -138,7 +142,7 @@ class DecodeStream:
             return None
         if msg.WhichOneof("event") == "accepted":
             self._channels.learn(self.address, msg.accepted.token_channel_address)
-            return DecodeAccepted(msg.accepted.kv_data_address, msg.accepted.kv_transfer_token)
+            return accepted_from_pb(msg.accepted)
         return token_from_pb(msg.token)
 
     def cancel(self) -> None:
@@ -164,11 +168,11 @@ class ChannelDecodeStream:
         if kind == "token":
             token = token_from_pb(event.token)
             if token.finish_reason is not None:
-                self._end()
+                self._release(cancel=False)
             return token
         if kind == "accepted":
-            return DecodeAccepted(event.accepted.kv_data_address, event.accepted.kv_transfer_token)
-        self._end()
+            return accepted_from_pb(event.accepted)
+        self._release(cancel=False)
         raise WorkerCallError(WorkerFailure("decode", self.address, event.error.code, event.error.details))
 
     def _expire(self) -> None:
@@ -177,18 +181,17 @@ class ChannelDecodeStream:
             code=grpc.StatusCode.DEADLINE_EXCEEDED.name, details=CALL_DEADLINE_DETAILS)))
         self.cancel()
 
-    def _end(self) -> None:
+    def cancel(self) -> None:
+        self._release(cancel=True)
+
+    def _release(self, cancel: bool) -> None:
+        """Once: the channel forgets it (telling the worker to stop, with `cancel`) and the deadline is off."""
+        if self._ended:
+            return
         self._ended = True
-        self._channel.forget(self._request_id)
+        self._channel.release(self._request_id, cancel)
         if self._deadline is not None:
             self._deadline.cancel()
-
-    def cancel(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._channel.cancel(self._request_id)
-            if self._deadline is not None:
-                self._deadline.cancel()
 
 
 DecodeCall = DecodeStream | ChannelDecodeStream

@@ -3,6 +3,7 @@ then a protobuf message. Shared by the decode worker's side and the coordinator'
 
 from __future__ import annotations
 
+import enum
 import struct
 
 _LENGTH = struct.Struct(">I")
@@ -10,6 +11,14 @@ _LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20
 MAX_HELLO_BYTES = 64 << 10
 HELLO_TIMEOUT_S = 10.0
+
+
+class ChannelState(enum.Enum):
+    """A token channel's life, at either end: waiting for the other end's greeting, open, closed."""
+
+    GREETING = "greeting"
+    OPEN = "open"
+    CLOSED = "closed"
 
 
 class FrameError(Exception):

@@ -157,14 +157,14 @@ class OpenAIFormatter(SseFormatter):
         self.show_logprobs = True  # False when logprobs were only asked for to rank best_of
         self.include_usage = bool(stream_options and stream_options.include_usage)
         self.continuous_usage = bool(stream_options and stream_options.continuous_usage_stats)
+        self._plain_options = not (full_text or return_token_ids or self.continuous_usage)
 
     chunk_object = "chat.completion.chunk"
     _template: ChunkTemplate | None = None
 
     def plain_chunk(self, delta: TokenDelta) -> bool:
         """Whether a token's chunk has the common shape: its text is all that varies from token to token."""
-        return not (self.full_text or self.return_token_ids or self.continuous_usage
-                    or (delta.logprob is not None and self.show_logprobs))
+        return self._plain_options and (delta.logprob is None or not self.show_logprobs)
 
     def templated(self, text: str, make_frame: Callable[[str], dict]) -> bytes:
         """The chunk `make_frame(text)` encodes to, from a template made on first use."""

@@ -75,20 +75,28 @@ async def checked_sampling(engine: PrefillBackend | DecodeBackend, msg: pb.Sampl
     return sampling
 
 
-def token_to_pb(output: TokenOutput) -> pb.TokenEvent:
-    event = pb.TokenEvent(
-        token_id=output.token_id,
-        text=output.text,
-        time_ms=output.time_ms,
-        finish_reason=_FINISH_TO_PB[output.finish_reason],
-        index=output.index,
-        matched_stop=output.matched_stop or "",
-        batch_size=output.batch_size,
-        queue_wait_ms=output.queue_wait_ms,
-    )
+def token_to_pb(output: TokenOutput, event: pb.TokenEvent | None = None) -> pb.TokenEvent:
+    """`output` as a TokenEvent, written into `event` when given (a field of the message that carries it)."""
+    if event is None:
+        event = pb.TokenEvent()
+    event.token_id = output.token_id
+    event.text = output.text
+    event.time_ms = output.time_ms
+    event.finish_reason = _FINISH_TO_PB[output.finish_reason]
+    event.index = output.index
+    event.matched_stop = output.matched_stop or ""
+    event.batch_size = output.batch_size
+    event.queue_wait_ms = output.queue_wait_ms
     if output.logprobs is not None:
         event.logprob = output.logprobs.logprob
         event.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in output.logprobs.top)
+    return event
+
+
+def relayed(request_id: str, output: TokenOutput) -> pb.RoutedEvent:
+    """A token as the token channel carries it, built in place (no TokenEvent copied into it)."""
+    event = pb.RoutedEvent(request_id=request_id)
+    token_to_pb(output, event.token)
     return event
 
 
@@ -262,7 +270,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             # is taken for a local prefill.
             token = "" if request.local_prefill else self.tokens.issue(request.request_id)
             if channel is not None:
-                handle.relay = lambda output, rid=request.request_id: channel.send_token(rid, token_to_pb(output))
+                handle.relay = lambda output: channel.send(relayed(request.request_id, output))
             yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address, kv_transfer_token=token,
                                                       token_channel_address=self.token_channel_address))
             if request.local_prefill:

@@ -17,7 +17,6 @@ Life of a channel:
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import secrets
 import ssl
@@ -25,7 +24,8 @@ import ssl
 import grpc
 
 from proto import worker_pb2 as pb
-from proto.token_channel import HELLO_TIMEOUT_S, MAX_FRAME_BYTES, MAX_HELLO_BYTES, FrameError, FrameReader, encode_frame
+from proto.token_channel import (HELLO_TIMEOUT_S, MAX_FRAME_BYTES, MAX_HELLO_BYTES, ChannelState, FrameError,
+                                 FrameReader, encode_frame)
 from security.secrets import SecretFile
 from security.tls import LinkTls
 
@@ -33,12 +33,6 @@ logger = logging.getLogger(__name__)
 
 # Tokens are tiny and the coordinator reads them as they come; this much unread means it stopped reading.
 MAX_UNREAD_BYTES = 16 << 20
-
-
-class ChannelState(enum.Enum):
-    AWAITING_HELLO = "awaiting_hello"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 class ChannelAbort(Exception):
@@ -62,7 +56,7 @@ class TokenChannel(asyncio.Protocol):
 
     def __init__(self, listener: TokenChannelListener):
         self.listener = listener
-        self.state = ChannelState.AWAITING_HELLO
+        self.state = ChannelState.GREETING
         self.channel_id = ""
         self.tasks: dict[str, asyncio.Task] = {}  # the decodes running for this channel, by request id
         self._reader = FrameReader(MAX_HELLO_BYTES)
@@ -81,7 +75,7 @@ class TokenChannel(asyncio.Protocol):
             self._transport.abort()
             return
         for frame in frames:
-            if self.state is ChannelState.AWAITING_HELLO:
+            if self.state is ChannelState.GREETING:
                 self._hello_timer.cancel()
                 self._greet(frame)
             elif self.state is ChannelState.OPEN:
@@ -128,17 +122,14 @@ class TokenChannel(asyncio.Protocol):
         self._write(pb.TokenChannelFrame(refused=reason))
         self._transport.close()
 
-    def send_token(self, request_id: str, token: pb.TokenEvent) -> None:
-        self._queue(pb.RoutedEvent(request_id=request_id, token=token))
-
     def send_accepted(self, request_id: str, accepted: pb.Accepted) -> None:
-        self._queue(pb.RoutedEvent(request_id=request_id, accepted=accepted))
+        self.send(pb.RoutedEvent(request_id=request_id, accepted=accepted))
 
     def send_error(self, request_id: str, code: str, details: str) -> None:
-        self._queue(pb.RoutedEvent(request_id=request_id, error=pb.ChannelError(code=code, details=details)))
+        self.send(pb.RoutedEvent(request_id=request_id, error=pb.ChannelError(code=code, details=details)))
 
-    def _queue(self, event: pb.RoutedEvent) -> None:
-        """The first event queued in a loop turn schedules the turn's single write."""
+    def send(self, event: pb.RoutedEvent) -> None:
+        """Queue an event; the first one queued in a loop turn schedules the turn's single write."""
         if not self._pending:
             asyncio.get_running_loop().call_soon(self._flush)
         self._pending.append(event)
