@@ -10,10 +10,13 @@ from aiohttp import web
 
 from coordinator.apis.fields import BODY_TIMEOUT
 from coordinator.auth import API_KEYS, ApiKeyGate, load_api_keys
+from coordinator.cluster.node import ClusterNode
+from coordinator.cluster.standby_gate import StandbyGate
 from coordinator.config import CoordinatorConfig
 from coordinator.error_response import error_response
 from coordinator.errors import ApiError
 from coordinator.health_monitor import HealthMonitor
+from coordinator.silence_watch import SilenceWatch
 from coordinator.instances import InstanceRegistry
 from coordinator.limits import ModelLimits
 from coordinator.management import MANAGEMENT_ROUTES
@@ -111,12 +114,17 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         await client.forget(instance.address)
 
     monitor = HealthMonitor(registry, client, health.check_interval_s, health.check_timeout_s, on_forget=forget)
+    silence = SilenceWatch(registry, client, health.silence_timeout_s, health.silence_probe_timeout_s)
     limit = InFlightLimit(config.request_limit.max_requests)
+    # Coordinators on etcd share the registered workers; in active_standby a standby refuses client requests.
+    on_etcd = bool(config.backup_config.etcd_endpoints)
+    cluster = ClusterNode.from_config(config, registry, monitor, forget) if on_etcd else None
+    standby = [] if cluster is None else [StandbyGate(cluster.leadership).middleware]
     auth = config.auth_config
     # The key is checked first, so a client without one takes no in-flight slot and has no body read.
     gate = [] if api_keys is None else [
         ApiKeyGate(api_keys, metrics, open_health=auth.open_health, open_metrics=auth.open_metrics).middleware]
-    app = web.Application(middlewares=[*gate, metrics.middleware, error_middleware, limit.middleware],
+    app = web.Application(middlewares=[*gate, metrics.middleware, error_middleware, *standby, limit.middleware],
                           client_max_size=config.request_limit.body_limit * 1024 * 1024)
     app[API_KEYS] = api_keys
     state = app[STATE] = CoordinatorState(
@@ -124,10 +132,17 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         heartbeat_interval_s=health.heartbeat_interval_s, media_dir=Path(model.multimodalInputsDir),
         body_limit_mb=config.request_limit.body_limit,
         grammars=compiler_for(tokenizer.tokenizer, cache_size=config.request_limit.grammar_cache_size)[0])
+    state.cluster = cluster
 
     async def background(app: web.Application):
         monitor.start()
+        silence.start()
+        if cluster is not None:
+            await cluster.start()
         yield
+        if cluster is not None:
+            await cluster.stop()
+        await silence.stop()
         await monitor.stop()
         await client.close()
 

@@ -112,9 +112,12 @@ class AttemptRunner:
     async def _prefill(self, route: Route, request: GenerationRequest, max_tokens: int,
                        accepted: DecodeAccepted) -> PrefillDone:
         with self.registry.lease(route.prefill, prompt_tokens=len(request.prompt_token_ids)):
-            return await self.client.prefill(route.prefill.address, request, max_tokens, route.decode.address,
-                                             self.first_token_timeout, kv_data_address=accepted.kv_data_address,
-                                             kv_transfer_token=accepted.kv_transfer_token)
+            try:
+                return await self.client.prefill(route.prefill.address, request, max_tokens, route.decode.address,
+                                                 self.first_token_timeout, kv_data_address=accepted.kv_data_address,
+                                                 kv_transfer_token=accepted.kv_transfer_token)
+            finally:
+                route.prefill.last_heard = time.monotonic()  # an answer, for the silence watch
 
     async def _read_within(self, stream: DecodeCall, route: Route, clocks: _Deadlines):
         try:
@@ -160,6 +163,7 @@ class AttemptRunner:
         loop_time = time.monotonic
         last = loop_time()
         offset = progress.count
+        decode = route.decode
         while True:
             if token is None:
                 raise AttemptFailed(WorkerError(f"decode worker {route.decode.address} ended the stream without "
@@ -171,7 +175,9 @@ class AttemptRunner:
                 progress.decode_times.append(token.time_ms)
             now = loop_time()
             self.metrics.token(index, now - arrived_at, now - last)  # TTFT counts from arrival
-            last = now
+            last = decode.last_heard = now  # the silence watch's sign of life, and its step cadence below
+            if token.index:
+                decode.step_ms += (token.time_ms - decode.step_ms) * 0.1
             progress.token_ids.append(token.token_id)
             yield TokenDelta(
                 token_id=token.token_id, text=token.text, index=index, time_ms=token.time_ms,

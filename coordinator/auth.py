@@ -40,13 +40,13 @@ def load_api_keys(auth: AuthConfig) -> ApiKeyStore | None:
 
 class ApiKeyGate:
     """Refuses a request without an accepted key with a 401 in its API's error format, unknown paths included
-    (so the routes do not show); GET /health and GET /metrics may be left open."""
+    (so the routes do not show); GET /health (and /health/live) and GET /metrics may be left open."""
 
     def __init__(self, store: ApiKeyStore, metrics, open_health: bool = True, open_metrics: bool = True):
         self.store = store
         self.metrics = metrics
-        self.open_paths = frozenset(p for p, is_open in (("/health", open_health), ("/metrics", open_metrics))
-                                    if is_open)
+        self.open_paths = frozenset(p for p, is_open in (("/health", open_health), ("/health/live", open_health),
+                                                         ("/metrics", open_metrics)) if is_open)
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_serializer, field_validator,
+                      model_validator)
 
+from embedded_model.builder import ModelSpec
 from security.settings import AuthConfig, TlsConfig
 
 
@@ -35,13 +38,37 @@ class HttpConfig(_Section):
 class ModelConfig(_Section):
     """The served model and the limits the coordinator enforces for it."""
 
-    modelName: str = Field("pdserve-tiny", min_length=1, description="Name clients pass as `model`.")
+    modelName: str = Field("", description="Name clients pass as `model`; empty = the name of the modelWeightPath "
+                           "folder (the embedded model's, pdserve-tiny, when that is empty too).")
     modelWeightPath: str = Field("", description="Model folder for the tokenizer; empty = embedded default model.")
     maxSeqLen: int = Field(2048, ge=2, description="Prompt plus generated tokens, at most.")
     maxInputTokenLen: int = Field(2048, ge=1, description="Prompt tokens, at most.")
     maxIterTimes: int = Field(512, ge=1, description="Decode steps after the first token, at most.")
     fullTextEnabled: bool = Field(False, description="Stream cumulative text instead of deltas.")
     multimodalInputsDir: str = Field("/data/multimodal_inputs", description="Only local media files under this folder are accepted.")
+
+    _name_from_folder: bool = PrivateAttr(False)
+
+    @model_validator(mode="after")
+    def _name_the_model(self) -> ModelConfig:
+        # Resolved once here, so every reader (the APIs, /v1/models, /openapi.json) sees the same name.
+        if not self.modelName:
+            self.modelName = model_folder_name(self.modelWeightPath)
+            self._name_from_folder = True
+        return self
+
+    @field_serializer("modelName")
+    def _dump_name(self, name: str) -> str:
+        # A name taken from the folder is written back empty: a copy given another modelWeightPath
+        # (`pdserve up --config F --model DIR`) takes that folder's name, not the old one.
+        return "" if self._name_from_folder else name
+
+
+def model_folder_name(model_dir: str) -> str:
+    """The name a model folder is served under: its last path component; the embedded model's name for ""."""
+    if not model_dir:
+        return ModelSpec().name
+    return Path(os.path.abspath(model_dir)).name or ModelSpec().name
 
 
 def check_host_port(value: str) -> str:
@@ -81,6 +108,12 @@ class HealthConfig(_Section):
     heartbeat_timeout_s: float = Field(10.0, gt=0, le=3600,
                                        description="A registered worker silent this long is taken out.")
     forget_after_s: float = Field(300.0, gt=0, description="A registered worker silent this long is forgotten.")
+    silence_timeout_s: float = Field(
+        2.0, gt=0, le=600, description="A worker with requests in flight that sent nothing this long (less for a "
+        "decode worker whose steps are fast: 50 steps' worth, at least 0.5 s) gets a health probe at once.")
+    silence_probe_timeout_s: float = Field(
+        1.5, gt=0, le=600, description="A silent worker whose probe gets no answer within this is declared lost: "
+        "its streams migrate and it is out of rotation until a health check passes.")
 
 
 class SchedulerConfig(_Section):
@@ -120,6 +153,44 @@ class ExceptionConfig(_Section):
     infer_timeout: float = Field(600, gt=0, le=3600, description="Seconds for the whole request.")
 
 
+class BackupConfig(_Section):
+    """Coordinators that share one cluster through etcd: the worker registry, health verdicts, and in
+    active_standby the one active coordinator. Without etcd_endpoints a coordinator stands alone."""
+
+    etcd_endpoints: list[str] = Field([], description="etcd client URLs, http://host:port or https://host:port "
+                                      "(TLS as tls_config.etcd); tried in order; empty = no etcd.")
+    key_prefix: str = Field("/pdserve", description="Every key of this cluster starts with it; coordinators sharing "
+                            "a prefix share a cluster.")
+    mode: Literal["active_standby", "replicas"] = Field(
+        "active_standby", description="active_standby: one coordinator (the holder of the leader key) serves "
+        "clients, the others answer 503 until it is gone; replicas: every coordinator serves.")
+    lease_ttl_s: int = Field(3, ge=1, le=600, description="active_standby: the leader key's lease, in whole "
+                             "seconds (as etcd counts them), refreshed every lease_ttl_s / 3; a standby tries "
+                             "to take over every lease_ttl_s / 6.")
+    sync_interval_s: float = Field(1, gt=0, le=600, description="How often the registry and the health verdicts "
+                                   "are re-read from etcd.")
+    etcd_timeout_s: float = Field(1, gt=0, le=60, description="Seconds one etcd call may take.")
+    coordinator_name: str = Field("", description="This coordinator's name in etcd (leader key, health verdicts); "
+                                  "empty = predict_ip:predict_port.")
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _urls(cls, endpoints: list[str]) -> list[str]:
+        for url in endpoints:
+            scheme, sep, rest = url.partition("://")
+            if scheme not in ("http", "https") or not sep:
+                raise ValueError(f"must be http://host:port or https://host:port, got {url!r}")
+            check_host_port(rest.rstrip("/"))
+        return [url.rstrip("/") for url in endpoints]
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, prefix: str) -> str:
+        if not prefix.startswith("/") or prefix.rstrip("/") == "":
+            raise ValueError(f"must start with / and name something, got {prefix!r}")
+        return prefix.rstrip("/")
+
+
 class CoordinatorConfig(_Section):
     """The whole ms_coordinator.json."""
 
@@ -132,8 +203,24 @@ class CoordinatorConfig(_Section):
     exception_config: ExceptionConfig = ExceptionConfig()
     tls_config: TlsConfig = TlsConfig()
     auth_config: AuthConfig = AuthConfig()
+    backup_config: BackupConfig = BackupConfig()
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _etcd_tls_matches_the_endpoints(self) -> CoordinatorConfig:
+        endpoints, tls = self.backup_config.etcd_endpoints, self.tls_config.etcd.tls_enable
+        plain = [url for url in endpoints if url.startswith("http://")]
+        if tls and plain:
+            raise ValueError(f"tls_config.etcd.tls_enable is set but these backup_config.etcd_endpoints are "
+                             f"plain http: {plain}")
+        if not tls and len(plain) < len(endpoints):
+            raise ValueError("backup_config.etcd_endpoints has https:// URLs: set tls_config.etcd (tls_enable, "
+                             "ca_cert)")
+        if self.tls_config.etcd.tls_passwd:
+            raise ValueError("tls_config.etcd.tls_passwd: etcd's HTTP client cannot read an encrypted key; give "
+                             "it an unencrypted tls_key (a Secret mounted for the coordinator only)")
+        return self
 
 
 class ConfigError(Exception):

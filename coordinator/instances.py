@@ -63,8 +63,8 @@ class Instance:
     """One worker, its state, and the work this coordinator has on it right now."""
 
     __slots__ = ("role", "address", "registered", "metrics_url", "reason", "consecutive_failures", "last_heartbeat",
-                 "num_served", "successes", "credential", "_state", "_reported", "_outstanding_requests",
-                 "_outstanding_prompt_tokens", "_pool")
+                 "num_served", "successes", "credential", "last_heard", "step_ms", "_state", "_reported",
+                 "_outstanding_requests", "_outstanding_prompt_tokens", "_pool")
 
     # What routing reads; the pool hears of every change, so no request has to rescan the instances.
     state = _watched("state")
@@ -83,7 +83,11 @@ class Instance:
         self.last_heartbeat = 0.0
         self.num_served = 0
         self.successes = 0  # requests that ended well on it: the health monitor takes them as proof of life
-        self.credential = ""  # issued at registration; its heartbeats must carry it
+        self.credential = ""  # SHA-256 of the credential issued at registration; its heartbeats must carry that
+        # For the silence watch: when the worker last showed it is alive (a token, an answer, a new request
+        # on an idle instance), and its recent decode step time in ms (0 until a token says).
+        self.last_heard = 0.0
+        self.step_ms = 0.0
         self._state = InstanceState.HEALTHY
         self._reported = ReportedLoad()
         self._outstanding_requests = 0
@@ -209,6 +213,8 @@ class Lease:
 
     def __enter__(self) -> Instance:
         instance = self.instance
+        if not instance._outstanding_requests:  # silence on an idle instance is no news: count from now
+            instance.last_heard = time.monotonic()
         instance.outstanding_requests += 1
         if self.prompt_tokens:
             instance.outstanding_prompt_tokens += self.prompt_tokens

@@ -4,16 +4,19 @@
   POST /v1/instances/heartbeat   {"role", "address"} -> 200, 404 when unknown (register again)
   POST /v1/instances/deregister  {"role", "address"} -> 200, 404 when unknown
   GET  /v1/instances             every instance with its state, load and outstanding work
-  GET  /health, GET /metrics
+  GET  /health, GET /health/live, GET /metrics
 
 Only real workers join: with mutual TLS on this port the handshake is the proof; otherwise, when
 auth_config.registration_token_file is set, register and the instance API need
 `Authorization: Bearer <token>`. Registration issues a per-instance credential that the worker's
 heartbeats and its deregistration carry in `X-Pdserve-Credential`, so a worker speaks only for itself.
+Only the credential's SHA-256 is kept (and, with etcd, shared): any coordinator of the cluster checks a
+worker's heartbeats against it, whichever coordinator issued it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 from typing import Annotated, Literal
@@ -58,9 +61,14 @@ def require_proof(request: web.Request) -> None:
                        headers={"WWW-Authenticate": 'Bearer realm="pdserve-registration"'})
 
 
+def credential_digest(credential: bytes) -> str:
+    """What is kept of a credential: its SHA-256, hex."""
+    return hashlib.sha256(credential).hexdigest()
+
+
 def _is_own(request: web.Request, instance) -> bool:
     presented = request.headers.get(CREDENTIAL_HEADER, "").encode("utf-8", "surrogateescape")
-    return hmac.compare_digest(presented, instance.credential.encode())
+    return hmac.compare_digest(credential_digest(presented), instance.credential)
 
 
 def require_own_credential(request: web.Request, body: InstanceIdentity) -> None:
@@ -92,11 +100,14 @@ async def register(request: web.Request) -> web.Response:
     body = parse_request(Registration, await read_json(request))
     refuse_taking_over(request, body)
     instance = state.registry.register(body.role, body.address, body.metrics_url)
-    instance.credential = secrets.token_urlsafe(32)
+    credential = secrets.token_urlsafe(32)
+    instance.credential = credential_digest(credential.encode())
+    if state.cluster is not None:
+        state.cluster.registered(instance)
     # Probe at once so its load is known before the first request is routed there.
     await state.health_monitor.check(instance)
     return web.json_response({"heartbeat_interval_s": state.heartbeat_interval_s, "instance": instance.describe(),
-                              "credential": instance.credential})
+                              "credential": credential})
 
 
 async def heartbeat(request: web.Request) -> web.Response:
@@ -104,6 +115,8 @@ async def heartbeat(request: web.Request) -> web.Response:
     body = parse_request(InstanceIdentity, await read_json(request))
     require_own_credential(request, body)
     state.registry.heartbeat(body.role, body.address)
+    if state.cluster is not None:
+        state.cluster.heartbeat(state.registry.get(body.role, body.address))
     return web.json_response({"status": "ok"})
 
 
@@ -113,6 +126,8 @@ async def deregister(request: web.Request) -> web.Response:
     require_own_credential(request, body)
     state.registry.deregister(body.role, body.address)
     state.forget_prefix(body.address)
+    if state.cluster is not None:
+        state.cluster.deregistered(body.role, body.address)
     return web.json_response({"status": "ok"})
 
 
@@ -127,5 +142,6 @@ MANAGEMENT_ROUTES = RouteTable([
     Route("POST", "/v1/instances/deregister", deregister, ErrorStyle.OPENAI),
     Route("GET", "/v1/instances", list_instances, ErrorStyle.OPENAI),
     Route("GET", "/health", operations.health, ErrorStyle.TGI),
+    Route("GET", "/health/live", operations.live, ErrorStyle.TGI),
     Route("GET", "/metrics", operations.metrics, ErrorStyle.TGI),
 ])

@@ -33,6 +33,7 @@ class Route:
     error_style: ErrorStyle
     metrics_label: str | None = None  # None: not counted in the request metrics
     generation: bool = False  # runs a generation, so counts against request_limit.max_requests
+    on_standby: bool = False  # answered by a standby coordinator too (health, liveness, metrics); see cluster/
     # For GET /openapi.json: the type the JSON body is validated into (a pydantic model, or a union of models
     # where one path serves two APIs), and the success answers (an apis.response_models.Reply).
     body_model: Any = None

@@ -16,6 +16,7 @@ from coordinator.config import CoordinatorConfig, HttpConfig
 from coordinator.error_response import error_body_at
 from coordinator.errors import ApiError
 from coordinator.route_table import ROUTE_TABLE, RouteTable
+from coordinator.state import STATE
 from coordinator.tls_site import TlsSite, request_path
 from coordinator.trust import TRUST
 from security.reload import ReloadOnSighup
@@ -122,5 +123,8 @@ async def run_coordinator(config: CoordinatorConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logger.warning("coordinator draining: no new requests, up to %ss for running ones", http.drain_seconds)
+    cluster = app[STATE].cluster
+    if cluster is not None:
+        await cluster.step_down()  # a standby takes over now, not when this one's lease would have expired
     await manage_runner.cleanup()
     await runner.cleanup()

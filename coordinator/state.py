@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -16,6 +17,9 @@ from coordinator.scheduling.router import Router
 from coordinator.tokenization import PromptTokenizer
 from coordinator.worker_client import WorkerClient
 from guidance.compiler import GrammarCompiler
+
+if TYPE_CHECKING:
+    from coordinator.cluster.node import ClusterNode
 
 
 @dataclass
@@ -36,6 +40,7 @@ class CoordinatorState:
     body_limit_mb: int = 8
     grammars: GrammarCompiler | None = None  # guided-decoding grammars checked before any worker is used
     started_at: int = field(default_factory=lambda: int(time.time()))
+    cluster: ClusterNode | None = None  # with backup_config.etcd_endpoints: the coordinators on etcd
 
     def forget_prefix(self, address: str) -> None:
         """An instance left: cache affinity must stop sending prompts to its (lost) cache."""

@@ -73,6 +73,7 @@ class TokenChannel(asyncio.Protocol):
         self.opened: asyncio.Future = asyncio.get_running_loop().create_future()
         self._reader = FrameReader()
         self._transport: asyncio.Transport | None = None
+        self._lost_reason = ""  # set when the coordinator drops the channel itself
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
@@ -131,7 +132,7 @@ class TokenChannel(asyncio.Protocol):
             self.opened.set_exception(ConnectionError(f"closed before the worker named the channel: {exc}"))
             self.opened.exception()  # retrieved: the dialler reports it
         error = WorkerCallError(WorkerFailure("decode", self.worker_address, "UNAVAILABLE",
-                                              f"token channel lost: {exc or 'closed'}"))
+                                              self._lost_reason or f"token channel lost: {exc or 'closed'}"))
         for sink in self.sinks.values():
             sink.lose(error)
         self.sinks.clear()
@@ -139,6 +140,13 @@ class TokenChannel(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+    def abort(self, reason: str) -> None:
+        """Drop the connection now, unsent bytes and all (the worker is not reading): its requests fail as
+        UNAVAILABLE with `reason`."""
+        self._lost_reason = reason
+        if self._transport is not None:
+            self._transport.abort()
 
 
 def keep_alive(transport: asyncio.Transport) -> None:
@@ -216,6 +224,13 @@ class TokenChannels:
         channel = self._channels.pop(worker_address, None)
         if channel is not None:
             channel.close()
+
+    def lose(self, worker_address: str, reason: str) -> None:
+        """The worker was declared lost: drop its channel at once, failing its requests with `reason`."""
+        channel = self._channels.pop(worker_address, None)
+        if channel is not None:
+            channel.abort(reason)
+        self.forget(worker_address)
 
     def close(self) -> None:
         for task in self._dialling.values():

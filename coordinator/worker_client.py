@@ -7,6 +7,7 @@ WorkerCallError, carrying a classifiable WorkerFailure, instead of gRPC's own er
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass
 
 import grpc
@@ -124,13 +125,36 @@ def _call_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> WorkerCa
     return WorkerCallError(WorkerFailure(stage, address, exc.code().name, exc.details() or ""))
 
 
+class LostChannels:
+    """gRPC channels closed because their worker was declared lost. Closing a channel cancels its calls;
+    a call cancelled that way (and not by its own task) ends as the UNAVAILABLE a connection reset gives."""
+
+    def __init__(self):
+        self._reasons: weakref.WeakKeyDictionary[grpc.aio.Channel, str] = weakref.WeakKeyDictionary()
+
+    def mark(self, channel: grpc.aio.Channel, reason: str) -> None:
+        self._reasons[channel] = reason
+
+    def instead(self, cancelled: asyncio.CancelledError, channel: grpc.aio.Channel, stage: str,
+                address: str) -> BaseException:
+        """What a `stage` call on `channel` that raised `cancelled` ends with: the worker's loss, or the
+        cancellation itself when its own task was cancelled."""
+        reason = self._reasons.get(channel)
+        task = asyncio.current_task()
+        if reason is None or (task is not None and task.cancelling()):
+            return cancelled
+        return WorkerCallError(WorkerFailure(stage, address, "UNAVAILABLE", reason))
+
+
 class DecodeStream:
     """An open Decode call: `DecodeAccepted` first, then one `DecodedToken` per token."""
 
-    def __init__(self, address: str, call, channels: TokenChannels):
+    def __init__(self, address: str, call, channels: TokenChannels, channel: grpc.aio.Channel, lost: LostChannels):
         self.address = address
         self._call = call
         self._channels = channels
+        self._channel = channel
+        self._lost = lost
 
     async def read(self) -> DecodeAccepted | DecodedToken | None:
         """The next event; None when the worker ended the stream."""
@@ -138,6 +162,8 @@ class DecodeStream:
             msg = await self._call.read()
         except grpc.aio.AioRpcError as exc:
             raise _call_error("decode", self.address, exc) from None
+        except asyncio.CancelledError as exc:
+            raise self._lost.instead(exc, self._channel, "decode", self.address) from None
         if msg is grpc.aio.EOF:
             return None
         if msg.WhichOneof("event") == "accepted":
@@ -207,14 +233,15 @@ class WorkerClient:
         self._secret = secret
         self.token_channels = TokenChannels(tls, secret)
         self._stubs: dict[tuple[type, str, grpc.aio.Channel], object] = {}
+        self._lost = LostChannels()
 
-    def _stub(self, kind: type, address: str):
-        """A stub on the address's current channel, made once (a stub builds a callable per method)."""
+    def _stub(self, kind: type, address: str) -> tuple[grpc.aio.Channel, object]:
+        """The address's current channel and a stub on it, made once (a stub builds a callable per method)."""
         channel = self._channels.get(address)
         stub = self._stubs.get((kind, address, channel))
         if stub is None:
             stub = self._stubs[kind, address, channel] = kind(channel)
-        return stub
+        return channel, stub
 
     def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float,
                     local_prefill: bool = False) -> DecodeCall:
@@ -233,9 +260,9 @@ class WorkerClient:
         # A request too big for one frame goes as a call: the channel would be cut, failing its other requests.
         if channel is not None and message.ByteSize() < MAX_REQUEST_FRAME_BYTES:
             return ChannelDecodeStream(address, channel, message, timeout)
-        call = self._stub(pb_grpc.DecodeServiceStub, address).Decode(message, timeout=timeout,
-                                                                      metadata=secret_metadata(self._secret))
-        return DecodeStream(address, call, self.token_channels)
+        grpc_channel, stub = self._stub(pb_grpc.DecodeServiceStub, address)
+        call = stub.Decode(message, timeout=timeout, metadata=secret_metadata(self._secret))
+        return DecodeStream(address, call, self.token_channels, grpc_channel, self._lost)
 
     async def prefill(
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
@@ -243,8 +270,9 @@ class WorkerClient:
     ) -> PrefillDone:
         """Prefill on `address` and push the KV cache to the decode worker that answered `accepted` with
         `kv_data_address` and `kv_transfer_token`."""
+        grpc_channel, stub = self._stub(pb_grpc.PrefillServiceStub, address)
         try:
-            reply = await self._stub(pb_grpc.PrefillServiceStub, address).Prefill(
+            reply = await stub.Prefill(
                 pb.PrefillRequest(
                     request_id=request.request_id,
                     prompt_token_ids=request.prompt_token_ids,
@@ -258,18 +286,32 @@ class WorkerClient:
             )
         except grpc.aio.AioRpcError as exc:
             raise _call_error("prefill", address, exc) from None
+        except asyncio.CancelledError as exc:
+            raise self._lost.instead(exc, grpc_channel, "prefill", address) from None
         return PrefillDone(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms)
 
     async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
-        stub = self._stub(pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub, address)
+        channel, stub = self._stub(
+            pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub, address)
         try:
             reply = await stub.Health(pb.HealthRequest(), timeout=timeout, metadata=secret_metadata(self._secret))
         except grpc.aio.AioRpcError as exc:
             raise _call_error(role, address, exc) from None
+        except asyncio.CancelledError as exc:
+            raise self._lost.instead(exc, channel, role, address) from None
         return HealthReport(ReportedLoad(
             num_running=reply.num_running, num_waiting=reply.num_waiting, kv_used_tokens=reply.kv_used_tokens,
             kv_capacity_tokens=reply.kv_capacity_tokens, queued_prompt_tokens=reply.queued_prompt_tokens,
         ), draining=reply.draining)
+
+    async def lose(self, address: str, reason: str) -> None:
+        """The worker at `address` was declared lost: every call in flight to it fails as UNAVAILABLE with
+        `reason` (closing its connections), and the next call opens new ones."""
+        channel = self._channels.current(address)
+        if channel is not None:
+            self._lost.mark(channel, reason)
+        self.token_channels.lose(address, reason)
+        await self.forget(address)
 
     async def forget(self, address: str) -> None:
         """Close the channels of an instance that left."""

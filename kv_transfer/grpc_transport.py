@@ -20,6 +20,14 @@ GRPC_OPTIONS = [
     # Large HTTP/2 frames and write buffers: +30-50% on multi-MiB KV blocks (bench/kv_transfer.py).
     ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
     ("grpc.http2.write_buffer_size", GRPC_MESSAGE_LIMIT),
+    # Keepalive on every worker link, both ends: a peer gone silent (frozen, its link cut) fails the
+    # connection's calls within KEEPALIVE_MS + KEEPALIVE_TIMEOUT_MS instead of at TCP's retransmission limit.
+    # The receiving end must allow pings this often, or it answers them with GOAWAY (too_many_pings).
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
 ]
 
 

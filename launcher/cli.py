@@ -96,9 +96,15 @@ def _worker(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from launcher.local_cluster import ClusterOptions, run_local_cluster
 
+    if args.restart_backoff <= 0 or args.max_start_failures < 1:
+        print(f"pdserve up: --restart-backoff must be > 0 and --max-start-failures >= 1, got "
+              f"{args.restart_backoff} and {args.max_start_failures}", file=sys.stderr)
+        return 2
     return run_local_cluster(ClusterOptions(config=args.config, predict_port=args.predict_port,
                                             num_prefill=args.prefill, num_decode=args.decode, model=args.model,
-                                            log_level=args.log_level, tls_dir=args.tls, api_keys_file=args.api_keys))
+                                            log_level=args.log_level, tls_dir=args.tls, api_keys_file=args.api_keys,
+                                            restart_backoff_s=args.restart_backoff,
+                                            max_start_failures=args.max_start_failures))
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -147,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise-host", default=None,
                    help="host the coordinator and other workers dial (e.g. the pod IP when --host is 0.0.0.0)")
     p.add_argument("--coordinator", default=None,
-                   help="coordinator management URL to register with, e.g. http://127.0.0.1:1026 (default: none)")
+                   help="coordinator management URL to register with, e.g. http://127.0.0.1:1026; several, comma-"
+                        "separated, are tried in turn when the one in use is unreachable (default: none)")
     p.add_argument("--heartbeat-interval", type=float, default=2.0,
                    help="seconds between heartbeats to --coordinator (its register answer may override it)")
     p.add_argument("--drain-seconds", type=float, default=30.0,
@@ -173,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "client.pem, client-key.pem")
     p.add_argument("--api-keys", default=None, metavar="FILE",
                    help="require API keys: FILE holds their SHA-256 hex digests, one per line")
+    p.add_argument("--restart-backoff", type=float, default=0.5, metavar="SECONDS",
+                   help="a child that exits is restarted after this delay, doubling per restart up to 10 s "
+                        "(back to this once it stayed up 30 s)")
+    p.add_argument("--max-start-failures", type=int, default=5, metavar="N",
+                   help="stop the cluster (exit 1) when a child fails to start N times in a row")
     p.set_defaults(func=_up)
 
     p = sub.add_parser("build-model", help="build a tiny Llama checkpoint offline")

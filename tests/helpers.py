@@ -139,6 +139,7 @@ class BackgroundStream:
     def __init__(self, url: str, body: dict):
         self.raw = b""
         self.ended_at: float | None = None
+        self.arrivals: list[float] = []  # when each part came
         self.first_chunk = threading.Event()
         self._thread = threading.Thread(target=self._read, args=(url, body))
         self._thread.start()
@@ -148,11 +149,19 @@ class BackgroundStream:
             with client.stream("POST", url, json=body) as r:
                 for part in r.iter_raw():
                     self.raw += part
+                    self.arrivals.append(time.monotonic())
                     self.first_chunk.set()
         self.ended_at = time.monotonic()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
+
+    def longest_gap(self, since: float) -> float:
+        """The longest wait for a part after monotonic time `since` (up to the end of the stream)."""
+        times = [since, *(t for t in self.arrivals if t > since)]
+        if self.ended_at is not None:
+            times.append(self.ended_at)
+        return max(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else float("inf")
 
 
 def sse_events(raw: bytes) -> list[str]:

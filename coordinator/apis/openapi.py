@@ -24,7 +24,7 @@ from coordinator.state import STATE
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 # Paths an operator may leave open when API keys are on (auth_config.open_health / open_metrics).
-MAYBE_OPEN = frozenset({"/health", "/metrics"})
+MAYBE_OPEN = frozenset({"/health", "/health/live", "/metrics"})
 
 ERRORS = {
     "400": "The body, or a field of it, is invalid; the message names the field and its range.",

@@ -1,10 +1,10 @@
-"""GET /health, GET /v1/models and GET /metrics."""
+"""GET /health, GET /health/live, GET /v1/models and GET /metrics."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from coordinator.apis.response_models import Health, ModelList, Reply
+from coordinator.apis.response_models import Health, Liveness, ModelList, Reply
 from coordinator.route_table import ErrorStyle, Route
 from coordinator.metrics import METRICS
 from coordinator.state import STATE
@@ -18,14 +18,19 @@ def models_body(model_name: str, created: int, max_model_len: int) -> dict:
     }
 
 
-def health_body(instances: dict[str, list[dict]]) -> tuple[int, dict]:
+def health_body(instances: dict[str, list[dict]], cluster: dict | None = None) -> tuple[int, dict]:
     """200 when a prefill and a decode instance are routable ("degraded" if some others are not),
-    else 503; every instance is listed with its state."""
+    else 503; every instance is listed with its state. With etcd, `cluster` (ClusterNode.describe: role,
+    etcd) is added, and a standby answers 503 so that a readiness probe sends it no traffic."""
     states = {role: {i["address"]: i["state"] for i in group} for role, group in instances.items()}
     serving = all("healthy" in group.values() for group in states.values())
     everyone = all(state == "healthy" for group in states.values() for state in group.values())
     status = "healthy" if serving and everyone else "degraded" if serving else "unhealthy"
-    return (200 if serving else 503), {"status": status, "instances": states}
+    body = {"status": status, "instances": states}
+    if cluster is not None:
+        body.update(cluster)
+        serving = serving and cluster["role"] != "standby"
+    return (200 if serving else 503), body
 
 
 async def models(request: web.Request) -> web.Response:
@@ -38,8 +43,14 @@ async def health(request: web.Request) -> web.Response:
     """Every known instance probed now; 200 while at least one prefill and one decode can serve."""
     state = request.app[STATE]
     await state.health_monitor.check_all()
-    status, body = health_body(state.registry.snapshot())
+    status, body = health_body(state.registry.snapshot(),
+                               state.cluster.describe() if state.cluster is not None else None)
     return web.json_response(body, status=status)
+
+
+async def live(request: web.Request) -> web.Response:
+    """200 while the process serves: a liveness probe, whatever the workers, etcd or this coordinator's role."""
+    return web.json_response({"status": "alive"})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -49,6 +60,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 ROUTES = [
     Route("GET", "/v1/models", models, ErrorStyle.OPENAI, reply=Reply(json=ModelList)),
-    Route("GET", "/health", health, ErrorStyle.TGI, reply=Reply(json=Health, statuses=(200, 503))),
-    Route("GET", "/metrics", metrics, ErrorStyle.TGI, reply=Reply(text="text/plain")),
+    Route("GET", "/health", health, ErrorStyle.TGI, reply=Reply(json=Health, statuses=(200, 503)), on_standby=True),
+    Route("GET", "/health/live", live, ErrorStyle.TGI, reply=Reply(json=Liveness), on_standby=True),
+    Route("GET", "/metrics", metrics, ErrorStyle.TGI, reply=Reply(text="text/plain"), on_standby=True),
 ]

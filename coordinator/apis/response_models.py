@@ -354,11 +354,32 @@ class ModelList(Open):
     data: list[ModelCard]
 
 
+class EtcdHealth(Exact):
+    """etcd as this coordinator last reached it (backup_config)."""
+
+    reachable: bool
+    since: float | None = Field(description="Unix time of the first failed call of the current outage")
+    error: str = Field(description="Why the last call failed; empty while reachable")
+    endpoints: list[str]
+
+
 class Health(Exact):
-    """200 while a prefill and a decode instance are routable ("degraded" if some others are not), else 503."""
+    """200 while a prefill and a decode instance are routable ("degraded" if some others are not), else 503;
+    with backup_config, also this coordinator's role (a standby answers 503) and etcd's reachability."""
 
     status: Literal["healthy", "degraded", "unhealthy"]
     instances: dict[str, dict[str, str]] = Field(description="role -> instance address -> state")
+    role: Literal["active", "standby", "replica"] = Field(None, description="With etcd: whether this "
+                                                          "coordinator serves clients (active, replica)")
+    coordinator: str = Field(None, description="With etcd: this coordinator's name")
+    leader: str = Field(None, description="With etcd: the active coordinator, as last seen")
+    etcd: EtcdHealth = Field(None, description="With etcd: its reachability")
+
+
+class Liveness(Exact):
+    """200 while the process serves (a liveness probe: it says nothing of the workers or of etcd)."""
+
+    status: Literal["alive"]
 
 
 class OpenApiDocument(Open):

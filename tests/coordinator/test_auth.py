@@ -98,12 +98,12 @@ def test_unknown_paths_and_methods_need_the_key_too(model_dir, keys_file):
 
 def test_health_and_metrics_are_open_by_default_and_closed_by_config(model_dir, keys_file):
     opened = call(make_app(model_dir, keys_file), ("GET", "/health", {}), ("GET", "/metrics", {}),
-                  ("HEAD", "/metrics", {}), ("POST", "/health", {}))
-    assert [r[0] for r in opened] == [503, 200, 200, 401]  # 503: no instances; POST is not the open route
+                  ("HEAD", "/metrics", {}), ("POST", "/health", {}), ("GET", "/health/live", {}))
+    assert [r[0] for r in opened] == [503, 200, 200, 401, 200]  # 503: no instances; POST is not the open route
     closed = call(make_app(model_dir, keys_file, open_health=False, open_metrics=False),
                   ("GET", "/health", {}), ("GET", "/metrics", {}),
-                  ("GET", "/metrics", {"headers": {"Authorization": f"Bearer {KEY}"}}))
-    assert [r[0] for r in closed] == [401, 401, 200]
+                  ("GET", "/metrics", {"headers": {"Authorization": f"Bearer {KEY}"}}), ("GET", "/health/live", {}))
+    assert [r[0] for r in closed] == [401, 401, 200, 401]
     assert closed[0][2] == {"error": "missing API key: send Authorization: Bearer <key>",
                             "error_type": "authentication_error"}
 

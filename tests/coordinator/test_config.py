@@ -77,3 +77,74 @@ def test_coordinator_refuses_a_file_that_is_not_json(tmp_path):
     path.write_text("{")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(path)
+
+
+def test_the_model_is_served_under_its_folder_name():
+    config = parse_config({"model_config": {"modelWeightPath": "/models/Llama-3.2-1B-Instruct/"}})
+    assert config.model_settings.modelName == "Llama-3.2-1B-Instruct"
+
+
+def test_the_embedded_model_is_served_as_pdserve_tiny():
+    assert parse_config({}).model_settings.modelName == "pdserve-tiny"
+    assert parse_config({"model_config": {"modelName": ""}}).model_settings.modelName == "pdserve-tiny"
+
+
+def test_an_explicit_model_name_wins_over_the_folder():
+    config = parse_config({"model_config": {"modelName": "chat", "modelWeightPath": "/models/llama"}})
+    assert config.model_settings.modelName == "chat"
+    assert config.model_dump(by_alias=True)["model_config"]["modelName"] == "chat"
+
+
+def test_a_folder_name_follows_a_new_weight_path_through_a_dump():
+    # `pdserve up --config F --model DIR` dumps F's config and sets DIR: the name must be DIR's.
+    data = parse_config({"model_config": {"modelWeightPath": "/models/old"}}).model_dump(by_alias=True)
+    data["model_config"]["modelWeightPath"] = "/models/new"
+    assert parse_config(data).model_settings.modelName == "new"
+
+
+def test_the_coordinator_answers_as_its_model_folder(model_dir, tmp_path):
+    from coordinator.app import create_app
+    from coordinator.state import STATE
+
+    (tmp_path / "my-model").symlink_to(model_dir, target_is_directory=True)
+    app = create_app(parse_config({"model_config": {"modelWeightPath": str(tmp_path / "my-model")}}))
+    assert app[STATE].model_name == "my-model"
+
+
+def test_without_backup_config_there_is_no_etcd():
+    backup = parse_config({}).backup_config
+    assert backup.etcd_endpoints == [] and backup.mode == "active_standby"
+    assert (backup.key_prefix, backup.lease_ttl_s, backup.sync_interval_s, backup.etcd_timeout_s) == ("/pdserve", 3, 1, 1)
+    assert backup.coordinator_name == ""
+
+
+def test_backup_config_takes_exactly_the_documented_keys():
+    section = {"etcd_endpoints": ["http://127.0.0.1:2379"], "key_prefix": "/pdserve/", "mode": "replicas",
+               "lease_ttl_s": 3, "sync_interval_s": 1, "etcd_timeout_s": 1, "coordinator_name": "east-1"}
+    backup = parse_config({"backup_config": section}).backup_config
+    assert set(type(backup).model_fields) == set(section)
+    assert backup.key_prefix == "/pdserve" and backup.mode == "replicas"
+
+
+@pytest.mark.parametrize("section,needle", [
+    ({"etcd_endpoints": ["127.0.0.1:2379"]}, "backup_config.etcd_endpoints"),
+    ({"etcd_endpoints": ["http://127.0.0.1"]}, "backup_config.etcd_endpoints"),
+    ({"key_prefix": "pdserve"}, "backup_config.key_prefix"),
+    ({"mode": "primary"}, "backup_config.mode"),
+    ({"lease_ttl_s": 0}, "backup_config.lease_ttl_s"),
+    ({"sync_interval_s": 0}, "backup_config.sync_interval_s"),
+    ({"etcd_endpoint": []}, "backup_config.etcd_endpoint: unknown key"),
+    ({"etcd_endpoints": ["https://etcd:2379"]}, "set tls_config.etcd"),
+])
+def test_invalid_backup_config_names_the_key(section, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_config({"backup_config": section})
+
+
+def test_https_etcd_endpoints_take_tls_config_etcd():
+    config = parse_config({"backup_config": {"etcd_endpoints": ["https://etcd:2379"]},
+                           "tls_config": {"etcd": {"tls_enable": True, "ca_cert": "ca.pem"}}})
+    assert config.tls_config.etcd.ca_cert == "ca.pem"
+    with pytest.raises(ConfigError, match="plain http"):
+        parse_config({"backup_config": {"etcd_endpoints": ["http://etcd:2379"]},
+                      "tls_config": {"etcd": {"tls_enable": True}}})

@@ -37,8 +37,8 @@ def test_a_stalled_prefill_worker_costs_one_kv_timeout_then_the_request_succeeds
                 "model": "pdserve-tiny", "prompt": "Hello", "max_tokens": 3})
             assert resp.status_code == 200, resp.text
             assert time.monotonic() - started < CLUSTER_KV_TIMEOUT_S + 10
-        # Each request the stalled worker got was retried; it stays in rotation until its failures
-        # reach health_config.failure_threshold, since a slow transfer alone does not prove it gone.
+        # Each request the stalled worker got was retried: after the decode worker's KV receive timeout,
+        # or sooner when the silence watch declared the worker lost (tests/coordinator/test_silent_workers.py).
         assert scrape(coordinator.address)[("pdserve_prefill_retries_total", ())] >= 1
         assert kv_used(cluster.decode.address, "decode") == 0
         stalled.proc.send_signal(signal.SIGCONT)

@@ -1,9 +1,11 @@
-"""`pdserve up`: starts a cluster, serves, and leaves no process behind after SIGTERM."""
+"""`pdserve up`: starts a cluster, serves, restarts what dies, and leaves no process behind after SIGTERM."""
 
 from __future__ import annotations
 
 import pytest
 
+import json
+import os
 import signal
 import socket
 import ssl
@@ -12,7 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers import ServerProcess, pdserve_argv, write_api_keys
+from tests.helpers import (BackgroundStream, ServerProcess, management_url, pdserve_argv, scrape, sse_events, wait_for,
+                           write_api_keys)
 
 pytestmark = pytest.mark.system
 
@@ -51,6 +54,44 @@ def alive(pid: int) -> bool:
 
 def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process `pid` listens on, from its socket fds and /proc/net/tcp."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def coordinator_pid(up: ServerProcess) -> int:
+    return next(p for p in descendants(up.proc.pid) if " coordinator --config " in cmdline(p))
+
+
+def registration_headers(up: ServerProcess) -> dict:
+    """The proof `pdserve up`'s management port asks for, read from its coordinator's config file."""
+    args = cmdline(coordinator_pid(up)).split()
+    config = json.loads(Path(args[args.index("--config") + 1]).read_text())
+    token = Path(config["auth_config"]["registration_token_file"]).read_text().strip()
+    return {"Authorization": f"Bearer {token}"}
+
+
+def assert_no_survivors(pids: set[int]) -> None:
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "child processes survived"
 
 
 def test_up_serves_a_request_and_sigterm_leaves_no_process(model_dir):
@@ -103,3 +144,97 @@ def test_up_with_tls_makes_a_ca_and_serves_mutual_tls_with_api_keys(model_dir, t
     finally:
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(timeout=30) == 0
+
+
+MAX_TOKENS = 800  # long enough to still stream when the kill lands, even on an idle machine
+
+
+def test_up_restarts_a_killed_decode_worker_on_its_address_while_its_streams_migrate(model_dir, tmp_path):
+    config = tmp_path / "ms_coordinator.json"
+    config.write_text(json.dumps({"http_config": {"manage_port": 0}, "model_config": {
+        "maxIterTimes": MAX_TOKENS, "maxSeqLen": 2048, "maxInputTokenLen": 2048}}))
+    up = ServerProcess(pdserve_argv("up", "--config", str(config), "--predict-port", str(free_port()),
+                                    "--prefill", "2", "--decode", "2", "--model", str(model_dir)),
+                       "pdserve ready:", timeout_s=180)
+    kids = descendants(up.proc.pid)
+    try:
+        manage, headers = management_url(up), registration_headers(up)
+
+        def instances() -> dict:
+            return {role: {i["address"]: i for i in group} for role, group in
+                    httpx.get(f"{manage}/v1/instances", headers=headers, timeout=10).json().items()}
+
+        assert len(instances()["decode"]) == 2
+        body = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": MAX_TOKENS, "stream": True,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}
+        readers = [BackgroundStream(f"{up.address}/v1/completions", body) for _ in range(4)]
+        assert all(r.first_chunk.wait(60) for r in readers)
+        victim = next(a for a, i in instances()["decode"].items() if i["outstanding_requests"])
+        port = int(victim.rsplit(":", 1)[1])
+        victim_pid = next(p for p in kids if "worker --role decode" in cmdline(p) and port in listening_ports(p))
+        os.kill(victim_pid, signal.SIGKILL)
+
+        # Restarted on the same gRPC port: healthy again in the coordinator's unchanged instance list.
+        wait_for(lambda: f"is back at {victim}" in "".join(up.output), 60, f"{victim} restarted")
+        restarted = [p for p in descendants(up.proc.pid) if "worker --role decode" in cmdline(p) and p not in kids]
+        assert len(restarted) == 1 and f"--port {port} " in cmdline(restarted[0])
+        assert port in listening_ports(restarted[0])
+        log = "".join(up.output)
+        assert f"(pid {victim_pid}, {victim}) killed by SIGKILL; restart 1 in 0.5s" in log
+        assert f"is back at {victim} (pid {restarted[0]}, restarts 1)" in log
+        wait_for(lambda: instances()["decode"][victim]["state"] == "healthy", 30, f"{victim} healthy again")
+
+        for reader in readers:  # meanwhile every stream moved to the other decode worker, and ends complete
+            reader.join(60)
+            payloads = sse_events(reader.raw)
+            assert payloads[-1] == "[DONE]"
+            chunks = [json.loads(p) for p in payloads[:-1]]
+            assert not any("error" in c for c in chunks), chunks[-3:]
+            assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+            assert sum(len(c["choices"][0].get("token_ids") or []) for c in chunks if c["choices"]) == MAX_TOKENS
+        assert scrape(up.address)[("pdserve_request_migrations_total", ())] >= 1
+
+        served = instances()["decode"][victim]["served"]
+        for _ in range(4):  # round robin: the restarted worker takes its share
+            resp = httpx.post(f"{up.address}/v1/completions", timeout=60, json={
+                "model": "pdserve-tiny", "prompt": "Hi", "max_tokens": 3})
+            assert resp.status_code == 200, resp.text
+        assert instances()["decode"][victim]["served"] > served
+        kids |= descendants(up.proc.pid)
+    finally:
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=30) == 0
+    assert_no_survivors(kids)
+
+
+def test_up_exits_1_naming_a_process_that_keeps_failing_to_start(model_dir):
+    port = free_port()
+    up = ServerProcess(pdserve_argv("up", "--predict-port", str(port), "--model", str(model_dir),
+                                    "--restart-backoff", "0.1", "--max-start-failures", "2"),
+                       "pdserve ready:", timeout_s=180)
+    kids = descendants(up.proc.pid)
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        os.kill(coordinator_pid(up), signal.SIGKILL)
+
+        def bound() -> bool:  # the port is free once the kill has landed; every restart then finds it taken
+            try:
+                squatter.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+            return True
+
+        wait_for(bound, 5, f"port {port} free")
+        squatter.listen()
+        try:
+            assert up.proc.wait(timeout=60) == 1
+        finally:
+            up.stop()
+    log = wait_for(lambda: "".join(up.output) if "in a row" in "".join(up.output) else "", 5, "the final message")
+    message = log[log.index("pdserve: coordinator failed to start"):]
+    assert message.startswith("pdserve: coordinator failed to start 2 times in a row (last: exited with code 1 "
+                              "before it was ready); its last output:")
+    assert "address already in use" in message
+    assert "restart 2 in 0.2s" in log  # backoff doubles
+    assert_no_survivors(kids)

@@ -7,6 +7,10 @@ The coordinator's management API (`http_config.manage_ip:manage_port`):
 Registering proves membership with the registration token (when one is set) or the TLS client
 certificate; heartbeats and deregistration carry the credential the register answer issued.
 A 404 on heartbeat (the coordinator restarted, or took us out) makes the worker register again.
+
+Several coordinator URLs (`--coordinator A,B`) are tried in turn: when the one in use cannot be
+reached, the next takes the heartbeats. With coordinators sharing etcd (`backup_config`) any of them
+keeps the worker's registration alive, so an active coordinator's death costs no registration.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ class CoordinatorRegistration:
 
     def __init__(self, coordinator_url: str, role: str, address: str, metrics_url: str = "",
                  heartbeat_interval_s: float = 2.0, tls: LinkTls | None = None, token: SecretFile | None = None):
-        self.base_url = coordinator_url.rstrip("/")
+        self.urls = [url.strip().rstrip("/") for url in coordinator_url.split(",") if url.strip()]
+        self.base_url = self.urls[0]
         self.tls = tls
         self.token = token
         self._credential = ""
@@ -68,6 +73,12 @@ class CoordinatorRegistration:
             data = await resp.json(content_type=None) if resp.content_length != 0 else {}
             return resp.status, data or {}
 
+    def _fail_over(self) -> None:
+        """Heartbeat through the next coordinator; one that never saw us (no shared etcd) answers 404, and we
+        register there."""
+        self.base_url = self.urls[(self.urls.index(self.base_url) + 1) % len(self.urls)]
+        logger.warning("heartbeats go to coordinator %s now", self.base_url)
+
     async def _run(self) -> None:
         while True:
             try:
@@ -88,4 +99,6 @@ class CoordinatorRegistration:
                         continue
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
                 logger.warning("coordinator %s unreachable: %s", self.base_url, exc)
+                if len(self.urls) > 1:
+                    self._fail_over()
             await asyncio.sleep(self.heartbeat_interval_s if self.registered.is_set() else 0.5)

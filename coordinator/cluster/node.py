@@ -1,0 +1,124 @@
+"""ClusterNode: this coordinator as one of several sharing a cluster through etcd (backup_config).
+
+  1. Start (before the ports serve): read the registry from etcd (so the workers registered through the
+     others are routable at once, and probed), then campaign for the leader key once (active_standby).
+  2. Every sync_interval_s: re-read the registry, publish this coordinator's health verdicts and adopt the
+     others'. The leadership keeps its own timer (ttl/3 while active, ttl/6 while standby).
+  3. The management port reports registrations, heartbeats and deregistrations as they happen; they reach
+     etcd in the background.
+  4. SIGTERM: step down first (a standby takes over while this one drains), then stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+
+from coordinator.cluster.etcd_store import EtcdStore
+from coordinator.cluster.leadership import Leadership, Role
+from coordinator.cluster.registry_sync import RegistrySync
+from coordinator.cluster.shared_health import SharedHealth
+from coordinator.config import CoordinatorConfig
+from coordinator.health_monitor import HealthMonitor
+from coordinator.instances import Instance, InstanceRegistry
+
+logger = logging.getLogger(__name__)
+
+
+def coordinator_name(config: CoordinatorConfig) -> str:
+    """backup_config.coordinator_name, else predict_ip:predict_port (with the process id when the port is 0,
+    picked at start, so two such coordinators on one host still differ)."""
+    http = config.http_config
+    name = config.backup_config.coordinator_name
+    if name:
+        return name
+    return f"{http.predict_ip}:{http.predict_port}" if http.predict_port else f"{http.predict_ip}:0/{os.getpid()}"
+
+
+class ClusterNode:
+    """The etcd store, the leadership, the registry sync and the shared health of one coordinator."""
+
+    def __init__(self, store: EtcdStore, leadership: Leadership, sync: RegistrySync, health: SharedHealth,
+                 monitor: HealthMonitor, interval_s: float):
+        self.store = store
+        self.leadership = leadership
+        self.sync = sync
+        self.health = health
+        self.monitor = monitor
+        self.interval_s = interval_s
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    def from_config(cls, config: CoordinatorConfig, registry: InstanceRegistry, monitor: HealthMonitor,
+                    on_forget: Callable[[Instance], Awaitable[None]]) -> ClusterNode:
+        backup = config.backup_config
+        name = coordinator_name(config)
+        store = EtcdStore(backup.etcd_endpoints, backup.etcd_timeout_s, config.tls_config.etcd)
+        leadership = Leadership(store, f"{backup.key_prefix}/leader", name, backup.lease_ttl_s,
+                                replicas=backup.mode == "replicas")
+        sync = RegistrySync(store, registry, backup.key_prefix, config.health_config.heartbeat_timeout_s, on_forget)
+        health = SharedHealth(store, registry, backup.key_prefix, name, sync.lease_of)
+        return cls(store, leadership, sync, health, monitor, backup.sync_interval_s)
+
+    @property
+    def name(self) -> str:
+        return self.leadership.name
+
+    @property
+    def role(self) -> Role:
+        return self.leadership.role
+
+    @property
+    def serving(self) -> bool:
+        return self.leadership.serving
+
+    def describe(self) -> dict:
+        """What /health adds: this coordinator's role and etcd's reachability."""
+        return {"role": self.role.value, "coordinator": self.name, "leader": self.leadership.leader,
+                "etcd": self.store.status()}
+
+    # The management port's news, passed on to etcd in the background.
+    def registered(self, instance: Instance) -> None:
+        self.sync.registered(instance)
+
+    def heartbeat(self, instance: Instance) -> None:
+        self.sync.heartbeat(instance)
+
+    def deregistered(self, role: str, address: str) -> None:
+        self.sync.deregistered(role, address)
+
+    async def _round(self) -> None:
+        learned = await self.sync.sync_once()
+        if learned:
+            await asyncio.gather(*(self.monitor.check(i) for i in learned))
+        await self.health.exchange()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self._round()
+            except Exception:  # the sync must outlive any one bad round
+                logger.exception("etcd sync round failed")
+
+    async def start(self) -> None:
+        await self.sync.start()
+        await self._round()
+        await self.leadership.start()
+        logger.info("coordinator %s joined the cluster on etcd %s as %s", self.name, self.store.endpoints,
+                       self.role.value)
+        self._task = asyncio.create_task(self._run())
+
+    async def step_down(self) -> None:
+        """Give up the leader key (a standby takes over) and serve no new client requests."""
+        await self.leadership.resign()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.leadership.resign()
+        await self.sync.stop()
+        self.store.close()
