@@ -118,7 +118,12 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     limit = InFlightLimit(config.request_limit.max_requests)
     # Coordinators on etcd share the registered workers; in active_standby a standby refuses client requests.
     on_etcd = bool(config.backup_config.etcd_endpoints)
-    cluster = ClusterNode.from_config(config, registry, monitor, forget) if on_etcd else None
+
+    async def deregistered(instance):
+        # As a deregistration on this coordinator: its channels stay open, so requests on it run to their end.
+        state.forget_prefix(instance.address)
+
+    cluster = ClusterNode.from_config(config, registry, monitor, deregistered) if on_etcd else None
     standby = [] if cluster is None else [StandbyGate(cluster.leadership).middleware]
     auth = config.auth_config
     # The key is checked first, so a client without one takes no in-flight slot and has no body read.

@@ -169,7 +169,8 @@ class BackupConfig(_Section):
                              "to take over every lease_ttl_s / 6.")
     sync_interval_s: float = Field(1, gt=0, le=600, description="How often the registry and the health verdicts "
                                    "are re-read from etcd.")
-    etcd_timeout_s: float = Field(1, gt=0, le=60, description="Seconds one etcd call may take.")
+    etcd_timeout_s: float = Field(1, gt=0, le=60, description="Seconds one etcd call may take, across all "
+                                  "etcd_endpoints: each endpoint tried gets an equal share of it.")
     coordinator_name: str = Field("", description="This coordinator's name in etcd (leader key, health verdicts); "
                                   "empty = predict_ip:predict_port.")
 

@@ -88,7 +88,11 @@ def refuse_taking_over(request: web.Request, body: InstanceIdentity) -> None:
     instance = state.registry.get(body.role, body.address)
     if instance is None or not instance.registered or _is_own(request, instance):
         return
-    if state.registry.clock() - instance.last_heartbeat < state.registry.heartbeat_timeout_s:
+    # On etcd, whether it heartbeats is the cluster's view (during an outage: what was last read, and this
+    # coordinator's own heartbeats), so a worker restarted on its address can register again once they lapse.
+    heartbeating = (state.cluster.heartbeating(body.role, body.address) if state.cluster is not None
+                    else state.registry.clock() - instance.last_heartbeat < state.registry.heartbeat_timeout_s)
+    if heartbeating:
         raise ApiError(409, f"{body.role} instance {body.address} is registered and heartbeating; only it may "
                        f"register again (with {CREDENTIAL_HEADER}), or another worker once its heartbeats lapse",
                        error_type="conflict_error")

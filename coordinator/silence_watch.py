@@ -8,7 +8,8 @@ host, a cut link) is found within seconds instead of at the request's deadline.
      `silence_timeout_s`.
   2. An answered probe is a sign of life: a worker busy with long prefills, or a decode worker whose
      requests wait for their KV caches, is silent and well.
-  3. A probe unanswered within `probe_timeout_s` declares the worker lost: its circuit opens (it is out
+  3. A probe unanswered within `probe_timeout_s` (its deadline passed, or no connection), with no token
+     from the worker meanwhile, declares the worker lost: its circuit opens (it is out
      of rotation until a health check passes) and every call in flight to it fails as UNAVAILABLE, as a
      connection reset would, so its streams migrate and its prefills are retried elsewhere.
 """
@@ -20,12 +21,15 @@ import logging
 import time
 from collections.abc import Callable
 
+from coordinator.failures import WorkerCallError
 from coordinator.instances import ROLES, Instance, InstanceRegistry
 from coordinator.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.25
+# What a probe of a worker that cannot answer ends with: its deadline, or no connection.
+SILENT_CODES = frozenset({"DEADLINE_EXCEEDED", "UNAVAILABLE"})
 SILENCE_STEPS = 50
 MIN_SILENCE_S = 0.5
 
@@ -63,15 +67,23 @@ class SilenceWatch:
             task.add_done_callback(lambda _, i=instance: self._probing.pop(i, None))
 
     async def probe(self, instance: Instance) -> None:
-        silent_for = self.clock() - instance.last_heard
+        heard = instance.last_heard
+        silent_for = self.clock() - heard
         try:
             await self.client.health(instance.address, instance.role, timeout=self.probe_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - whatever kept it from answering, it did not answer
-            why = getattr(getattr(exc, "failure", None), "code", None) or type(exc).__name__
-            await self.declare_lost(instance, f"silent for {silent_for:.1f}s with requests in flight, and no "
-                                              f"answer to a health check within {self.probe_timeout_s}s ({why})")
+        except WorkerCallError as exc:
+            # Any other status the worker sent back (say UNAUTHENTICATED after a secret reload) is an answer; and
+            # a token that came meanwhile is a sign of life.
+            answered = exc.failure.code not in SILENT_CODES
+            if not answered and instance.last_heard == heard:
+                await self.declare_lost(instance, f"silent for {silent_for:.1f}s with requests in flight, and no "
+                                                  f"answer to a health check within {self.probe_timeout_s}s "
+                                                  f"({exc.failure.code})")
+                return
+        except Exception:  # noqa: BLE001 - not a worker's answer, nor proof of its loss
+            logger.exception("probe of %s instance %s failed", instance.role, instance.address)
             return
-        instance.last_heard = self.clock()
+        instance.last_heard = max(instance.last_heard, self.clock())
 
     async def declare_lost(self, instance: Instance, why: str) -> None:
         """Take `instance` out and fail every call in flight to it as UNAVAILABLE."""

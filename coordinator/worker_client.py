@@ -307,11 +307,11 @@ class WorkerClient:
     async def lose(self, address: str, reason: str) -> None:
         """The worker at `address` was declared lost: every call in flight to it fails as UNAVAILABLE with
         `reason` (closing its connections), and the next call opens new ones."""
-        channel = self._channels.current(address)
-        if channel is not None:
+        for channel in self._channels.of(address):
             self._lost.mark(channel, reason)
         self.token_channels.lose(address, reason)
-        await self.forget(address)
+        self._stubs = {key: stub for key, stub in self._stubs.items() if key[1] != address}
+        await self._channels.drop(address)
 
     async def forget(self, address: str) -> None:
         """Close the channels of an instance that left."""

@@ -116,30 +116,31 @@ class ChannelCache:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._generation = 0
         self._closing: set[asyncio.Task] = set()
-        self._retired: set[grpc.aio.Channel] = set()
+        self._retired: dict[grpc.aio.Channel, str] = {}  # channels a reload retired, and their addresses
 
     def get(self, address: str) -> grpc.aio.Channel:
         if self.tls is not None and self.tls.generation != self._generation:
             self._generation = self.tls.generation
-            for channel in self._channels.values():
-                self._close_later(channel, self.grace_s)
+            for address, channel in self._channels.items():
+                self._close_later(channel, address, self.grace_s)
             self._channels.clear()
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = open_channel(address, self.tls, self.options)
         return channel
 
-    def current(self, address: str) -> grpc.aio.Channel | None:
-        """The address's open channel, without opening one."""
-        return self._channels.get(address)
+    def of(self, address: str) -> list[grpc.aio.Channel]:
+        """Every channel open to the address: its current one and those a reload retired, without opening one."""
+        current = self._channels.get(address)
+        return [c for c, a in self._retired.items() if a == address] + ([current] if current is not None else [])
 
-    def _close_later(self, channel: grpc.aio.Channel, delay_s: float) -> None:
+    def _close_later(self, channel: grpc.aio.Channel, address: str, delay_s: float) -> None:
         async def close():
             await asyncio.sleep(delay_s)
-            self._retired.discard(channel)
+            self._retired.pop(channel, None)
             await channel.close()
 
-        self._retired.add(channel)
+        self._retired[channel] = address
         task = asyncio.create_task(close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -149,6 +150,13 @@ class ChannelCache:
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
+
+    async def drop(self, address: str) -> None:
+        """Close every channel to the address now, the retired ones too: their calls end at once."""
+        for channel in self.of(address):
+            self._retired.pop(channel, None)
+            await channel.close()
+        self._channels.pop(address, None)
 
     async def close(self) -> None:
         for task in list(self._closing):

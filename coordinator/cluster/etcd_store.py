@@ -6,15 +6,18 @@ thread pool of its own with a short timeout, so an etcd that hangs never blocks 
 takes the default executor's threads that tokenization runs on. etcd traffic is a few calls a second
 per coordinator, never on a request's path.
 
-Every call tries the endpoints in order, starting from the last one that answered. A call that reaches
-none raises EtcdUnavailable and marks the store unreachable (logged once); the next call that gets an
-answer marks it reachable again and counts a reconnection, which tells the registry sync to resync.
+Every call tries the endpoints in order, starting from the last one that answered, each for an equal share
+of the timeout, so one call across all of them stays within it. An endpoint that gives no usable answer (no
+connection, a timeout, a connection cut mid-reply, a reply that is not JSON) is passed over; a call that
+reaches none raises EtcdUnavailable and marks the store unreachable (logged once); the next call that gets
+an answer marks it reachable again and counts a reconnection, which tells the registry sync to resync.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
 import logging
 import math
 import time
@@ -24,6 +27,7 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import requests
+import urllib3.exceptions
 from etcd3gw.client import Etcd3Client
 from etcd3gw.exceptions import ConnectionFailedError, ConnectionTimeoutError, Etcd3Exception
 from etcd3gw.lease import Lease
@@ -35,6 +39,14 @@ logger = logging.getLogger(__name__)
 
 # Concurrent etcd calls of one coordinator: the leader refresh, the sync's read and a few writes.
 NUM_THREADS = 4
+
+# No usable answer from an endpoint, beyond the Timeout and ConnectionError that etcd3gw wraps itself: a
+# connection cut mid-reply (requests' ChunkedEncodingError and the other RequestExceptions, urllib3's and
+# http.client's errors, socket errors), a reply body that is not JSON (ValueError). Each means "try the next
+# endpoint", like a refused connection; anything else (KeyError, TypeError, ...) is a bug, left to the
+# loops' catch-alls, which log it with its traceback.
+NO_ANSWER = (ConnectionFailedError, ConnectionTimeoutError, requests.RequestException, OSError, ValueError,
+             http.client.HTTPException, urllib3.exceptions.HTTPError)
 
 
 class EtcdError(Exception):
@@ -83,8 +95,9 @@ class EtcdStore:
     def __init__(self, endpoints: list[str], timeout_s: float, tls: TlsLink | None = None,
                  clients: list[Etcd3Client] | None = None):
         self.endpoints = list(endpoints)
-        self.timeout_s = timeout_s
-        self._clients = clients if clients is not None else [make_client(u, timeout_s, tls) for u in endpoints]
+        self.timeout_s = timeout_s  # the most one call may take, across every endpoint
+        per_endpoint_s = timeout_s / max(1, len(endpoints))
+        self._clients = clients if clients is not None else [make_client(u, per_endpoint_s, tls) for u in endpoints]
         self._current = 0  # the endpoint that answered last
         self._executor = ThreadPoolExecutor(max_workers=NUM_THREADS, thread_name_prefix="etcd")
         self.reachable = True  # until a call says otherwise
@@ -104,10 +117,10 @@ class EtcdStore:
             index = (self._current + i) % len(self._clients)
             try:
                 result = await loop.run_in_executor(self._executor, fn, self._clients[index])
-            except (ConnectionFailedError, ConnectionTimeoutError) as exc:
+            except NO_ANSWER as exc:
                 errors.append(f"{self.endpoints[index]}: {type(exc).__name__}")
                 continue
-            except Etcd3Exception as exc:
+            except Etcd3Exception as exc:  # an HTTP error status: etcd answered no
                 self._answered(index)
                 raise EtcdError(f"etcd refused {what}: {exc.detail_text or type(exc).__name__}") from None
             self._answered(index)

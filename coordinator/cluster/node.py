@@ -89,6 +89,11 @@ class ClusterNode:
     def deregistered(self, role: str, address: str) -> None:
         self.sync.deregistered(role, address)
 
+    def heartbeating(self, role: str, address: str) -> bool:
+        """Whether a registered worker's heartbeats are current on this coordinator's evidence (etcd down: not
+        the mere presence of its key at the last read), for the 409 of a second registration of its address."""
+        return self.sync.heartbeating(role, address)
+
     async def _round(self) -> None:
         learned = await self.sync.sync_once()
         if learned:
@@ -105,7 +110,10 @@ class ClusterNode:
 
     async def start(self) -> None:
         await self.sync.start()
-        await self._round()
+        try:
+            await self._round()
+        except Exception:  # start all the same: the next round reads the registry again
+            logger.exception("first etcd sync round failed")
         await self.leadership.start()
         logger.info("coordinator %s joined the cluster on etcd %s as %s", self.name, self.store.endpoints,
                        self.role.value)

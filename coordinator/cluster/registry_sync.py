@@ -13,7 +13,10 @@ A worker's life in etcd:
   4. Deregistration through any coordinator deletes the key.
 etcd unreachable: nothing is dropped. Each coordinator serves from the last registry it read, the workers
 it last read count as alive (health checks still take out the dead ones), and registration and heartbeats
-go on locally. When etcd answers again each coordinator puts the workers that registered or heartbeat
+go on locally. Alive for routing is not proof of heartbeats, though: `heartbeating()` (the management
+port's test before it refuses a second registration of an address) then counts only what was true at the
+last read and the heartbeats heard here, so a worker restarted on its address can register again once
+heartbeat_timeout_s has passed without either, as it could without etcd. When etcd answers again each coordinator puts the workers that registered or heartbeat
 through it on fresh leases, replays the deletions that failed, and reads the prefix again: a worker that
 registered through one coordinator during the outage then appears on the others.
 
@@ -115,6 +118,7 @@ class RegistrySync:
         self._wake = asyncio.Event()
         self._writer: asyncio.Task | None = None
         self._reconnects_seen = 0
+        self._read_at = float("-inf")  # when the last read of the prefix succeeded
 
     def key(self, role: str, address: str) -> str:
         return f"{self.prefix}{role}/{address}"
@@ -122,6 +126,24 @@ class RegistrySync:
     def lease_of(self, role: str, address: str) -> int:
         """The lease of a worker's key as last read; 0 when unknown."""
         return self._leases.get(self.key(role, address), 0)
+
+    def heartbeating(self, role: str, address: str) -> bool:
+        """Whether a registered worker's heartbeats are current, on this coordinator's evidence: what the
+        management port asks before it refuses (409) a registration of the address by another worker.
+
+        etcd reachable: the registry's own view (its lease was alive at the last read, or it heartbeat here).
+        etcd unreachable: the registry still counts the workers of the last read as alive, so as not to drop
+        them; but that is no proof of heartbeats, so only the last read and the heartbeats heard here count,
+        and heartbeat_timeout_s after both the address is free again, as it is without etcd."""
+        instance = self.registry.get(role, address)
+        if instance is None or not instance.registered:
+            return False
+        timeout = self.registry.heartbeat_timeout_s
+        if self.store.reachable:
+            return self.registry.clock() - instance.last_heartbeat < timeout
+        key = self.key(role, address)
+        proof = max(self._heard.get(key, float("-inf")), self._read_at if key in self._listed else float("-inf"))
+        return self.clock() - proof < timeout
 
     # --- What the management port tells it: queued, never awaited on etcd ---
 
@@ -185,12 +207,17 @@ class RegistrySync:
                     self._failed_deletes.add(key)
             except EtcdError as exc:
                 logger.warning("etcd %s of %s failed: %s", op, key, exc)
+            except Exception:  # one bad write must not cost the others
+                logger.exception("etcd %s of %s failed", op, key)
 
     async def _run_writer(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception:  # the writer must outlive any one bad round: else nothing is written again
+                logger.exception("etcd writes failed")
 
     async def resync(self) -> None:
         """etcd is back: replay the failed deletions, and put on a fresh lease every registered worker that
@@ -236,9 +263,11 @@ class RegistrySync:
         try:
             entries = await self.store.get_prefix(self.prefix)
         except EtcdError:
+            # Alive for routing (see heartbeating(): not for the 409 of a second registration).
             for record in self._listed.values():
                 self.registry.heartbeat(record.role, record.address)
             return []
+        self._read_at = self.clock()
         previous = self._listed
         if self.store.num_reconnects != self._reconnects_seen:
             self._reconnects_seen = self.store.num_reconnects

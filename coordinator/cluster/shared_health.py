@@ -2,7 +2,8 @@
 
   1. Publish: when this coordinator's view of a registered worker's state changes (healthy, unhealthy,
      draining), it puts `{prefix}/health/{role}/{address}` = {state, reason, by, at} on the worker's own
-     lease, so the verdict goes when the worker does.
+     lease, so the verdict goes when the worker does. A change made before the worker's lease is known here
+     (just registered, not yet read back from etcd) waits for it.
   2. Adopt: a verdict "unhealthy" from another coordinator, written since the last read, takes the worker
      out here at once (reason "reported unhealthy by <name>: <reason>"); this coordinator's own health
      checks bring it back when it answers. Other states are not adopted: each coordinator routes to a
@@ -52,10 +53,12 @@ class SharedHealth:
                 state = instance.state
                 if self._published.get(key, InstanceState.HEALTHY) is state:
                     continue
-                lease = self.lease_of(role, instance.address)
-                if instance.reason.startswith(ADOPTED) or not lease:
-                    self._published[key] = state  # another's verdict, or not in etcd (yet): nothing to tell
+                if instance.reason.startswith(ADOPTED):
+                    self._published[key] = state  # another's verdict: nothing to tell
                     continue
+                lease = self.lease_of(role, instance.address)
+                if not lease:
+                    continue  # not read back from etcd yet: still a change next round, published then
                 verdict = {"state": state.value, "reason": instance.reason, "by": self.name, "at": time.time()}
                 await self.store.put(key, json.dumps(verdict), lease)
                 self._published[key] = state
@@ -90,3 +93,5 @@ class SharedHealth:
             await self.adopt()
         except EtcdError:
             pass  # the store logs the outage; unpublished changes are still different next round
+        except Exception:  # the exchange must outlive any one bad round
+            logger.exception("health verdict exchange failed")

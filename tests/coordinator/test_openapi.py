@@ -242,6 +242,7 @@ TRITON = {"text_input": "Hello there", "parameters": {"max_new_tokens": 4}}
 # A valid request for every operation, and the variants whose answers differ in shape.
 VALID = [
     ("GET", "/health", None, None),
+    ("GET", "/health/live", None, None),
     ("GET", "/metrics", None, None),
     ("GET", "/v1/models", None, None),
     ("GET", "/openapi.json", None, None),

@@ -166,3 +166,56 @@ async def test_a_call_whose_own_task_is_cancelled_is_still_cancelled_after_its_w
     with pytest.raises(asyncio.CancelledError):
         await prefill
     await client.close()
+
+
+class AnsweringLate(WatchedClient):
+    """Health fails with `code`; with `token_meanwhile`, a token comes from the worker while it is asked."""
+
+    def __init__(self, registry: InstanceRegistry, code: str, token_meanwhile: bool = False):
+        super().__init__()
+        self.registry, self.code, self.token_meanwhile = registry, code, token_meanwhile
+
+    async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
+        if self.token_meanwhile:
+            self.registry.get(role, address).last_heard += 0.01
+        raise WorkerCallError(WorkerFailure(role, address, self.code, "..."))
+
+
+@pytest.mark.parametrize("code, token_meanwhile", [("UNAUTHENTICATED", False), ("DEADLINE_EXCEEDED", True)])
+async def test_a_worker_that_answers_with_an_error_or_sends_a_token_meanwhile_is_not_lost(code, token_meanwhile):
+    registry = InstanceRegistry([], ["d:1"])
+    client = AnsweringLate(registry, code, token_meanwhile)
+    watch, clock = watch_of(registry, client)
+    decode = registry.get("decode", "d:1")
+    decode.outstanding_requests, decode.last_heard = 1, clock.now - 5
+    await watch.probe(decode)
+    assert decode.state is InstanceState.HEALTHY and client.lost == {}
+
+
+class ReloadingTls:
+    """A TLS link whose certificates were reloaded: its generation moves."""
+
+    generation = 0
+
+
+async def test_a_lost_worker_fails_the_calls_on_a_channel_a_reload_retired_too(hanging_worker, monkeypatch):
+    import security.grpc_auth as grpc_auth
+
+    # Plain channels, as TLS would give; what is under test is which channels a loss closes.
+    monkeypatch.setattr(grpc_auth, "open_channel", lambda address, tls, options: grpc.aio.insecure_channel(address))
+    tls = ReloadingTls()
+    client = WorkerClient()
+    client._channels.tls = tls
+    before = asyncio.create_task(client.prefill(hanging_worker, a_request(), 4, "d:1", timeout=30))
+    await asyncio.sleep(0.1)
+    tls.generation += 1  # a SIGHUP: the next call opens a new channel, the old one has a grace period
+    after = asyncio.create_task(client.prefill(hanging_worker, a_request(), 4, "d:1", timeout=30))
+    await asyncio.sleep(0.1)
+    assert len(client._channels.of(hanging_worker)) == 2
+    await client.lose(hanging_worker, "worker lost: silent")
+    for task in (before, after):
+        with pytest.raises(WorkerCallError) as caught:
+            await asyncio.wait_for(task, 2)
+        assert caught.value.failure.code == "UNAVAILABLE"
+    assert client._channels.of(hanging_worker) == []
+    await client.close()

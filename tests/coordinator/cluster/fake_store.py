@@ -1,6 +1,7 @@
 """FakeStore: EtcdStore's calls over a dict, for unit tests of the cluster logic without an etcd process.
 
-`down = True` makes every call fail as an unreachable etcd does; `expire(lease)` is a lease running out.
+`down = True` makes every call fail as an unreachable etcd does; `expire(lease)` is a lease running out;
+`failures` are raised by the next calls, one each (an exception the store let through: a bug, or worse).
 """
 
 from __future__ import annotations
@@ -12,17 +13,21 @@ from coordinator.cluster.etcd_store import Entry, EtcdUnavailable
 
 class FakeStore:
     def __init__(self):
+        self.endpoints = ["fake"]
         self.data: dict[str, Entry] = {}
         self.leases: set[int] = set()
         self.down = False
         self.reachable = True
         self.num_reconnects = 0
         self.calls: list[str] = []
+        self.failures: list[BaseException] = []
         self._ids = itertools.count(1)
         self._revision = 0
 
     def _call(self, what: str) -> None:
         self.calls.append(what)
+        if self.failures:
+            raise self.failures.pop(0)
         if self.down:
             self.reachable = False
             raise EtcdUnavailable(f"{what}: down")
@@ -78,7 +83,7 @@ class FakeStore:
         return None
 
     def status(self):
-        return {"reachable": self.reachable, "since": None, "error": "", "endpoints": ["fake"]}
+        return {"reachable": self.reachable, "since": None, "error": "", "endpoints": self.endpoints}
 
     def close(self):
         pass

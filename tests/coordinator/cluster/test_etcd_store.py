@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import requests
 from etcd3gw.exceptions import ConnectionFailedError, Etcd3Exception
 
 from coordinator.cluster.etcd_store import EtcdError, EtcdStore, EtcdUnavailable
@@ -49,4 +52,27 @@ async def test_a_refusal_is_an_error_but_not_an_outage():
     with pytest.raises(EtcdError, match="lease not found") as err:
         await store.get("/k")
     assert not isinstance(err.value, EtcdUnavailable) and store.reachable
+    store.close()
+
+
+@pytest.mark.parametrize("failure", [requests.exceptions.ChunkedEncodingError("connection cut mid-body"),
+                                     json.JSONDecodeError("Expecting value", "<html>", 0), ValueError("not JSON")])
+async def test_a_reply_cut_short_or_not_json_is_no_answer(failure):
+    class Broken(Client):
+        def get(self, key, metadata=False):
+            raise failure
+
+    store = EtcdStore(["http://a:1", "http://b:1"], 1, clients=[Broken(), Client()])
+    assert (await store.get("/k")).value == b"v" and store.reachable  # the next endpoint answers
+    store.close()
+    store = EtcdStore(["http://a:1"], 1, clients=[Broken()])
+    with pytest.raises(EtcdUnavailable, match=type(failure).__name__):
+        await store.get("/k")
+    assert not store.reachable
+    store.close()
+
+
+def test_one_call_across_all_endpoints_stays_within_the_timeout():
+    store = EtcdStore(["http://a:1", "http://b:1", "http://c:1"], 1.5)
+    assert store.timeout_s == 1.5 and [c.timeout for c in store._clients] == [0.5, 0.5, 0.5]
     store.close()

@@ -57,3 +57,29 @@ def test_the_health_body_with_etcd_matches_the_openapi_document():
     schema.validate(health_body(instances)[1])
     live = document["paths"]["/health/live"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     jsonschema.Draft202012Validator({**live, "components": document["components"]}).validate({"status": "alive"})
+
+
+async def test_a_node_starts_and_syncs_on_after_a_first_round_that_failed():
+    import asyncio
+
+    from coordinator.cluster.leadership import Leadership
+    from coordinator.cluster.node import ClusterNode
+    from coordinator.cluster.registry_sync import RegistrySync
+    from coordinator.cluster.shared_health import SharedHealth
+    from coordinator.instances import InstanceRegistry
+    from tests.coordinator.cluster.fake_store import FakeStore
+
+    store, registry = FakeStore(), InstanceRegistry()
+    sync = RegistrySync(store, registry, "/p", 3)
+    node = ClusterNode(store, Leadership(store, "/p/leader", "A", 3), sync,
+                       SharedHealth(store, registry, "/p", "A", sync.lease_of), monitor=None, interval_s=0.02)
+    store.failures = [ValueError("a reply that is not JSON")]  # the first read of the registry
+    await node.start()
+    try:
+        assert node.role is Role.ACTIVE
+        reads = store.calls.count("get_prefix")
+        await asyncio.sleep(0.1)
+        assert store.calls.count("get_prefix") > reads  # the rounds go on
+    finally:
+        await node.stop()
+    assert "/p/leader" not in store.data

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from coordinator.cluster.registry_sync import LocalView, RegistrySync, WorkerRecord, plan_sync
@@ -176,3 +178,52 @@ async def test_an_etcd_that_lost_its_data_drops_nothing_before_the_workers_coord
     await a.sync.flush()
     await b.sync.sync_once()
     assert b.registry.get("decode", "w:1") is not None and b.forgotten == []
+
+
+async def test_the_writer_outlives_an_error_the_store_lets_through(world):
+    store, _, a, _ = world
+    await a.sync.start()
+    try:
+        store.failures = [ValueError("a reply that is not JSON")]
+        for address in ("w:1", "w:2"):  # the first write fails: the second still goes out
+            instance = a.registry.register("decode", address)
+            a.sync.registered(instance)
+        for _ in range(50):
+            if "/p/instances/decode/w:2" in store.data:
+                break
+            await asyncio.sleep(0.01)
+        assert set(store.data) == {"/p/instances/decode/w:2"}
+        store.failures = [RuntimeError("anything")]
+        a.sync.heartbeat(a.registry.get("decode", "w:2"))  # fails in the writer's next round...
+        await asyncio.sleep(0.05)
+        a.sync.registered(a.registry.get("decode", "w:1"))  # ...which goes on writing after it
+        for _ in range(50):
+            if "/p/instances/decode/w:1" in store.data:
+                break
+            await asyncio.sleep(0.01)
+        assert "/p/instances/decode/w:1" in store.data and not a.sync._writer.done()
+    finally:
+        await a.sync.stop()
+
+
+async def test_etcd_down_a_restarted_worker_may_register_again_once_heartbeats_lapse(world):
+    store, clock, a, b = world
+    await a.register("w:1")
+    await b.sync.sync_once()
+    assert b.sync.heartbeating("decode", "w:1")  # its lease is alive: a second registration is refused
+    store.down = True
+    await b.sync.sync_once()
+    clock.now += TTL - 1
+    await b.sync.sync_once()
+    assert b.sync.heartbeating("decode", "w:1")  # within heartbeat_timeout_s of the last read
+    clock.now += 2
+    await b.sync.sync_once()
+    assert not b.sync.heartbeating("decode", "w:1")  # no proof since: the address is free, as without etcd
+    assert b.registry.get("decode", "w:1").available and b.registry.expire_heartbeats() == []  # still routed to
+    # Heartbeats heard through this coordinator are proof though.
+    b.registry.heartbeat("decode", "w:1")
+    b.sync.heartbeat(b.registry.get("decode", "w:1"))
+    assert b.sync.heartbeating("decode", "w:1")
+    clock.now += TTL
+    assert not b.sync.heartbeating("decode", "w:1")
+    assert not b.sync.heartbeating("decode", "unknown:1")

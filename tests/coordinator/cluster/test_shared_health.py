@@ -62,3 +62,28 @@ async def test_a_worker_own_checks_bring_back_is_published_healthy():
     puts = store.calls.count("put")
     await a.exchange()
     assert store.calls.count("put") == puts  # nothing changed: nothing written
+
+
+async def test_a_verdict_made_before_the_workers_lease_is_known_is_published_once_it_is():
+    store = FakeStore()
+    leases = {"lease": 0}  # just registered: not read back from etcd yet
+    registry = InstanceRegistry()
+    registry.register("decode", ADDRESS)
+    a = SharedHealth(store, registry, "/p", "A", lambda role, address: leases["lease"])
+    registry.record_failure(registry.get("decode", ADDRESS), "health check failed", gone=True)
+    await a.exchange()
+    assert "/p/health/decode/w:1" not in store.data
+    leases["lease"] = await store.grant(3)  # the registry sync read it back
+    await a.exchange()
+    assert json.loads(store.data["/p/health/decode/w:1"].value)["state"] == "unhealthy"
+
+
+async def test_the_exchange_outlives_an_error_the_store_lets_through():
+    store = FakeStore()
+    lease = await store.grant(3)
+    registry, a = coordinator(store, "A", lease)
+    registry.record_failure(registry.get("decode", ADDRESS), "health check failed", gone=True)
+    store.failures = [ValueError("a reply that is not JSON")]
+    await a.exchange()  # logged, not raised
+    await a.exchange()  # and the change is still published
+    assert json.loads(store.data["/p/health/decode/w:1"].value)["state"] == "unhealthy"
