@@ -260,8 +260,8 @@ class Supervisor:
         kind, child, proc, value = event
         if kind == "signal":
             self._on_signal(value)
-        elif proc is not child.proc:  # from a process already replaced
-            return
+        elif proc is not child.proc or (kind == "ready" and child.timed_out):
+            return  # from a process already replaced, or ready only after it was killed for being late
         elif kind == "ready":
             child.address, child.announced = value
             child.ready_at = time.monotonic()

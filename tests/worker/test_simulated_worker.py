@@ -172,8 +172,9 @@ async def test_decode_batch_steps_every_sequence_together_with_local_prefill(sim
         assert tokens[0].time_ms >= PREFILL_BASE_MS + PREFILL_PER_TOKEN_MS * prompt_len  # prefilled here
     full = [t for tokens in results for t in tokens[1:] if t.batch_size == n]
     assert full, "the sequences never ran as one batch"
-    # A step's time grows with the batch: one of 8 can never be faster than the cost model's step.
-    assert min(t.time_ms for t in full) >= 0.95 * (DECODE_BASE_MS + DECODE_PER_SEQ_MS * n)
+    # A step's time grows with the batch: one of 8 can never be faster than the cost model's step (less the
+    # event loop's timer granularity: uvloop's clock ticks in whole milliseconds, cached per loop turn).
+    assert min(t.time_ms for t in full) >= DECODE_BASE_MS + DECODE_PER_SEQ_MS * n - 1.5
     wait_for_idle(sim.decode.address, "decode")
 
 
