@@ -253,6 +253,16 @@ def write_api_keys(path: Path, keys: list[str]) -> Path:
     return path
 
 
+class FakeClock:
+    """A clock a test moves by hand (`clock.now += 1`), for code that takes `clock=`."""
+
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
     """Poll `predicate` until it returns something truthy (returned), or fail naming `what`."""
     deadline = time.monotonic() + timeout_s

@@ -8,6 +8,7 @@ from coordinator.failures import WorkerCallError, WorkerFailure
 from coordinator.health_monitor import HealthMonitor
 from coordinator.instances import InstanceRegistry, InstanceState, ReportedLoad
 from coordinator.worker_client import HealthReport
+from tests.helpers import FakeClock
 
 
 class FakeClient:
@@ -22,14 +23,6 @@ class FakeClient:
         if address in self.down:
             raise WorkerCallError(WorkerFailure(role, address, "UNAVAILABLE", "connection refused"))
         return HealthReport(ReportedLoad(num_running=1), draining=False)
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def monitor_of(registry: InstanceRegistry, client: FakeClient) -> tuple[HealthMonitor, FakeClock]:

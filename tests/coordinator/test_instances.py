@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.instances import InstanceRegistry, InstanceState, ReportedLoad
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import FakeClock
 
 
 def test_repeated_failures_open_the_circuit_and_a_passing_check_closes_it():

@@ -14,6 +14,7 @@ from coordinator.silence_watch import MIN_SILENCE_S, SilenceWatch
 from coordinator.worker_client import HealthReport, WorkerClient
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from tests.helpers import FakeClock
 
 
 class WatchedClient:
@@ -33,16 +34,8 @@ class WatchedClient:
         self.lost[address] = reason
 
 
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def watch_of(registry: InstanceRegistry, client: WatchedClient) -> tuple[SilenceWatch, FakeClock]:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     return SilenceWatch(registry, client, silence_timeout_s=2.0, probe_timeout_s=0.05, clock=clock), clock
 
 
