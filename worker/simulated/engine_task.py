@@ -55,4 +55,9 @@ def _report_crash(task: asyncio.Task) -> None:
 async def sleep_until(deadline: float) -> None:
     """Sleep until `deadline` on the time.perf_counter clock (at once if it has passed)."""
     delay = deadline - time.perf_counter()
-    await asyncio.sleep(delay if delay > 0 else 0)
+    if delay <= 0:
+        await asyncio.sleep(0)
+    # uvloop's timers tick in whole milliseconds and can fire up to one early: a simulated cost is never cut short.
+    while delay > 0:
+        await asyncio.sleep(delay)
+        delay = deadline - time.perf_counter()
