@@ -9,14 +9,18 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
+from opentelemetry.trace import Status, StatusCode
+
 from coordinator.errors import WorkerError
 from coordinator.failures import FailureKind, WorkerCallError, WorkerFailure, deadline_error
 from coordinator.instances import Instance, InstanceRegistry
 from coordinator.limits import ModelLimits
 from coordinator.metrics import CoordinatorMetrics, NullMetrics
 from coordinator.request import Finished, GenerationEvent, GenerationRequest, TokenDelta
+from coordinator.request_trace import GenerationTrace
 from coordinator.scheduling.router import Route
 from coordinator.worker_client import DecodeAccepted, DecodeCall, DecodedToken, PrefillDone, WorkerClient
+from telemetry import tracing
 
 
 # How long a failed decode stream waits for its prefill call's own verdict before reporting itself.
@@ -70,8 +74,8 @@ class AttemptRunner:
         self.metrics = metrics
 
     async def run(self, request: GenerationRequest, route: Route, max_tokens: int, deadline: float, timeout: float,
-                  progress: Progress, original_prompt_len: int) -> AsyncIterator[GenerationEvent]:
-        """Yield the attempt's events, continuing `progress`; raises AttemptFailed."""
+                  progress: Progress, original_prompt_len: int, trace: GenerationTrace) -> AsyncIterator[GenerationEvent]:
+        """Yield the attempt's events, continuing `progress`, timing its phases on `trace`; raises AttemptFailed."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise AttemptFailed(deadline_error(timeout))
@@ -83,25 +87,35 @@ class AttemptRunner:
         try:
             with self.registry.lease(route.decode):
                 # The Decode call's deadline ends the request everywhere: the decode worker cancels and frees it.
+                started = time.monotonic()
                 stream = self.client.open_decode(route.decode.address, request, max_tokens, self.limits.max_seq_len,
-                                                 remaining, local_prefill=route.prefill is None)
+                                                 remaining, local_prefill=route.prefill is None,
+                                                 traceparent=trace.attempt_traceparent())
+                first_at = None
                 try:
-                    started = time.monotonic()
                     accepted = await self._read_within(stream, route, clocks)
                     if accepted is None:
                         raise AttemptFailed(WorkerError(f"decode worker {route.decode.address} closed the stream "
                                                         "before accepting"), route.decode, retryable=True)
-                    admission_ms = (time.monotonic() - started) * 1000
+                    accepted_at = time.monotonic()
+                    trace.phase("decode_admission", started, accepted_at)
                     # The decode worker now holds KV budget for this request and waits for its cache.
                     if route.prefill is not None:
-                        prefill_task = asyncio.create_task(self._prefill(route, request, max_tokens, accepted))
+                        prefill_task = asyncio.create_task(self._prefill(route, request, max_tokens, accepted, trace))
                     first = await self._first_token(stream, prefill_task, route, clocks)
+                    first_at = time.monotonic()
+                    trace.phase("first_token", accepted_at, first_at)
                     async for event in self._relay(stream, first, route, progress, original_prompt_len,
-                                                   request.sampling.logprobs is not None, admission_ms, clocks,
-                                                   request.arrived_at):
+                                                   request.sampling.logprobs is not None,
+                                                   (accepted_at - started) * 1000, clocks, request.arrived_at):
+                        if event.__class__ is Finished:
+                            trace.phase("decode", first_at, time.monotonic())
+                            first_at = None
                         yield event
                 finally:
                     stream.cancel()
+                    if first_at is not None:  # the stream failed or the client left mid-decode
+                        trace.phase("decode", first_at, time.monotonic())
         finally:
             if prefill_task is not None:
                 if not prefill_task.done():
@@ -110,14 +124,32 @@ class AttemptRunner:
                 await asyncio.gather(prefill_task, return_exceptions=True)
 
     async def _prefill(self, route: Route, request: GenerationRequest, max_tokens: int,
-                       accepted: DecodeAccepted) -> PrefillDone:
-        with self.registry.lease(route.prefill, prompt_tokens=len(request.prompt_token_ids)):
-            try:
-                return await self.client.prefill(route.prefill.address, request, max_tokens, route.decode.address,
-                                                 self.first_token_timeout, kv_data_address=accepted.kv_data_address,
-                                                 kv_transfer_token=accepted.kv_transfer_token)
-            finally:
-                route.prefill.last_heard = time.monotonic()  # an answer, for the silence watch
+                       accepted: DecodeAccepted, trace: GenerationTrace) -> PrefillDone:
+        span = trace.start_prefill()
+        started = time.monotonic()
+        try:
+            with self.registry.lease(route.prefill, prompt_tokens=len(request.prompt_token_ids)):
+                try:
+                    done = await self.client.prefill(
+                        route.prefill.address, request, max_tokens, route.decode.address, self.first_token_timeout,
+                        kv_data_address=accepted.kv_data_address, kv_transfer_token=accepted.kv_transfer_token,
+                        traceparent=tracing.traceparent_of(span))
+                finally:
+                    route.prefill.last_heard = time.monotonic()  # an answer, for the silence watch
+            trace.add_time("prefill_forward", done.prefill_time_ms / 1000)
+            trace.add_time("kv_transfer", done.kv_transfer_ms / 1000)
+            if span is not None:
+                span.set_attribute("pdserve.kv_bytes", done.kv_bytes)
+            return done
+        except Exception as exc:
+            if span is not None:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+            raise
+        finally:
+            trace.add_time("prefill", time.monotonic() - started)
+            if span is not None:
+                span.end()
 
     async def _read_within(self, stream: DecodeCall, route: Route, clocks: _Deadlines):
         try:

@@ -11,10 +11,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from coordinator.request_trace import CURRENT_REQUEST, PHASES, RequestTrace
 from coordinator.route_table import ROUTE_TABLE, UNROUTED_LABEL
 from security.api_keys import FAILURE_REASONS as AUTH_FAILURE_REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Phases run from tens of microseconds (routing) to minutes (decoding a long answer).
+LATENCY_BUCKETS_FINE = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 FAILURE_REASONS = {400: "bad_request", 404: "not_found", 408: "timeout", 413: "too_large", 429: "rate_limited",
@@ -118,6 +121,13 @@ class CoordinatorMetrics:
         self.queue_time = Histogram("pdserve_request_queue_time_seconds",
                                     "Time from arrival to leaving the coordinator's queue.",
                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.phase_seconds = Histogram(
+            "pdserve_request_phase_seconds", "Time a generation spent in each phase (coordinator/request_trace.py): "
+            "tokenize, queue, route, decode_admission, prefill (prefill_forward + kv_transfer as the prefill worker "
+            "timed them), first_token, decode; summed over a request's attempts.", ["phase"],
+            buckets=LATENCY_BUCKETS_FINE, registry=r)
+        for phase in PHASES:
+            self.phase_seconds.labels(phase)  # every phase exported from the start, at zero
         self.auth_failures = Counter("pdserve_auth_failures_total",
                                      "Requests refused for their API key, by reason (missing, malformed, invalid).",
                                      ["reason"], registry=r)
@@ -146,6 +156,13 @@ class CoordinatorMetrics:
     def generation_done(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
 
+    def phase(self, name: str, seconds: float) -> None:
+        self.phase_seconds.labels(name).observe(seconds)
+
+    def phases(self, durations: dict[str, float]) -> None:
+        for name, seconds in durations.items():
+            self.phase_seconds.labels(name).observe(seconds)
+
     def retried(self) -> None:
         self.retries.inc()
 
@@ -163,6 +180,8 @@ class CoordinatorMetrics:
         self.received.labels(api).inc()
         self.running.inc()
         started = time.perf_counter()
+        trace = RequestTrace(f"{request.method} {request.path}", request.headers)
+        current = CURRENT_REQUEST.set(trace)
         status = "500"
         try:
             response = await handler(request)
@@ -175,6 +194,10 @@ class CoordinatorMetrics:
             status = "499"  # the client went away
             raise
         finally:
+            CURRENT_REQUEST.reset(current)
+            trace.end(int(status))
+            if trace.tokenize_s:
+                self.phase("tokenize", trace.tokenize_s)
             if status != "200":
                 self.fail(api, int(status))
             self.running.dec()
@@ -195,6 +218,9 @@ class NullMetrics:
         pass
 
     def generation_done(self, prompt_tokens: int) -> None:
+        pass
+
+    def phases(self, durations: dict[str, float]) -> None:
         pass
 
     def retried(self) -> None:

@@ -31,6 +31,7 @@ from coordinator.limits import ModelLimits
 from coordinator.metrics import CoordinatorMetrics, NullMetrics
 from coordinator.request import GenerationEvent, GenerationRequest
 from coordinator.request_queue import RequestQueue
+from coordinator.request_trace import GenerationTrace
 from coordinator.scheduling.router import Router
 from coordinator.worker_client import WorkerClient
 
@@ -56,38 +57,52 @@ class RequestPipeline:
         max_tokens = self.limits.generation_cap(request.max_tokens, len(request.prompt_token_ids))
         timeout = min(self.infer_timeout, request.timeout_s or self.infer_timeout)
         deadline = request.arrived_at + timeout
+        trace = GenerationTrace(self.metrics)
         try:
-            await self.queue.acquire(request.priority, deadline - time.monotonic())
-        except TimeoutError:
-            raise WorkerError(f"request waited {timeout}s in the coordinator's queue (timeout) and was dropped",
-                              status=504) from None
-        self.metrics.queued(time.monotonic() - request.arrived_at)
-        try:
-            async for event in self._attempts(request, max_tokens, deadline, timeout):
-                yield event
+            try:
+                await self.queue.acquire(request.priority, deadline - time.monotonic())
+            except TimeoutError:
+                raise WorkerError(f"request waited {timeout}s in the coordinator's queue (timeout) and was dropped",
+                                  status=504) from None
+            now = time.monotonic()
+            self.metrics.queued(now - request.arrived_at)
+            trace.phase("queue", request.arrived_at, now)
+            try:
+                async for event in self._attempts(request, max_tokens, deadline, timeout, trace):
+                    yield event
+            finally:
+                self.queue.release()
         finally:
-            self.queue.release()
+            trace.finish()
 
-    async def _attempts(self, request: GenerationRequest, max_tokens: int, deadline: float, timeout: float):
+    async def _attempts(self, request: GenerationRequest, max_tokens: int, deadline: float, timeout: float,
+                        trace: GenerationTrace):
         progress = Progress()
         excluded = {"prefill": set(), "decode": set()}
         retries = migrations = 0
+        migrating = False
         last: AttemptFailed | None = None
         while True:
+            trace.start_attempt(retries + migrations, migrating)
             try:
+                started = time.monotonic()
                 route = self.router.route(request.prompt_token_ids + progress.token_ids,
                                           exclude_decode=excluded["decode"], exclude_prefill=excluded["prefill"])
-            except WorkerError:
+                trace.phase("route", started, time.monotonic())
+                trace.route_chosen(route.prefill.address if route.prefill is not None else None, route.decode.address)
+            except WorkerError as exc:
+                trace.end_attempt(exc.message)
                 if last is not None:  # no instance left to retry on: the failure itself says more
                     raise last.error from None
                 raise
             attempt = request.continued(progress.token_ids, retries + migrations)
             try:
                 async for event in self.attempts.run(attempt, route, max_tokens - progress.count, deadline, timeout,
-                                                     progress, len(request.prompt_token_ids)):
+                                                     progress, len(request.prompt_token_ids), trace):
                     yield event
                 return
             except AttemptFailed as failed:
+                trace.end_attempt(failed.error.message)
                 last = failed
                 if not failed.retryable:
                     raise failed.error from None
@@ -103,3 +118,5 @@ class RequestPipeline:
                 excluded[failed.blame.role].add(failed.blame.address)
                 logger.warning("request %s: %s; %s on other instances after %d tokens", request.request_id,
                                failed.error.message, "migrating" if migrating else "retrying", progress.count)
+            finally:
+                trace.end_attempt()  # done, or the client left

@@ -21,6 +21,7 @@ from coordinator.tls_site import TlsSite, request_path
 from coordinator.trust import TRUST
 from security.reload import ReloadOnSighup
 from security.tls import LinkTls
+from telemetry import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,14 @@ async def _listen(runner: web.AppRunner, app: web.Application, host: str, port: 
 
 async def run_coordinator(config: CoordinatorConfig) -> None:
     """Serve until SIGTERM/SIGINT; print one ready line with the bound address."""
+    tracing.configure_from_env("pdserve-coordinator")
+    try:
+        await _serve(config)
+    finally:
+        tracing.shutdown()  # the last requests' spans are exported, not lost
+
+
+async def _serve(config: CoordinatorConfig) -> None:
     app = create_app(config)
     trust = app[TRUST]
     http = config.http_config

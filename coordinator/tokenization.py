@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
+
+from coordinator.request_trace import note_tokenized
 
 
 # Text up to this long is tokenized on the event loop (tens of microseconds, less than a thread hop costs).
@@ -34,9 +37,13 @@ class PromptTokenizer:
         return await asyncio.to_thread(self.tokenizer.decode, token_ids)
 
     async def encode_text(self, text: str) -> list[int]:
+        started = time.monotonic()
         if len(text) > INLINE_CHARS:
-            return await asyncio.to_thread(self.encode_now, text)
-        return self.encode_now(text)
+            ids = await asyncio.to_thread(self.encode_now, text)
+        else:
+            ids = self.encode_now(text)
+        note_tokenized(started)
+        return ids
 
     def encode_now(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._rust is not None:
@@ -54,7 +61,10 @@ class PromptTokenizer:
             # Tokenized apart, as the model generated it: no token merges across the turn's header.
             return ids + self.continuation_ids(resume) if resume else ids
 
-        return await asyncio.to_thread(run)
+        started = time.monotonic()
+        ids = await asyncio.to_thread(run)
+        note_tokenized(started)
+        return ids
 
     def continuation_ids(self, text: str) -> list[int]:
         """A partial reply's tokens, as `encode_chat` appends them (no special tokens)."""

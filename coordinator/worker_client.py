@@ -244,9 +244,9 @@ class WorkerClient:
         return channel, stub
 
     def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float,
-                    local_prefill: bool = False) -> DecodeCall:
+                    local_prefill: bool = False, traceparent: str = "") -> DecodeCall:
         """Start a decode, on the worker's token channel when one is open, else as a Decode call (with
-        `local_prefill`, the decode worker prefills the prompt itself)."""
+        `local_prefill`, the decode worker prefills the prompt itself; the worker's spans join `traceparent`)."""
         send_prompt = local_prefill or request.sampling.repetition_penalty != 1.0
         message = pb.DecodeRequest(
             request_id=request.request_id,
@@ -255,6 +255,7 @@ class WorkerClient:
             max_seq_len=max_seq_len,
             prompt_token_ids=request.prompt_token_ids if send_prompt else [],
             local_prefill=local_prefill,
+            traceparent=traceparent,
         )
         channel = self.token_channels.open_channel(address)
         # A request too big for one frame goes as a call: the channel would be cut, failing its other requests.
@@ -266,7 +267,7 @@ class WorkerClient:
 
     async def prefill(
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
-        kv_data_address: str = "", kv_transfer_token: str = "",
+        kv_data_address: str = "", kv_transfer_token: str = "", traceparent: str = "",
     ) -> PrefillDone:
         """Prefill on `address` and push the KV cache to the decode worker that answered `accepted` with
         `kv_data_address` and `kv_transfer_token`."""
@@ -280,6 +281,7 @@ class WorkerClient:
                     decode_address=decode_address,
                     kv_data_address=kv_data_address,
                     kv_transfer_token=kv_transfer_token,
+                    traceparent=traceparent,
                 ),
                 timeout=timeout,
                 metadata=secret_metadata(self._secret),

@@ -24,6 +24,16 @@ class KvStreamRefused(KvTransferError):
     ask, so it says nothing about the request it names, which carries on."""
 
 
+@dataclass(frozen=True)
+class KvReceipt:
+    """How a KV cache reached the decode worker: over which transport, its bytes, and the time from its header
+    to its last block (the receiving end's measure of the transfer)."""
+
+    transport: str  # "tcp" (the raw-TCP data port) or "grpc" (the KvReceiver stream)
+    num_bytes: int
+    receive_ms: float
+
+
 @dataclass
 class TransferredKv:
     """A prompt's KV cache as it travels: per layer (key, value), plus the prefill result."""
@@ -38,6 +48,7 @@ class TransferredKv:
     transfer_token: str = field(default="", repr=False)
     # Set by a receiver that lent the tensors' memory; call `release` once they have been copied.
     on_release: Callable[[], None] | None = field(default=None, repr=False)
+    receipt: KvReceipt | None = None  # set by the sink that received it; None when made on this worker
 
     def release(self) -> None:
         """Give the tensors' memory back to whoever lent it; the tensors must not be used after."""

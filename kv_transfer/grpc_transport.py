@@ -79,7 +79,7 @@ class KvReceiverServicer(pb_grpc.KvReceiverServicer):
                 if verifier is not None:
                     verifier.add_message(message)
                 elif message.HasField("header"):
-                    verifier = self._sink.open(message.header)
+                    verifier = self._sink.open(message.header, "grpc")
                     request_id = message.header.request_id  # only now: a refused stream must not fail it
                 else:
                     raise KvTransferError("KV stream does not start with a header")

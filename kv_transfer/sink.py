@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kv_transfer.base import KvStreamRefused, KvTransferError, TransferredKv
+from kv_transfer.base import KvReceipt, KvStreamRefused, KvTransferError, TransferredKv
 from kv_transfer.transfer_tokens import KvTransferTokens
 from kv_transfer.wire import KvStreamVerifier
 from proto import worker_pb2 as pb
@@ -40,9 +41,9 @@ class KvSink:
         self.max_bytes = max_bytes
         self.pool = pool
 
-    def open(self, header: pb.KvHeader) -> KvStreamVerifier:
-        """A verifier for the stream that `header` starts; raises KvStreamRefused unless the header carries
-        the request's transfer token, which this spends.
+    def open(self, header: pb.KvHeader, transport: str) -> KvStreamVerifier:
+        """A verifier for the stream that `header` starts on `transport` ("tcp" or "grpc"); raises
+        KvStreamRefused unless the header carries the request's transfer token, which this spends.
 
         Receivers name the request to `reject` only once this has returned: a refused stream must not
         fail the genuine request it names.
@@ -52,16 +53,22 @@ class KvSink:
                 self._on_refused(header.request_id)
             raise KvStreamRefused(f"KV stream for request {header.request_id!r} refused: missing/invalid or "
                                   "already used transfer token")
+        opened_at = time.perf_counter()
         try:
-            return self._assembler(header, self.max_bytes, self.pool)
+            verifier = self._assembler(header, self.max_bytes, self.pool)
         except KvTransferError as exc:
             # The genuine sender's header is unusable and its token is spent: no cache can come now.
             self._on_failure(header.request_id, str(exc))
             raise
+        verifier.transport, verifier.opened_at = transport, opened_at
+        return verifier
 
     def deliver(self, verifier: KvStreamVerifier) -> int:
         """Hand a complete stream's cache on (raises KvTransferError if nobody can take it); return its bytes."""
-        self._on_kv(verifier.finish())
+        kv = verifier.finish()
+        kv.receipt = KvReceipt(verifier.transport, verifier.bytes_received,
+                               (time.perf_counter() - verifier.opened_at) * 1000)
+        self._on_kv(kv)
         return verifier.bytes_received
 
     def reject(self, request_id: str, verifier: KvStreamVerifier | None, message: str) -> None:

@@ -279,7 +279,7 @@ class TcpKvReceiver:
         if _recv_exactly_blocking(conn, 1, deadline) != b"H":
             raise KvTransferError("KV stream does not start with a header")
         header = pb.KvHeader.FromString(_recv_message(conn, deadline))
-        assembler = seen["assembler"] = self._sink.open(header)
+        assembler = seen["assembler"] = self._sink.open(header, "tcp")
         seen["request_id"] = header.request_id  # only now: a refused stream must not fail the request it names
         block_head = bytearray(BLOCK.size)
         digest = bytearray(DIGEST.size)

@@ -114,6 +114,9 @@ class KvStreamVerifier:
         self._reserved = [0] * (2 * header.num_layers)
         self._received = [0] * (2 * header.num_layers)
         self.bytes_received = 0
+        # Set by the sink that opens it: where the stream came in, and when (time.perf_counter).
+        self.transport = ""
+        self.opened_at = 0.0
 
     def _slot(self, index: int, offset: int, length: int) -> memoryview:
         """The writable bytes where block (`index` = 2 * layer + is_value, offset, length) goes."""

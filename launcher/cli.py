@@ -17,6 +17,7 @@ def _coordinator(args: argparse.Namespace) -> int:
     from coordinator.config import ConfigError, load_config
     from security.secrets import SecretError
     from security.tls import TlsError
+    from telemetry.tracing import TracingSetupError
 
     try:
         config = load_config(args.config)
@@ -29,7 +30,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         config.http_config.predict_port = args.predict_port
     try:
         run_event_loop(run_coordinator(config))
-    except (ConfigError, TlsError, SecretError) as exc:
+    except (ConfigError, TlsError, SecretError, TracingSetupError) as exc:
         print(f"pdserve coordinator: cannot start:\n{exc}", file=sys.stderr)
         return 2
     return 0
@@ -52,6 +53,7 @@ def _worker(args: argparse.Namespace) -> int:
     from security.secrets import SecretError
     from security.settings import SecurityFile, load_security_file
     from security.tls import TlsError
+    from telemetry.tracing import TracingSetupError
     from worker.service.options import ModelBackend, WorkerOptions
     from worker.service.serve import serve
 
@@ -87,7 +89,7 @@ def _worker(args: argparse.Namespace) -> int:
                             tls=security.tls_config, auth=auth)
     try:
         run_event_loop(serve(options))
-    except (TlsError, SecretError) as exc:
+    except (TlsError, SecretError, TracingSetupError) as exc:
         print(f"pdserve worker: cannot start:\n{exc}", file=sys.stderr)
         return 2
     return 0
@@ -116,6 +118,18 @@ def _build_model(args: argparse.Namespace) -> int:
     out = build_model(args.out or default_model_dir(), spec)
     print(out)
     return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from planner.commands import run_profile
+
+    return run_profile(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from planner.commands import run_plan
+
+    return run_plan(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,6 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.set_defaults(func=_build_model)
+
+    from planner.commands import add_plan_flags, add_profile_flags  # argparse only: no grpc, no numpy
+
+    p = sub.add_parser("profile", help="measure a worker's prefill or decode costs into a JSON profile")
+    add_profile_flags(p)
+    p.set_defaults(func=_profile)
+
+    p = sub.add_parser("plan", help="recommend prefill and decode instance counts for a workload and SLOs")
+    add_plan_flags(p)
+    p.set_defaults(func=_plan)
     return parser
 
 

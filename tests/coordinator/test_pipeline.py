@@ -57,13 +57,16 @@ class ScriptedWorkers:
         self.decode_scripts = decode_scripts
         self.prefill_errors = prefill_errors or {}
         self.decode_calls: list[tuple[str, GenerationRequest]] = []
+        self.traceparents: list[tuple[str, str]] = []  # (call, traceparent) in call order
 
-    def open_decode(self, address, request, max_tokens, max_seq_len, timeout, local_prefill=False):
+    def open_decode(self, address, request, max_tokens, max_seq_len, timeout, local_prefill=False, traceparent=""):
         self.decode_calls.append((address, request))
+        self.traceparents.append(("decode", traceparent))
         return ScriptedStream(self.decode_scripts[address].pop(0))
 
     async def prefill(self, address, request, max_tokens, decode_address, timeout, kv_data_address="",
-                      kv_transfer_token=""):
+                      kv_transfer_token="", traceparent=""):
+        self.traceparents.append(("prefill", traceparent))
         if address in self.prefill_errors:
             raise self.prefill_errors[address]
         return PrefillDone(first_token_id=0, prefill_time_ms=1.0, kv_bytes=0, kv_transfer_ms=0.0)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_transfer.base import KvTransferError
+from kv_transfer.base import KvReceipt, KvTransferError
 from worker.engine.errors import DuplicateRequestError
 from worker.engine.kv_budget import KvAdmission, KvBudget
 from worker.engine.load import WorkerLoad
@@ -41,6 +41,10 @@ class DecodeHandle:
     # Where its tokens go instead of `events` (a token channel); the last token goes to both, so the
     # stream learns the request ended.
     relay: Callable[[TokenOutput], None] | None = None
+    # For the request's trace: how its KV cache came, and when (time.perf_counter) its first decode step's token
+    # was handed over.
+    kv_receipt: KvReceipt | None = None
+    first_step_at: float = 0.0
 
     @property
     def request_id(self) -> str:
@@ -132,6 +136,7 @@ class DecodeBackend(abc.ABC):
         if kv.seq_len != handle.prompt_len:
             raise KvTransferError(f"KV cache holds {kv.seq_len} positions but the prompt has {handle.prompt_len} tokens")
         handle.seq.status = DecodeState.DECODING
+        handle.kv_receipt = kv.receipt
         handle.kv_arrived.set()
         self._decode_arrived(handle.seq, kv)
 
@@ -184,6 +189,8 @@ class DecodeBackend(abc.ABC):
         handle = self._handles.get(request_id)
         if handle is None:
             return
+        if not handle.first_step_at and item.__class__ is TokenOutput and item.index:
+            handle.first_step_at = time.perf_counter()
         if handle.relay is not None and not isinstance(item, Exception):
             handle.relay(item)
             if item.finish_reason is None:

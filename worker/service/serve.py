@@ -14,6 +14,7 @@ from kv_transfer.tcp_transport import TcpKvReceiver, TcpKvSender
 from kv_transfer.transfer_tokens import KvTransferTokens
 from proto import worker_pb2_grpc as pb_grpc
 from security.grpc_auth import CallerCheck
+from telemetry import tracing
 from worker.engine.decode_backend import DecodeBackend
 from worker.engine.prefill_backend import PrefillBackend
 from worker.metrics import WorkerMetrics
@@ -37,6 +38,14 @@ def build_engine(options: WorkerOptions) -> PrefillBackend | DecodeBackend:
 async def serve(options: WorkerOptions) -> None:
     """Serve (registered with the coordinator if one is named) until SIGTERM/SIGINT, then deregister,
     drain the requests in flight for up to `drain_seconds`, and stop."""
+    tracing.configure_from_env(f"pdserve-{options.role}")
+    try:
+        await _serve(options)
+    finally:
+        tracing.shutdown()  # the last requests' spans are exported, not lost
+
+
+async def _serve(options: WorkerOptions) -> None:
     trust = WorkerTrust.from_settings(options.role, options.tls, options.auth)  # bad files fail before the model loads
     engine = build_engine(options)
     metrics = engine.metrics = WorkerMetrics(options.role, engine)

@@ -27,6 +27,8 @@ from worker.engine.sequence import FinishReason, SamplingParams, TokenOutput
 from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate, refuse_if_draining
 from worker.service.errors import abort_with, engine_errors_as_status
+from worker.service.request_spans import (DecodeTimes, PrefillTimes, failure_text, record_decode, record_prefill,
+                                           traced)
 from worker.service.token_channel import ChannelAbort, ChannelCallContext, TokenChannel
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,7 @@ class PrefillKvStream:
         self.header = header
         self.first_token_id = -1
         self.prefill_time_ms = 0.0
+        self.forward_done_at = 0.0  # time.perf_counter when the forward's result came
         self.error: str | None = None
         self.invalid = False  # the failure is the request's own (its grammar), not this worker's nor the link's
 
@@ -127,6 +130,7 @@ class PrefillKvStream:
                     yield layer
                 case PrefillDone(first_token_id, prefill_ms, logprobs):
                     self.first_token_id, self.prefill_time_ms = first_token_id, prefill_ms
+                    self.forward_done_at = time.perf_counter()
                     yield make_trailer(first_token_id, prefill_ms, (logprobs.logprob, logprobs.top) if logprobs else None)
                     return
                 case PrefillFailed(message, invalid):
@@ -153,6 +157,20 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             return await self._prefill(request, context)
 
     async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        parent = traced(request.traceparent)
+        times = PrefillTimes(time.perf_counter())
+        error = None
+        try:
+            return await self._run_prefill(request, context, times)
+        except BaseException as exc:
+            error = failure_text(exc, context)
+            raise
+        finally:
+            if parent is not None:
+                record_prefill(parent, request.request_id, len(request.prompt_token_ids), times, error)
+
+    async def _run_prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext,
+                           times: PrefillTimes) -> pb.PrefillResponse:
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
         async with engine_errors_as_status(context):
@@ -160,12 +178,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             job = await self.engine.submit(request.request_id, list(request.prompt_token_ids), sampling)
         self.metrics.requests.inc()
         try:
-            return await self._send_kv(request, job, context)
+            return await self._send_kv(request, job, context, times)
         finally:
             self.engine.release(job)  # the lease ends whatever happened: sent, expired, refused or cancelled
 
-    async def _send_kv(self, request: pb.PrefillRequest, job: PrefillJob,
-                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+    async def _send_kv(self, request: pb.PrefillRequest, job: PrefillJob, context: grpc.aio.ServicerContext,
+                       times: PrefillTimes) -> pb.PrefillResponse:
         layout = self.engine.kv_layout(job)
         try:
             kv_header = header(job.request_id, layout.dtype_name, layout.num_layers, layout.shape,
@@ -177,11 +195,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             send = self.tcp_sender.send_items(request.kv_data_address, stream.items())
         else:
             send = self.grpc_sender.send_items(request.decode_address, stream.items())
-        start = time.perf_counter()
+        start = times.send_started = time.perf_counter()
+        times.transport = "tcp" if request.kv_data_address else "grpc"
         try:
             sent = await asyncio.wait_for(send, self.lease_timeout_s)
+            times.send_ended, times.kv_bytes = time.perf_counter(), sent
             self.metrics.kv_bytes.inc(sent)
-            self.metrics.kv_duration.observe(time.perf_counter() - start)
+            self.metrics.kv_duration.observe(times.send_ended - start)
         except asyncio.TimeoutError:
             self.metrics.kv_failures.inc()
             await context.abort(
@@ -190,16 +210,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 f"decode worker {request.decode_address} confirmed receipt",
             )
         except KvTransferError as exc:
+            times.forward_done, times.forward_ms = stream.forward_done_at, stream.prefill_time_ms
             if stream.invalid:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, stream.error)
             self.metrics.kv_failures.inc()
             reason = stream.error or str(exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{KV_SEND_FAILED} {request.decode_address}: {reason}")
+        times.forward_done, times.forward_ms = stream.forward_done_at, stream.prefill_time_ms
         if stream.error is not None:  # the stream ended without a trailer yet the receiver did not object
             code = grpc.StatusCode.INVALID_ARGUMENT if stream.invalid else grpc.StatusCode.INTERNAL
             await context.abort(code, stream.error)
         return pb.PrefillResponse(first_token_id=stream.first_token_id, prefill_time_ms=stream.prefill_time_ms,
-                                  kv_bytes=sent, kv_transfer_ms=(time.perf_counter() - start) * 1000)
+                                  kv_bytes=sent, kv_transfer_ms=(times.send_ended - start) * 1000)
 
     async def Health(self, request, context) -> pb.HealthResponse:
         return load_to_pb(self.engine.load(), self.gate.draining)
@@ -258,6 +280,22 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     yield event
 
     async def _decode(self, request: pb.DecodeRequest, context, channel: TokenChannel | None):
+        parent = traced(request.traceparent)
+        times = DecodeTimes(time.perf_counter())
+        error = None
+        try:
+            async with contextlib.aclosing(self._run_decode(request, context, channel, times)) as events:
+                async for event in events:
+                    yield event
+        except BaseException as exc:
+            error = failure_text(exc, context)
+            raise
+        finally:
+            if parent is not None:
+                record_decode(parent, request.request_id, request.prompt_len, request.local_prefill, times, error)
+
+    async def _run_decode(self, request: pb.DecodeRequest, context, channel: TokenChannel | None,
+                          times: DecodeTimes):
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
             handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
@@ -265,6 +303,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         try:
             async with engine_errors_as_status(context):
                 await self.engine.admit(handle)
+            times.admitted = time.perf_counter()
             self.metrics.requests.inc()
             # Only the sender the coordinator hands this token to can deliver the KV cache; no stream
             # is taken for a local prefill.
@@ -276,6 +315,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if request.local_prefill:
                 self.engine.prefill_locally(handle)
             await self._wait_for_kv(handle, context)
+            times.cache_ready = time.perf_counter()
             while True:
                 item = await handle.events.get()
                 if isinstance(item, Exception):
@@ -285,6 +325,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 if item.finish_reason is not None:
                     return
         finally:
+            times.receipt, times.first_step_at = handle.kv_receipt, handle.first_step_at
+            times.generated = handle.seq.num_generated
             self.tokens.revoke(request.request_id)  # the token dies with the request
             self.engine.release(request.request_id)
 

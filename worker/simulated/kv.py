@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kv_transfer.base import KvReceipt
 from kv_transfer.wire import KvStreamVerifier, RawKvLayer
 from proto import worker_pb2 as pb
 
@@ -36,6 +37,7 @@ class VerifiedKv:
     num_bytes: int
     first_token_id: int
     prefill_time_ms: float
+    receipt: KvReceipt | None = None  # set by the sink that received it
 
     def release(self) -> None:
         """Nothing to give back: the bytes were never kept."""

@@ -1,0 +1,1 @@
+"""Telemetry shared by the coordinator and the workers: OpenTelemetry traces."""

@@ -1,0 +1,144 @@
+"""OpenTelemetry traces for a pdserve process: on when the standard OTEL_* environment asks for an exporter.
+
+Nothing is exported unless OTEL_TRACES_EXPORTER names one (otlp, console) or an OTLP endpoint is set
+(OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT); OTEL_SDK_DISABLED=true turns it all off.
+The exporter, sampler, batching and resource read their own OTEL_* variables as the SDK defines them. While off,
+`enabled()` is False and callers skip span work entirely, so an untraced request pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+logger = logging.getLogger(__name__)
+
+TRACER_NAME = "pdserve"
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class TracingSetupError(ValueError):
+    """The OTEL_* environment asks for something pdserve cannot do."""
+
+_provider = None  # the SDK TracerProvider this process exports through, once configured
+
+
+def enabled() -> bool:
+    """Whether spans are recorded and exported in this process."""
+    return _provider is not None
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(TRACER_NAME) if _provider is None else _provider.get_tracer(TRACER_NAME)
+
+
+def _exporter_names() -> list[str]:
+    names = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if names:
+        return [n.strip() for n in names.split(",") if n.strip() and n.strip() != "none"]
+    # The SDK's default exporter is otlp, but an unset environment must not send spans to localhost:4317.
+    if os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        return ["otlp"]
+    return []
+
+
+def configure_from_env(service_name: str) -> bool:
+    """Install this process's tracer provider if the environment asks for an exporter; True when tracing is on.
+    TracingSetupError names an exporter the environment asks for that pdserve cannot provide."""
+    global _provider
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    names = _exporter_names()
+    if not names:
+        return False
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    exporters = []
+    for name in names:
+        if name == "otlp":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            exporters.append(OTLPSpanExporter())
+        elif name == "console":
+            exporters.append(ConsoleSpanExporter())
+        else:
+            raise TracingSetupError(f"OTEL_TRACES_EXPORTER={name!r}: pdserve exports traces with otlp, console or none")
+    # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over the role's default name.
+    attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service_name}
+    provider = TracerProvider(resource=Resource.create(attributes))
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    install(provider)
+    logger.info("tracing on: exporting spans with %s", ", ".join(names))
+    return True
+
+
+def install(provider) -> None:
+    """Trace through `provider` (an SDK TracerProvider); tests pass one with an in-memory exporter."""
+    global _provider
+    _provider = provider
+
+
+def shutdown() -> None:
+    """Flush and stop the exporters (at process exit, so the last requests' spans are not lost)."""
+    global _provider
+    provider, _provider = _provider, None
+    if provider is not None:
+        provider.shutdown()
+
+
+def context_from_traceparent(traceparent: str) -> Context | None:
+    """The remote parent a W3C `traceparent` names (None when empty or unparsable)."""
+    if not traceparent:
+        return None
+    ctx = _PROPAGATOR.extract({"traceparent": traceparent})
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+
+
+def context_from_headers(headers) -> Context | None:
+    """The client's trace from its `traceparent` / `tracestate` headers, if it sent a valid one."""
+    ctx = _PROPAGATOR.extract(headers)
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+
+
+def traceparent_of(span: Span | None) -> str:
+    """`span`'s W3C traceparent, to hand to a worker ("" for no span)."""
+    if span is None:
+        return ""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, trace.set_span_in_context(span))
+    return carrier.get("traceparent", "")
+
+
+def child_context(span: Span | None) -> Context | None:
+    return None if span is None else trace.set_span_in_context(span)
+
+
+class WallClock:
+    """Turns readings of `clock` (monotonic or perf_counter seconds) into the wall-clock nanoseconds spans carry,
+    from one pair of readings: spans converted by one WallClock keep their exact durations and order, however
+    long this thread waited between reading the two clocks."""
+
+    def __init__(self, clock=time.monotonic):
+        self._wall_ns = time.time_ns()
+        self._clock = clock()
+
+    def ns(self, stamp: float) -> int:
+        return self._wall_ns - int((self._clock - stamp) * 1e9)
+
+
+def record_span(name: str, start: float, end: float, parent: Context | None, clock: WallClock | None = None,
+                kind: SpanKind = SpanKind.INTERNAL, attributes: dict | None = None) -> Span:
+    """A finished span for a phase timed from `start` to `end` (readings of `clock`'s clock; time.monotonic
+    by default)."""
+    clock = clock or WallClock()
+    span = tracer().start_span(name, context=parent, kind=kind, start_time=clock.ns(start), attributes=attributes)
+    span.end(end_time=clock.ns(end))
+    return span

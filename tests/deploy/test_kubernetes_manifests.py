@@ -1,0 +1,43 @@
+"""Every object in deploy/kubernetes is valid for a pinned Kubernetes version, offline (kubernetes-validate's
+bundled schemas), strictly: an unknown or misspelt field fails here instead of being dropped by the API server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.helpers import REPO
+
+KUBERNETES = REPO / "deploy" / "kubernetes"
+# The version the manifests are written for; the README says it too. A kubernetes-validate release bundles the
+# schemas up to its own version, so it must be at least this one.
+KUBERNETES_VERSION = "1.33.0"
+
+
+def manifest_objects() -> list[tuple[Path, dict]]:
+    return [(path, doc) for path in sorted(KUBERNETES.rglob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+OBJECTS = manifest_objects()
+
+
+def object_id(path: Path, doc: dict) -> str:
+    return f"{path.relative_to(KUBERNETES)}:{doc['kind']}/{doc['metadata']['name']}"
+
+
+def test_every_manifest_file_holds_objects_to_validate():
+    # Otherwise a file that no longer parses into objects (all comments, say) would drop out of the check unseen.
+    assert {path for path, _ in OBJECTS} == set(KUBERNETES.rglob("*.yaml"))
+
+
+@pytest.mark.parametrize(("path", "doc"), OBJECTS, ids=[object_id(p, d) for p, d in OBJECTS])
+def test_manifest_object_is_valid_for_the_pinned_kubernetes_version(path: Path, doc: dict):
+    try:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        # The default message prints the whole schema; the field and the reason are what matter.
+        pytest.fail(f"{object_id(path, doc)} at {exc.json_path}: {exc.message} (Kubernetes {KUBERNETES_VERSION})")
