@@ -190,3 +190,78 @@ async def test_time_to_first_token_counts_from_the_requests_arrival():
     [event async for event in pipeline.generate(request)]
     assert [index for index, _ in metrics.calls] == [0, 1]
     assert metrics.calls[0][1] >= 0.5
+
+
+class PhaseTimes(CountingMetrics):
+    def __init__(self):
+        super().__init__()
+        self.observed: list[dict[str, float]] = []
+
+    def phases(self, durations: dict[str, float]) -> None:
+        self.observed.append(dict(durations))
+
+
+def migrating_workers() -> ScriptedWorkers:
+    accepted = DecodeAccepted("")
+    return ScriptedWorkers({
+        "d0:1": [[accepted, token(0, 7), token(1, 8), failure("decode", "d0:1", "UNAVAILABLE", "killed")]],
+        "d1:1": [[accepted, token(0, 9), token(1, 10, final=True)]],
+    })
+
+
+async def test_a_migrated_generation_observes_each_phase_once_summed_over_its_attempts():
+    pipeline, _, _ = make_pipeline(migrating_workers(), ["p0:1"], ["d0:1", "d1:1"])
+    pipeline.metrics = pipeline.attempts.metrics = metrics = PhaseTimes()
+    await run(pipeline, max_tokens=4)
+    [observed] = metrics.observed
+    assert set(observed) == {"queue", "route", "decode_admission", "prefill", "prefill_forward", "kv_transfer",
+                             "first_token", "decode"}
+    # Two prefills of 1 ms each by the scripted workers' own account.
+    assert observed["prefill_forward"] == pytest.approx(0.002)
+    assert all(seconds >= 0 for seconds in observed.values())
+
+
+async def test_a_migrated_generation_is_one_trace_with_an_attempt_span_per_decode_worker(span_exporter):
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    from coordinator.request_trace import CURRENT_REQUEST, RequestTrace
+
+    workers = migrating_workers()
+    pipeline, _, _ = make_pipeline(workers, ["p0:1"], ["d0:1", "d1:1"])
+    request = RequestTrace("POST /v1/completions", {})
+    token_ = CURRENT_REQUEST.set(request)
+    try:
+        await run(pipeline, max_tokens=4)
+    finally:
+        CURRENT_REQUEST.reset(token_)
+        request.end(200)
+    spans = span_exporter.get_finished_spans()
+    assert len({s.context.trace_id for s in spans}) == 1
+    root = next(s for s in spans if s.name == "POST /v1/completions")
+    attempts = sorted((s for s in spans if s.name == "attempt"), key=lambda s: s.start_time)
+    assert [a.parent.span_id for a in attempts] == [root.context.span_id] * 2
+    assert [(a.attributes["pdserve.decode"], a.attributes["pdserve.migration"]) for a in attempts] == \
+        [("d0:1", False), ("d1:1", True)]
+    assert attempts[0].status.status_code is StatusCode.ERROR and attempts[1].status.status_code is StatusCode.UNSET
+    for attempt in attempts:
+        names = [s.name for s in spans if s.parent is not None and s.parent.span_id == attempt.context.span_id]
+        assert sorted(names) == ["decode", "decode_admission", "first_token", "prefill", "route"]
+    # Each decode call carried its attempt's context and each prefill its own client span's: the workers'
+    # spans hang from them.
+    sent = {call: [tp.rsplit("-", 1)[0] for c, tp in workers.traceparents if c == call]  # less the flags
+            for call in ("decode", "prefill")}
+    assert sent["decode"] == [f"00-{trace_hex(a)}" for a in attempts]
+    prefills = sorted((s for s in spans if s.name == "prefill"), key=lambda s: s.start_time)
+    assert all(s.kind is SpanKind.CLIENT for s in prefills)
+    assert sent["prefill"] == [f"00-{trace_hex(s)}" for s in prefills]
+
+
+def trace_hex(span) -> str:
+    return f"{span.context.trace_id:032x}-{span.context.span_id:016x}"
+
+
+async def test_an_untraced_generation_sends_no_trace_context():
+    workers = migrating_workers()
+    pipeline, _, _ = make_pipeline(workers, ["p0:1"], ["d0:1", "d1:1"])
+    await run(pipeline, max_tokens=4)
+    assert workers.traceparents and all(tp == "" for _, tp in workers.traceparents)
