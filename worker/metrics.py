@@ -29,10 +29,13 @@ class WorkerMetrics:
                   registry=r).set_function(lambda: len(engine.leases))
             Gauge("pdserve_worker_queued_prompt_tokens", "Prompt tokens waiting to be prefilled.",
                   registry=r).set_function(lambda: engine.num_queued_tokens)
+        # side: send (prefill: first byte to the decode worker's ack) or receive (decode: header to last block,
+        # verified); transport: tcp (the raw-TCP data port) or grpc (the KvReceiver stream).
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV cache bytes sent (prefill) or received "
-                                "and verified (decode).", registry=r)
-        self.kv_duration = Histogram("pdserve_kv_transfer_duration_seconds", "Prefill worker: KV send time, "
-                                     "first byte to the decode worker's ack.", buckets=TRANSFER_BUCKETS, registry=r)
+                                "and verified (decode).", ["side", "transport"], registry=r)
+        self.kv_duration = Histogram("pdserve_kv_transfer_duration_seconds", "KV transfer time as each end measures "
+                                     "it: send (prefill, until the decode worker's ack) or receive (decode, header "
+                                     "to last block).", ["side", "transport"], buckets=TRANSFER_BUCKETS, registry=r)
         self.kv_failures = Counter("pdserve_kv_transfer_failures_total", "KV transfers that failed.", registry=r)
         self.kv_refused = Counter("pdserve_worker_kv_streams_refused_total", "Decode worker: KV streams refused "
                                   "for a missing, wrong or spent transfer token.", registry=r)
@@ -54,6 +57,9 @@ class WorkerMetrics:
 
 
 class _NoOp:
+    def labels(self, *values: str) -> _NoOp:
+        return self
+
     def inc(self, amount: float = 1) -> None:
         pass
 

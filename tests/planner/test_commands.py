@@ -43,6 +43,17 @@ def test_plan_json_matches_the_table(profile_files, capsys):
     assert body["goodput_rps"] == pytest.approx(body["good_requests"] / body["span_s"], abs=1e-3)
 
 
+def with_flags(argv: list[str], flags: list[str]) -> list[str]:
+    """`argv` with each flag of `flags` (flag, value pairs) set: replaced where present, else added."""
+    argv = list(argv)
+    for flag, value in zip(flags[::2], flags[1::2]):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    return argv
+
+
 @pytest.mark.parametrize("args, message", [
     (["--percentile", "0"], r"--percentile: .*\(allowed: \(0, 100\], got 0.0\)"),
     (["--ttft-ms", "-5"], r"--ttft-ms: .*greater than 0"),
@@ -50,12 +61,7 @@ def test_plan_json_matches_the_table(profile_files, capsys):
     (["--synthetic", "rate=1,count=0,prompt=8,output=2"], r"--synthetic: count: .*\(allowed: \[1, 1000000\]"),
 ])
 def test_plan_bad_input_exits_2_naming_the_flag(profile_files, capsys, args, message):
-    argv = ["plan", *profile_files, "--synthetic", SYNTHETIC, "--ttft-ms", "200", "--tpot-ms", "40"]
-    for flag, value in zip(args[::2], args[1::2]):
-        if flag in argv:
-            argv[argv.index(flag) + 1] = value
-        else:
-            argv += [flag, value]
+    argv = with_flags(["plan", *profile_files, "--synthetic", SYNTHETIC, "--ttft-ms", "200", "--tpot-ms", "40"], args)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("pdserve plan: ") and "Traceback" not in err
@@ -79,11 +85,6 @@ def test_plan_whose_slo_no_cluster_meets_exits_1_saying_why(profile_files, capsy
     (["--decode-steps", "2"], "--decode-steps: must be in [4, 10000], got 2"),
 ])
 def test_profile_bad_input_exits_2_before_calling_the_worker(capsys, args, message):
-    argv = ["profile", "--worker", "127.0.0.1:1", "--role", "decode"]
-    for flag, value in zip(args[::2], args[1::2]):
-        if flag in argv:
-            argv[argv.index(flag) + 1] = value
-        else:
-            argv += [flag, value]
+    argv = with_flags(["profile", "--worker", "127.0.0.1:1", "--role", "decode"], args)
     assert main(argv) == 2
     assert message in capsys.readouterr().err

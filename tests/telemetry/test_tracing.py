@@ -83,7 +83,7 @@ def test_a_span_recorded_afterwards_keeps_its_measured_duration(span_exporter):
     started = time.perf_counter()
     span = tracing.record_span("kv_transfer", started, started + 0.0125, None,
                                clock=tracing.WallClock(time.perf_counter))
-    assert abs(span.end_time - span.start_time - 12_500_000) <= 1  # ns: float seconds rounded
+    assert abs(span.end_time - span.start_time - 12_500_000) < 1000  # within a microsecond: float seconds
 
 
 @pytest.mark.system

@@ -114,8 +114,9 @@ def test_kv_bytes_are_the_configured_models(sim):
     assert resp.status_code == 200
     prompt_tokens = resp.json()["usage"]["prompt_tokens"]
     p1, d1 = scrape(p_url), scrape(d_url)
-    key = ("pdserve_kv_transfer_bytes_total", ())
-    assert p1[key] - p0[key] == d1[key] - d0[key] == KV_BYTES_PER_TOKEN * prompt_tokens
+    sent = ("pdserve_kv_transfer_bytes_total", (("side", "send"), ("transport", "tcp")))
+    received = ("pdserve_kv_transfer_bytes_total", (("side", "receive"), ("transport", "tcp")))
+    assert p1[sent] - p0.get(sent, 0) == d1[received] - d0.get(received, 0) == KV_BYTES_PER_TOKEN * prompt_tokens
     requests = ("pdserve_worker_requests_total", ())
     assert p1[requests] - p0[requests] == d1[requests] - d0[requests] == 1
     assert d1[("pdserve_worker_step_duration_seconds_count", (("kind", "decode"),))] \

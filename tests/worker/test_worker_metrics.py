@@ -21,9 +21,10 @@ def test_worker_metrics_move_as_a_request_runs(http, cluster):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0) - before.get(key, 0)
 
-    sent = delta(p0, p1, "pdserve_kv_transfer_bytes_total")
-    assert sent > 0 and delta(d0, d1, "pdserve_kv_transfer_bytes_total") == sent
-    assert delta(p0, p1, "pdserve_kv_transfer_duration_seconds_count") == 1
+    sent = delta(p0, p1, "pdserve_kv_transfer_bytes_total", side="send", transport="tcp")
+    assert sent > 0 and delta(d0, d1, "pdserve_kv_transfer_bytes_total", side="receive", transport="tcp") == sent
+    assert delta(p0, p1, "pdserve_kv_transfer_duration_seconds_count", side="send", transport="tcp") == 1
+    assert delta(d0, d1, "pdserve_kv_transfer_duration_seconds_count", side="receive", transport="tcp") == 1
     assert delta(p0, p1, "pdserve_worker_step_duration_seconds_count", kind="prefill") == 1
     assert delta(d0, d1, "pdserve_worker_step_duration_seconds_count", kind="decode") == 5
     assert delta(d0, d1, "pdserve_worker_batch_size_count", kind="decode") == 5

@@ -63,7 +63,9 @@ async def _serve(options: WorkerOptions) -> None:
     else:
         def on_kv(kv):
             engine.on_kv(kv)
-            metrics.kv_bytes.inc(kv.num_bytes)
+            receipt = kv.receipt
+            metrics.kv_bytes.labels("receive", receipt.transport).inc(receipt.num_bytes)
+            metrics.kv_duration.labels("receive", receipt.transport).observe(receipt.receive_ms / 1000)
 
         def on_failure(request_id: str, message: str):
             metrics.kv_failures.inc()

@@ -200,8 +200,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         try:
             sent = await asyncio.wait_for(send, self.lease_timeout_s)
             times.send_ended, times.kv_bytes = time.perf_counter(), sent
-            self.metrics.kv_bytes.inc(sent)
-            self.metrics.kv_duration.observe(times.send_ended - start)
+            self.metrics.kv_bytes.labels("send", times.transport).inc(sent)
+            self.metrics.kv_duration.labels("send", times.transport).observe(times.send_ended - start)
         except asyncio.TimeoutError:
             self.metrics.kv_failures.inc()
             await context.abort(
