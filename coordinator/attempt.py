@@ -91,31 +91,34 @@ class AttemptRunner:
                 stream = self.client.open_decode(route.decode.address, request, max_tokens, self.limits.max_seq_len,
                                                  remaining, local_prefill=route.prefill is None,
                                                  traceparent=trace.attempt_traceparent())
-                first_at = None
+                # The phase under way, and since when: a failure or the client leaving ends it where it stands.
+                phase, since = "decode_admission", started
                 try:
                     accepted = await self._read_within(stream, route, clocks)
                     if accepted is None:
                         raise AttemptFailed(WorkerError(f"decode worker {route.decode.address} closed the stream "
                                                         "before accepting"), route.decode, retryable=True)
                     accepted_at = time.monotonic()
-                    trace.phase("decode_admission", started, accepted_at)
+                    trace.phase(phase, since, accepted_at)
+                    phase, since = "first_token", accepted_at
                     # The decode worker now holds KV budget for this request and waits for its cache.
                     if route.prefill is not None:
                         prefill_task = asyncio.create_task(self._prefill(route, request, max_tokens, accepted, trace))
                     first = await self._first_token(stream, prefill_task, route, clocks)
                     first_at = time.monotonic()
-                    trace.phase("first_token", accepted_at, first_at)
+                    trace.phase(phase, since, first_at)
+                    phase, since = "decode", first_at
                     async for event in self._relay(stream, first, route, progress, original_prompt_len,
                                                    request.sampling.logprobs is not None,
                                                    (accepted_at - started) * 1000, clocks, request.arrived_at):
                         if event.__class__ is Finished:
-                            trace.phase("decode", first_at, time.monotonic())
-                            first_at = None
+                            trace.phase(phase, since, time.monotonic())
+                            phase = None
                         yield event
                 finally:
                     stream.cancel()
-                    if first_at is not None:  # the stream failed or the client left mid-decode
-                        trace.phase("decode", first_at, time.monotonic())
+                    if phase is not None:
+                        trace.phase(phase, since, time.monotonic())
         finally:
             if prefill_task is not None:
                 if not prefill_task.done():
@@ -136,7 +139,8 @@ class AttemptRunner:
                         traceparent=tracing.traceparent_of(span))
                 finally:
                     route.prefill.last_heard = time.monotonic()  # an answer, for the silence watch
-            trace.add_time("prefill_forward", done.prefill_time_ms / 1000)
+            trace.add_time("prefill_queue", (done.prefill_time_ms - done.forward_ms) / 1000)
+            trace.add_time("prefill_forward", done.forward_ms / 1000)
             trace.add_time("kv_transfer", done.kv_transfer_ms / 1000)
             if span is not None:
                 span.set_attribute("pdserve.kv_bytes", done.kv_bytes)

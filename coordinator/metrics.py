@@ -123,8 +123,9 @@ class CoordinatorMetrics:
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.phase_seconds = Histogram(
             "pdserve_request_phase_seconds", "Time a generation spent in each phase (coordinator/request_trace.py): "
-            "tokenize, queue, route, decode_admission, prefill (prefill_forward + kv_transfer as the prefill worker "
-            "timed them), first_token, decode; summed over a request's attempts.", ["phase"],
+            "queue, route, decode_admission, prefill (of it, as the prefill worker timed them: prefill_queue, "
+            "prefill_forward, kv_transfer), first_token, decode, summed over its attempts; tokenize once per "
+            "client request (all its prompts).", ["phase"],
             buckets=LATENCY_BUCKETS_FINE, registry=r)
         # Every phase exported from the start, at zero; the children kept, as labels() costs a lookup per call.
         self._phases = {phase: self.phase_seconds.labels(phase) for phase in PHASES}
@@ -180,7 +181,7 @@ class CoordinatorMetrics:
         self.received.labels(api).inc()
         self.running.inc()
         started = time.perf_counter()
-        trace = RequestTrace(f"{request.method} {request.path}", request.headers)
+        trace = RequestTrace(request.method, request.path, request.headers)
         current = CURRENT_REQUEST.set(trace)
         status = "500"
         try:

@@ -64,9 +64,10 @@ class RequestPipeline:
             except TimeoutError:
                 raise WorkerError(f"request waited {timeout}s in the coordinator's queue (timeout) and was dropped",
                                   status=504) from None
-            now = time.monotonic()
-            self.metrics.queued(now - request.arrived_at)
-            trace.phase("queue", request.arrived_at, now)
+            finally:  # a request dropped from the line (or whose client left) waited too
+                queued_until = time.monotonic()
+                trace.phase("queue", request.arrived_at, queued_until)
+            self.metrics.queued(queued_until - request.arrived_at)
             try:
                 async for event in self._attempts(request, max_tokens, deadline, timeout, trace):
                     yield event
@@ -94,6 +95,9 @@ class RequestPipeline:
                 trace.end_attempt(exc.message)
                 if last is not None:  # no instance left to retry on: the failure itself says more
                     raise last.error from None
+                raise
+            except BaseException:
+                trace.end_attempt("routing failed")
                 raise
             attempt = request.continued(progress.token_ids, retries + migrations)
             try:

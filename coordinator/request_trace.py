@@ -2,13 +2,15 @@
 and, when tracing is on (`telemetry/tracing.py`), recorded as spans of one trace per request.
 
 The phases, in the order they happen:
-  1. tokenize          prompt (and chat template) to token ids, in the client API's adapter
+  1. tokenize          prompt (and chat template) to token ids, in the client API's adapter (once per client
+                       request, all its prompts; the other phases are per generation)
   2. queue             waiting in the coordinator's RequestQueue
   Then per attempt, under an `attempt` span (a retry or a migration is another attempt):
   3. route             the router choosing a decode and a prefill instance
   4. decode_admission  the decode stream opening until the decode worker holds KV budget (`accepted`)
-  5. prefill           the Prefill call; `prefill_forward` and `kv_transfer` are the prefill worker's own
-                       figures for it (the forward, and sending the KV cache until the decode worker's ack)
+  5. prefill           the Prefill call; `prefill_queue`, `prefill_forward` and `kv_transfer` are the prefill
+                       worker's own figures for it (waiting for a forward, the forward, and sending the KV cache
+                       until the decode worker's ack, which overlaps the forward: layers go as they are made)
   6. first_token       `accepted` until the first token reaches the coordinator (it spans 5)
   7. decode            the first token to the last
 Phases 1-4, 6 and 7 follow one another: with the client's own reading and writing they make up the request's
@@ -24,8 +26,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from telemetry import tracing
 
-PHASES = ("tokenize", "queue", "route", "decode_admission", "prefill", "prefill_forward", "kv_transfer",
-          "first_token", "decode")
+PHASES = ("tokenize", "queue", "route", "decode_admission", "prefill", "prefill_queue", "prefill_forward",
+          "kv_transfer", "first_token", "decode")
 # The phases that follow one another without overlap (prefill and its parts run inside first_token).
 SEQUENTIAL_PHASES = ("tokenize", "queue", "route", "decode_admission", "first_token", "decode")
 
@@ -33,10 +35,10 @@ SEQUENTIAL_PHASES = ("tokenize", "queue", "route", "decode_admission", "first_to
 class RequestTrace:
     """One client request: its root span (a child of the client's `traceparent`, if sent) and its tokenize time."""
 
-    def __init__(self, name: str, headers):
+    def __init__(self, method: str, path: str, headers):
         self.span: Span | None = None
         if tracing.enabled():
-            self.span = tracing.tracer().start_span(name, context=tracing.context_from_headers(headers),
+            self.span = tracing.tracer().start_span(f"{method} {path}", context=tracing.context_from_headers(headers),
                                                     kind=SpanKind.SERVER)
         self.tokenize_s = 0.0
 

@@ -61,9 +61,10 @@ class PrefillDone:
     """A prefill that ran and handed its KV cache to the decode worker."""
 
     first_token_id: int
-    prefill_time_ms: float
+    prefill_time_ms: float  # submission to first token, on the prefill worker
     kv_bytes: int
     kv_transfer_ms: float
+    forward_ms: float = 0.0  # of prefill_time_ms, the forward's
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,8 @@ class WorkerClient:
             raise _call_error("prefill", address, exc) from None
         except asyncio.CancelledError as exc:
             raise self._lost.instead(exc, grpc_channel, "prefill", address) from None
-        return PrefillDone(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms)
+        return PrefillDone(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms,
+                           reply.forward_ms)
 
     async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
         channel, stub = self._stub(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -89,10 +90,13 @@ def run_profile(args: argparse.Namespace) -> int:
         if not sep or not host or not port.isdigit():
             raise UsageError(f"--worker: expected HOST:PORT, got {args.worker!r}")
         metadata = _secret_metadata(args.worker_secret_file)
+        out = Path(args.out or f"{args.role}-profile.json")
+        if not out.parent.is_dir() or not os.access(out.parent, os.W_OK) or out.is_dir():
+            # Checked now: a profile measured for minutes must not be lost to a path it cannot be written to.
+            raise UsageError(f"--out: cannot write {str(out)!r} (its folder must exist and be writable)")
     except UsageError as exc:
         print(f"pdserve profile: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out or f"{args.role}-profile.json")
     try:
         profile = asyncio.run(profile_worker(args.worker, args.role, settings, _progress, metadata))
     except ProfileFailed as exc:

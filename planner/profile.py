@@ -110,9 +110,11 @@ class WorkerProfile(BaseModel):
     def load(cls, path: Path, role: str) -> WorkerProfile:
         """The profile in `path`, which must be of `role`."""
         try:
-            profile = cls.model_validate_json(path.read_text())
+            profile = cls.model_validate_json(path.read_text(encoding="utf-8"))
         except OSError as exc:
             raise ProfileError(f"{path}: cannot read: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise ProfileError(f"{path}: not UTF-8 text (byte {exc.start})") from None
         except ValidationError as exc:
             raise ProfileError(f"{path}: not a worker profile: {describe(exc)}") from None
         if profile.role != role:

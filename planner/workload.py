@@ -45,9 +45,11 @@ class Workload(BaseModel):
 def load_trace(path: Path) -> Workload:
     """Rows {arrival_s, prompt_tokens, output_tokens}, one JSON object per line (blank lines skipped)."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise WorkloadError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     requests = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -141,8 +143,8 @@ class SyntheticWorkload(BaseModel):
                 raise WorkloadError("give count or duration, not both")
             try:
                 fields["count"] = max(1, round(float(fields.pop("duration")) * float(fields["rate"])))
-            except (KeyError, ValueError):
-                raise WorkloadError("duration needs a number of seconds and a rate") from None
+            except (KeyError, ValueError, OverflowError):  # OverflowError: an infinite duration
+                raise WorkloadError("duration needs a finite number of seconds and a rate") from None
         try:
             return cls.model_validate(fields)
         except ValidationError as exc:

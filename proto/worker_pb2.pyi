@@ -104,16 +104,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "prefill_time_ms", "kv_bytes", "kv_transfer_ms")
+    __slots__ = ("first_token_id", "prefill_time_ms", "kv_bytes", "kv_transfer_ms", "forward_ms")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_time_ms: float
     kv_bytes: int
     kv_transfer_ms: float
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
+    forward_ms: float
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill", "traceparent")

@@ -27,6 +27,7 @@ class TracingSetupError(ValueError):
     """The OTEL_* environment asks for something pdserve cannot do."""
 
 _provider = None  # the SDK TracerProvider this process exports through, once configured
+SHUTDOWN_FLUSH_MS = 2000
 
 
 def enabled() -> bool:
@@ -50,34 +51,46 @@ def _exporter_names() -> list[str]:
 
 def configure_from_env(service_name: str) -> bool:
     """Install this process's tracer provider if the environment asks for an exporter; True when tracing is on.
-    TracingSetupError names an exporter the environment asks for that pdserve cannot provide."""
-    global _provider
+    TracingSetupError names a setting pdserve cannot honour (an exporter or OTLP protocol it lacks, a bad value)."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     names = _exporter_names()
     if not names:
         return False
-    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    exporters = []
-    for name in names:
-        if name == "otlp":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-            exporters.append(OTLPSpanExporter())
-        elif name == "console":
-            exporters.append(ConsoleSpanExporter())
-        else:
-            raise TracingSetupError(f"OTEL_TRACES_EXPORTER={name!r}: pdserve exports traces with otlp, console or none")
-    # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over the role's default name.
-    attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service_name}
-    provider = TracerProvider(resource=Resource.create(attributes))
+    exporters = [_exporter(name) for name in names]
+    # OTEL_SERVICE_NAME or a service.name in OTEL_RESOURCE_ATTRIBUTES wins over the role's name.
+    resource = Resource.create()
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: service_name}))
+    provider = TracerProvider(resource=resource)
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     install(provider)
     logger.info("tracing on: exporting spans with %s", ", ".join(names))
     return True
+
+
+def _exporter(name: str):
+    if name == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+        return ConsoleSpanExporter()
+    if name != "otlp":
+        raise TracingSetupError(f"OTEL_TRACES_EXPORTER={name!r}: pdserve exports traces with otlp, console or none")
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = os.environ.get(variable, "").strip()
+        if protocol:
+            if protocol != "grpc":  # spans sent over gRPC to an http/protobuf port would be lost without a word
+                raise TracingSetupError(f"{variable}={protocol!r}: pdserve's OTLP exporter speaks grpc only")
+            break
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    try:
+        return OTLPSpanExporter()
+    except ValueError as exc:  # e.g. a malformed OTEL_EXPORTER_OTLP_* value
+        raise TracingSetupError(f"OTLP exporter settings: {exc}") from None
 
 
 def install(provider) -> None:
@@ -91,6 +104,8 @@ def shutdown() -> None:
     global _provider
     provider, _provider = _provider, None
     if provider is not None:
+        # Bounded: an unreachable collector must not hold up a stopping process for the exporter's own timeouts.
+        provider.force_flush(timeout_millis=SHUTDOWN_FLUSH_MS)
         provider.shutdown()
 
 

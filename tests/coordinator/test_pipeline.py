@@ -69,7 +69,7 @@ class ScriptedWorkers:
         self.traceparents.append(("prefill", traceparent))
         if address in self.prefill_errors:
             raise self.prefill_errors[address]
-        return PrefillDone(first_token_id=0, prefill_time_ms=1.0, kv_bytes=0, kv_transfer_ms=0.0)
+        return PrefillDone(first_token_id=0, prefill_time_ms=1.0, kv_bytes=0, kv_transfer_ms=0.5, forward_ms=0.75)
 
 
 class CountingMetrics(NullMetrics):
@@ -214,11 +214,25 @@ async def test_a_migrated_generation_observes_each_phase_once_summed_over_its_at
     pipeline.metrics = pipeline.attempts.metrics = metrics = PhaseTimes()
     await run(pipeline, max_tokens=4)
     [observed] = metrics.observed
-    assert set(observed) == {"queue", "route", "decode_admission", "prefill", "prefill_forward", "kv_transfer",
-                             "first_token", "decode"}
-    # Two prefills of 1 ms each by the scripted workers' own account.
-    assert observed["prefill_forward"] == pytest.approx(0.002)
-    assert all(seconds >= 0 for seconds in observed.values())
+    assert set(observed) == {"queue", "route", "decode_admission", "prefill", "prefill_queue", "prefill_forward",
+                             "kv_transfer", "first_token", "decode"}
+    # Two prefills by the scripted workers' own account: 1 ms each, 0.75 of it the forward, 0.5 ms of KV transfer.
+    assert observed["prefill_forward"] == pytest.approx(0.0015)
+    assert observed["prefill_queue"] == pytest.approx(0.0005)
+    assert observed["kv_transfer"] == pytest.approx(0.001)
+
+
+async def test_each_attempt_adds_its_own_time_to_the_phases():
+    one = make_pipeline(ScriptedWorkers({"d0:1": [[DecodeAccepted(""), token(0, 9), token(1, 10, final=True)]]}),
+                        ["p0:1"], ["d0:1"])[0]
+    one.metrics = one.attempts.metrics = single = PhaseTimes()
+    await run(one, max_tokens=2)
+    two = make_pipeline(migrating_workers(), ["p0:1"], ["d0:1", "d1:1"])[0]
+    two.metrics = two.attempts.metrics = migrated = PhaseTimes()
+    await run(two, max_tokens=4)
+    # The scripted workers' own figures make these exact: the migrated request prefilled twice.
+    assert migrated.observed[0]["prefill_forward"] == pytest.approx(2 * single.observed[0]["prefill_forward"])
+    assert set(migrated.observed[0]) == set(single.observed[0])
 
 
 async def test_a_migrated_generation_is_one_trace_with_an_attempt_span_per_decode_worker(span_exporter):
@@ -228,7 +242,7 @@ async def test_a_migrated_generation_is_one_trace_with_an_attempt_span_per_decod
 
     workers = migrating_workers()
     pipeline, _, _ = make_pipeline(workers, ["p0:1"], ["d0:1", "d1:1"])
-    request = RequestTrace("POST /v1/completions", {})
+    request = RequestTrace("POST", "/v1/completions", {})
     token_ = CURRENT_REQUEST.set(request)
     try:
         await run(pipeline, max_tokens=4)

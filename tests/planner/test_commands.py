@@ -59,6 +59,7 @@ def with_flags(argv: list[str], flags: list[str]) -> list[str]:
     (["--ttft-ms", "-5"], r"--ttft-ms: .*greater than 0"),
     (["--max-running", "0"], r"--max-running: must be in \[1, 1000000\], got 0"),
     (["--synthetic", "rate=1,count=0,prompt=8,output=2"], r"--synthetic: count: .*\(allowed: \[1, 1000000\]"),
+    (["--synthetic", "rate=1,duration=inf,prompt=8,output=2"], r"--synthetic: duration needs a finite number"),
 ])
 def test_plan_bad_input_exits_2_naming_the_flag(profile_files, capsys, args, message):
     argv = with_flags(["plan", *profile_files, "--synthetic", SYNTHETIC, "--ttft-ms", "200", "--tpot-ms", "40"], args)
@@ -83,8 +84,18 @@ def test_plan_whose_slo_no_cluster_meets_exits_1_saying_why(profile_files, capsy
     (["--worker", "nohostport"], "--worker: expected HOST:PORT"),
     (["--batch-sizes", "1,x"], "--batch-sizes: expected whole numbers"),
     (["--decode-steps", "2"], "--decode-steps: must be in [4, 10000], got 2"),
+    (["--out", "/nonexistent-folder/decode.json"], "--out: cannot write '/nonexistent-folder/decode.json'"),
 ])
 def test_profile_bad_input_exits_2_before_calling_the_worker(capsys, args, message):
     argv = with_flags(["profile", "--worker", "127.0.0.1:1", "--role", "decode"], args)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_with_a_workload_that_is_not_text_exits_2_naming_the_file(profile_files, tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_bytes(b"\xff\xfe{}\n")
+    argv = with_flags(["plan", *profile_files, "--workload", str(trace), "--ttft-ms", "200", "--tpot-ms", "40"], [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}: not UTF-8 text" in err and "Traceback" not in err

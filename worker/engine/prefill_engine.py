@@ -103,11 +103,13 @@ class PrefillEngine(PrefillBackend):
             self.metrics.observe_step("prefill", time.perf_counter() - started, len(batch))
             # The first token is masked to the grammar, from where the replayed tokens left it.
             picks = choose_batch(logits, batch, self.runner.eos_token_ids, self.guidance.masks)
+            done_at = time.perf_counter()
             for job, pick in zip(batch, picks):
                 if pick is None:
                     self._emit(job, PrefillFailed(grammar_failure(job.matcher), invalid=True))
                 else:
-                    self._emit(job, PrefillDone(pick[0], (time.perf_counter() - job.submitted_at) * 1000, pick[1]))
+                    self._emit(job, PrefillDone(pick[0], (done_at - job.submitted_at) * 1000, pick[1],
+                                                forward_ms=(done_at - started) * 1000, done_at=done_at))
                 job.matcher = None
         except Exception as exc:  # a failed forward must fail its requests, not hang them
             logger.exception("prefill of %d prompts failed", len(batch))

@@ -1,9 +1,12 @@
 """A worker's spans of one request, joined to the coordinator's trace by the request's `traceparent`.
 
 Recorded when the request ends, from the times the servicer noted on time.perf_counter, and only when tracing is
-on (`telemetry/tracing.py`) and the coordinator sent a trace context: an untraced request costs nothing here.
+on (`telemetry/tracing.py`) and the coordinator sent a trace context. A failure to record is logged, never the
+request's.
 
-Prefill worker:  prefill (server) > prefill_forward, kv_transfer (send side: bytes, transport, until the ack)
+Prefill worker:  prefill (server) > prefill_queue, prefill_forward,
+                 kv_transfer (send side: bytes, transport, until the ack; it overlaps the forward, which hands each
+                 layer's KV over as it is made)
 Decode worker:   decode (server) > decode_admission, kv_transfer (receive side: header to last block),
                  first_step (the cache here, or a local prefill queued, until the first decoded token)
 """
@@ -11,14 +14,17 @@ Decode worker:   decode (server) > decode_admission, kv_transfer (receive side: 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kv_transfer.base import KvReceipt
+from worker.engine.messages import PrefillDone
 from telemetry import tracing
 
+logger = logging.getLogger(__name__)
 _CLOCK = time.perf_counter  # what the servicers note their times on
 
 
@@ -28,6 +34,14 @@ def failure_text(exc: BaseException, context) -> str:
         return "cancelled"
     details = context.details() if hasattr(context, "details") else None
     return details or str(exc) or type(exc).__name__
+
+
+def record_safely(record, *args) -> None:
+    """Record a request's spans from a `finally`: an error here must not replace the request's own outcome."""
+    try:
+        record(*args)
+    except Exception:  # noqa: BLE001
+        logger.exception("recording a request's spans failed")
 
 
 def traced(traceparent: str):
@@ -59,8 +73,8 @@ class PrefillTimes:
     """What a prefill request went through, on time.perf_counter (0.0: never reached)."""
 
     received: float
-    forward_done: float = 0.0
-    forward_ms: float = 0.0
+    submitted: float = 0.0  # to the engine's prefill queue
+    forward: PrefillDone | None = None  # the engine's answer: the forward's time and end
     send_started: float = 0.0
     send_ended: float = 0.0
     kv_bytes: int = 0
@@ -72,8 +86,11 @@ def record_prefill(parent, request_id: str, prompt_tokens: int, times: PrefillTi
     end = spans.end
     root = spans.server("prefill", times.received, parent,
                         {"pdserve.request_id": request_id, "pdserve.prompt_tokens": prompt_tokens}, error)
-    if times.forward_done:
-        spans.child("prefill_forward", times.forward_done - times.forward_ms / 1000, times.forward_done, root)
+    done = times.forward
+    if done is not None and done.done_at:
+        forward_started = done.done_at - done.forward_ms / 1000
+        spans.child("prefill_queue", times.submitted, forward_started, root)
+        spans.child("prefill_forward", forward_started, done.done_at, root)
     if times.send_started:
         spans.child("kv_transfer", times.send_started, times.send_ended or end, root, {
             "pdserve.kv.side": "send", "pdserve.kv.transport": times.transport, "pdserve.kv.bytes": times.kv_bytes,

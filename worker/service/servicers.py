@@ -28,7 +28,7 @@ from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate, refuse_if_draining
 from worker.service.errors import abort_with, engine_errors_as_status
 from worker.service.request_spans import (DecodeTimes, PrefillTimes, failure_text, record_decode, record_prefill,
-                                           traced)
+                                           record_safely, traced)
 from worker.service.token_channel import ChannelAbort, ChannelCallContext, TokenChannel
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ class PrefillKvStream:
         self.header = header
         self.first_token_id = -1
         self.prefill_time_ms = 0.0
-        self.forward_done_at = 0.0  # time.perf_counter when the forward's result came
+        self.done: PrefillDone | None = None
         self.error: str | None = None
         self.invalid = False  # the failure is the request's own (its grammar), not this worker's nor the link's
 
@@ -128,9 +128,8 @@ class PrefillKvStream:
             match await self.job.events.get():
                 case KvLayerReady(layer):
                     yield layer
-                case PrefillDone(first_token_id, prefill_ms, logprobs):
-                    self.first_token_id, self.prefill_time_ms = first_token_id, prefill_ms
-                    self.forward_done_at = time.perf_counter()
+                case PrefillDone(first_token_id, prefill_ms, logprobs) as done:
+                    self.first_token_id, self.prefill_time_ms, self.done = first_token_id, prefill_ms, done
                     yield make_trailer(first_token_id, prefill_ms, (logprobs.logprob, logprobs.top) if logprobs else None)
                     return
                 case PrefillFailed(message, invalid):
@@ -157,8 +156,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             return await self._prefill(request, context)
 
     async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
-        parent = traced(request.traceparent)
         times = PrefillTimes(time.perf_counter())
+        parent = traced(request.traceparent)
+        if parent is None:
+            return await self._run_prefill(request, context, times)
         error = None
         try:
             return await self._run_prefill(request, context, times)
@@ -166,8 +167,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             error = failure_text(exc, context)
             raise
         finally:
-            if parent is not None:
-                record_prefill(parent, request.request_id, len(request.prompt_token_ids), times, error)
+            record_safely(record_prefill, parent, request.request_id, len(request.prompt_token_ids), times, error)
 
     async def _run_prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext,
                            times: PrefillTimes) -> pb.PrefillResponse:
@@ -176,6 +176,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
             job = await self.engine.submit(request.request_id, list(request.prompt_token_ids), sampling)
+        times.submitted = job.submitted_at
         self.metrics.requests.inc()
         try:
             return await self._send_kv(request, job, context, times)
@@ -210,18 +211,19 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 f"decode worker {request.decode_address} confirmed receipt",
             )
         except KvTransferError as exc:
-            times.forward_done, times.forward_ms = stream.forward_done_at, stream.prefill_time_ms
+            times.forward = stream.done
             if stream.invalid:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, stream.error)
             self.metrics.kv_failures.inc()
             reason = stream.error or str(exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{KV_SEND_FAILED} {request.decode_address}: {reason}")
-        times.forward_done, times.forward_ms = stream.forward_done_at, stream.prefill_time_ms
+        times.forward = stream.done
         if stream.error is not None:  # the stream ended without a trailer yet the receiver did not object
             code = grpc.StatusCode.INVALID_ARGUMENT if stream.invalid else grpc.StatusCode.INTERNAL
             await context.abort(code, stream.error)
         return pb.PrefillResponse(first_token_id=stream.first_token_id, prefill_time_ms=stream.prefill_time_ms,
-                                  kv_bytes=sent, kv_transfer_ms=(times.send_ended - start) * 1000)
+                                  kv_bytes=sent, kv_transfer_ms=(times.send_ended - start) * 1000,
+                                  forward_ms=stream.done.forward_ms)
 
     async def Health(self, request, context) -> pb.HealthResponse:
         return load_to_pb(self.engine.load(), self.gate.draining)
@@ -279,20 +281,27 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 async for event in events:
                     yield event
 
-    async def _decode(self, request: pb.DecodeRequest, context, channel: TokenChannel | None):
-        parent = traced(request.traceparent)
+    def _decode(self, request: pb.DecodeRequest, context, channel: TokenChannel | None):
+        """The request's events (an async generator), inside its trace's spans when it is traced."""
         times = DecodeTimes(time.perf_counter())
+        parent = traced(request.traceparent)
+        events = self._run_decode(request, context, channel, times)
+        if parent is None:
+            return events  # untraced: no generator layer more per token
+        return self._traced_decode(events, parent, request, context, times)
+
+    async def _traced_decode(self, events, parent, request: pb.DecodeRequest, context, times: DecodeTimes):
         error = None
         try:
-            async with contextlib.aclosing(self._run_decode(request, context, channel, times)) as events:
+            async with contextlib.aclosing(events):
                 async for event in events:
                     yield event
         except BaseException as exc:
             error = failure_text(exc, context)
             raise
         finally:
-            if parent is not None:
-                record_decode(parent, request.request_id, request.prompt_len, request.local_prefill, times, error)
+            record_safely(record_decode, parent, request.request_id, request.prompt_len, request.local_prefill,
+                          times, error)
 
     async def _run_decode(self, request: pb.DecodeRequest, context, channel: TokenChannel | None,
                           times: DecodeTimes):

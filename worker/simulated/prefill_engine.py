@@ -60,7 +60,9 @@ class SimulatedPrefillEngine(RunsOnEventLoop, RefusesTokenConstraints, PrefillBa
             await sleep_until(started + duration_s * (i + 1) / num_layers)
             for job, nbytes in zip(batch, layer_bytes):
                 self._post(job, KvLayerReady(synthetic_layer(i, nbytes)))
-        self.metrics.observe_step("prefill", time.perf_counter() - started, len(batch))
+        done_at = time.perf_counter()
+        self.metrics.observe_step("prefill", done_at - started, len(batch))
         for job in batch:
             first = synthetic_token(token_key(job.request_id, job.sampling.seed), 0, self.vocab_size)
-            self._post(job, PrefillDone(first, (time.perf_counter() - job.submitted_at) * 1000))
+            self._post(job, PrefillDone(first, (done_at - job.submitted_at) * 1000,
+                                        forward_ms=(done_at - started) * 1000, done_at=done_at))
