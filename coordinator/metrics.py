@@ -181,7 +181,10 @@ class CoordinatorMetrics:
         self.received.labels(api).inc()
         self.running.inc()
         started = time.perf_counter()
-        trace = RequestTrace(request.method, request.path, request.headers)
+        # The route's template (`/v2/models/{model}/generate`), not the path, as OpenTelemetry's HTTP
+        # conventions name a server span: span names stay few; an unrouted request is its method alone.
+        resource = request.match_info.route.resource
+        trace = RequestTrace(request.method, resource.canonical if resource is not None else "", request.headers)
         current = CURRENT_REQUEST.set(trace)
         status = "500"
         try:

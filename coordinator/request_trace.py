@@ -35,11 +35,11 @@ SEQUENTIAL_PHASES = ("tokenize", "queue", "route", "decode_admission", "first_to
 class RequestTrace:
     """One client request: its root span (a child of the client's `traceparent`, if sent) and its tokenize time."""
 
-    def __init__(self, method: str, path: str, headers):
+    def __init__(self, method: str, route: str, headers):
         self.span: Span | None = None
         if tracing.enabled():
-            self.span = tracing.tracer().start_span(f"{method} {path}", context=tracing.context_from_headers(headers),
-                                                    kind=SpanKind.SERVER)
+            self.span = tracing.tracer().start_span(f"{method} {route}".rstrip(), kind=SpanKind.SERVER,
+                                                    context=tracing.context_from_headers(headers))
         self.tokenize_s = 0.0
 
     def tokenized(self, started: float) -> None:

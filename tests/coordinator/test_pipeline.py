@@ -279,3 +279,4 @@ async def test_an_untraced_generation_sends_no_trace_context():
     pipeline, _, _ = make_pipeline(workers, ["p0:1"], ["d0:1", "d1:1"])
     await run(pipeline, max_tokens=4)
     assert workers.traceparents and all(tp == "" for _, tp in workers.traceparents)
+
