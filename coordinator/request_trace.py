@@ -81,12 +81,12 @@ class GenerationTrace:
         self._root = tracing.child_context(root)
         self._attempt: Span | None = None
 
-    def phase(self, name: str, started: float, ended: float, **attributes) -> None:
+    def phase(self, name: str, started: float, ended: float) -> None:
         """A phase timed on time.monotonic, under the current attempt if one is running."""
         self.durations[name] = self.durations.get(name, 0.0) + (ended - started)
         if self.tracing:
             parent = tracing.child_context(self._attempt) if self._attempt is not None else self._root
-            tracing.record_span(name, started, ended, parent, clock=self._clock, attributes=attributes or None)
+            tracing.record_span(name, started, ended, parent, clock=self._clock)
 
     def add_time(self, name: str, seconds: float) -> None:
         """Time in a phase that has a span of its own elsewhere (the prefill call's, or a worker's)."""

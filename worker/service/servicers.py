@@ -211,13 +211,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 f"decode worker {request.decode_address} confirmed receipt",
             )
         except KvTransferError as exc:
-            times.forward = stream.done
             if stream.invalid:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, stream.error)
             self.metrics.kv_failures.inc()
             reason = stream.error or str(exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{KV_SEND_FAILED} {request.decode_address}: {reason}")
-        times.forward = stream.done
+        finally:
+            times.forward = stream.done  # for the trace, whatever became of the transfer
         if stream.error is not None:  # the stream ended without a trailer yet the receiver did not object
             code = grpc.StatusCode.INVALID_ARGUMENT if stream.invalid else grpc.StatusCode.INTERNAL
             await context.abort(code, stream.error)
