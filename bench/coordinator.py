@@ -3,6 +3,7 @@ pass-through proxy in the coordinator's place.
 
     .venv/bin/python bench/coordinator.py [--max-tokens 64 256] [--concurrency 1 32 128] [--seconds 5]
                                           [--workers 2] [--decode-step-ms 1] [--direct] [--tls | --plain-kv]
+                                          [--against DIR|NAME=VALUE] [--repeats N]
     .venv/bin/python bench/coordinator.py --fleet 2 64 256 [--seconds 5]
 
 Each row is a closed loop of streaming /v1/completions requests at one `--max-tokens` and one concurrency:
@@ -31,6 +32,12 @@ the HTTP clients (this process) run on the other cores. CPU per request is the p
 (/proc/PID/stat) over the measured loop, divided by the requests it completed. Summary lines: the coordinator's
 CPU/request over the pass-through's at c=32 (target <= 2.0 at 64 tokens), and the TTFT p50 it adds at c=1 over
 the direct gRPC row (target < 1 ms; measured at c=1 always), which makes the same worker calls without it. A request answered with an error, or short of tokens, ends the bench.
+
+`--against` measures what one change buys: a second coordinator in front of the same workers, run from another
+checkout (`git worktree add /tmp/base HEAD~1`, then `--against /tmp/base`) or from this one with NAME=VALUE in its
+environment; its rows sit beside this one's and a summary line gives the ratio. `--repeats N` runs every row N
+times, the paths taking turns, and keeps each row's median: this machine's rows move by 10-20% from run to run, so a
+change is judged only against rows from the same stretch of time.
 
 `--fleet N ...` measures instead the coordinator alone, at 64 tokens, in front of N simulated instances (N/2
 prefill, N/2 decode, all in one process: bench/sim_fleet.py) for each N in turn, warmed up until every instance has
@@ -78,6 +85,7 @@ THROUGH = "coordinator"
 BASELINE = "direct gRPC"
 TLS = ", mutual TLS"
 PLAIN_KV = " (KV in plaintext)"
+AGAINST = "coordinator, --against"
 FLEET_TOKENS, FLEET_CONCURRENCY = 64, 32  # the fleet comparison's one level
 CPU_RATIO_TARGET, TTFT_ADDED_TARGET_MS, FLEET_RATIO_TARGET = 2.0, 1.0, 1.2
 
@@ -125,11 +133,12 @@ def cpu_seconds(pid: int) -> float:
 class Process:
     """A process started for the benchmark; `address` (and the whole `ready_line`) come from its ready line."""
 
-    def __init__(self, argv: list[str], ready_prefix: str, cpus: set[int]):
+    def __init__(self, argv: list[str], ready_prefix: str, cpus: set[int], cwd: Path = REPO,
+                 env: dict[str, str] | None = None):
         # Pinned before it starts (taskset execs it), so every thread it ever starts stays on `cpus`.
         pin = ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
-        self.proc = subprocess.Popen(pin + argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+        self.proc = subprocess.Popen(pin + argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**os.environ, **env} if env else None)
         output = []
         for line in self.proc.stdout:
             if line.startswith(ready_prefix):
@@ -319,11 +328,12 @@ class Cluster:
     prefill: list[str]
     decode: list[str]
     coordinator: Process | None = None
+    against: Process | None = None  # with --against: the other coordinator, in front of the same workers
     client_ssl: ssl.SSLContext | None = None  # what its HTTP clients present to the predict port
     worker_tls: LinkTls | None = None  # what the direct baseline presents to the workers
 
     def stop(self) -> None:
-        for process in (self.coordinator, *self.workers):
+        for process in (self.coordinator, self.against, *self.workers):
             if process is not None:
                 process.stop()
 
@@ -351,6 +361,9 @@ def start_cluster(args, tmp: Path, cert_dir: Path | None, cores: Cores) -> Clust
         cluster.coordinator = Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:",
                                       cores.pinned)
         cluster.coordinator.metrics_url = f"http://127.0.0.1:{manage_port}/metrics"
+        if args.against and cert_dir is None:
+            cluster.against = start_against(args.against, write_config(
+                tmp / "ms_coordinator-against.json", cluster.prefill, cluster.decode, None, free_port()), cores)
     except BaseException:
         cluster.stop()
         raise
@@ -359,6 +372,17 @@ def start_cluster(args, tmp: Path, cert_dir: Path | None, cores: Cores) -> Clust
         cluster.client_ssl.load_cert_chain(str(cert_dir / "client.pem"), str(cert_dir / "client-key.pem"))
         cluster.worker_tls = LinkTls("tls_config.worker_grpc", TlsLink(**tls_link(cert_dir, "client")), "client")
     return cluster
+
+
+def start_against(against: str, config: Path, cores: Cores) -> Process:
+    """The coordinator that --against names: this checkout's with NAME=VALUE in its environment, or another
+    checkout's (a folder: `git worktree add /tmp/base HEAD~1`), run by this Python."""
+    if "=" in against:
+        name, value = against.split("=", 1)
+        return Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:", cores.pinned,
+                       env={name: value})
+    return Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:", cores.pinned,
+                   cwd=Path(against).resolve())
 
 
 def http_session(address: str, client_ssl: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
@@ -408,6 +432,10 @@ async def table_rows(args, proxy: Process, clusters: list[Cluster], cores: Cores
             session = await stack.enter_async_context(http_session(cluster.coordinator.address, cluster.client_ssl))
             paths[THROUGH + cluster.suffix] = (lambda tokens, s=session: completions_request(s, tokens), cores.others,
                                                cluster.coordinator)
+            if cluster.against is not None:
+                against = await stack.enter_async_context(http_session(cluster.against.address))
+                paths[AGAINST] = (lambda tokens, s=against: completions_request(s, tokens), cores.others,
+                                  cluster.against)
             # The direct rows: at c=1 always (the TTFT the coordinator adds), at every level with --direct.
             async with session.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": PROMPT,
                                                              "max_tokens": 1}) as resp:
@@ -418,10 +446,14 @@ async def table_rows(args, proxy: Process, clusters: list[Cluster], cores: Cores
                 lambda tokens, c=client, cl=cluster, n=prompt_len: direct_request(c, cl.prefill, cl.decode, n,
                                                                                    tokens),
                 cores.pinned, ThisProcess())
-        return [await measure_row(tokens, concurrency, name, make(tokens), client_cpus, pinned, args)
-                for tokens in args.max_tokens for concurrency in args.concurrency
-                for name, (make, client_cpus, pinned) in paths.items()
-                if args.direct or concurrency == 1 or not name.startswith(BASELINE)]
+        # With --repeats, the paths take turns round after round, so that each path's median row
+        # comes from the same stretch of time as the others'.
+        rounds = [[await measure_row(tokens, concurrency, name, make(tokens), client_cpus, pinned, args)
+                   for tokens in args.max_tokens for concurrency in args.concurrency
+                   for name, (make, client_cpus, pinned) in paths.items()
+                   if args.direct or concurrency == 1 or not name.startswith(BASELINE)]
+                  for _ in range(args.repeats)]
+        return [statistics.median_low(sorted(same, key=lambda row: row.cpu_ms)) for same in zip(*rounds)]
 
 
 async def fleet_row(args, size: int, coordinator: Process, cores: Cores) -> Row:
@@ -477,6 +509,11 @@ def main() -> None:
     parser.add_argument("--fleet", type=even_size, nargs="+", metavar="N", help="instead of the table: the "
                         f"coordinator's CPU per request at {FLEET_TOKENS} tokens c={FLEET_CONCURRENCY} in front of "
                         "N simulated instances (N/2 prefill, N/2 decode) for each N")
+    parser.add_argument("--against", metavar="DIR|NAME=VALUE", help="a second coordinator in front of the same "
+                        "workers, its rows beside this one's: another checkout's code (DIR), or this one's with NAME=VALUE "
+                        "in its environment; to measure what one change buys")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every row; each row's median (by CPU per "
+                        "request) is shown")
     args = parser.parse_args()
     args.tls = args.tls or args.plain_kv
 
@@ -522,6 +559,10 @@ def print_table(args, rows: list[Row], cores: Cores) -> None:
               f"| {ttft:.2f} | {r.ttft_ms(0.99):.2f} | {added} | {r.e2e_ms():.1f} | {r.e2e_ms(0.99):.1f} |")
     print(f"\nrequests per row: {min(len(r.samples) for r in rows)} to {max(len(r.samples) for r in rows)}\n")
     through = {(r.tokens, r.concurrency): r for r in rows if r.path == THROUGH}
+    against = {(r.tokens, r.concurrency): r for r in rows if r.path == AGAINST}
+    for (tokens, concurrency), row in against.items():
+        print(f"CPU/request at {tokens} tokens c={concurrency}, this checkout over --against {args.against}: "
+              f"{through[tokens, concurrency].cpu_ms / row.cpu_ms:.2f}x")
     for tokens in args.max_tokens:
         if (tokens, 32) in through:
             ratio = through[tokens, 32].cpu_ms / floor[tokens, 32].cpu_ms

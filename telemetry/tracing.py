@@ -27,6 +27,7 @@ class TracingSetupError(ValueError):
     """The OTEL_* environment asks for something pdserve cannot do."""
 
 _provider = None  # the SDK TracerProvider this process exports through, once configured
+_tracer: trace.Tracer = trace.NoOpTracer()  # its tracer, made once
 SHUTDOWN_FLUSH_MS = 2000
 
 
@@ -36,7 +37,7 @@ def enabled() -> bool:
 
 
 def tracer() -> trace.Tracer:
-    return trace.get_tracer(TRACER_NAME) if _provider is None else _provider.get_tracer(TRACER_NAME)
+    return _tracer
 
 
 def _exporter_names() -> list[str]:
@@ -95,14 +96,14 @@ def _exporter(name: str):
 
 def install(provider) -> None:
     """Trace through `provider` (an SDK TracerProvider); tests pass one with an in-memory exporter."""
-    global _provider
-    _provider = provider
+    global _provider, _tracer
+    _provider, _tracer = provider, provider.get_tracer(TRACER_NAME)
 
 
 def shutdown() -> None:
     """Flush and stop the exporters (at process exit, so the last requests' spans are not lost)."""
-    global _provider
-    provider, _provider = _provider, None
+    global _provider, _tracer
+    provider, _provider, _tracer = _provider, None, trace.NoOpTracer()
     if provider is not None:
         # Bounded: an unreachable collector must not hold up a stopping process for the exporter's own timeouts.
         provider.force_flush(timeout_millis=SHUTDOWN_FLUSH_MS)
@@ -111,10 +112,7 @@ def shutdown() -> None:
 
 def context_from_traceparent(traceparent: str) -> Context | None:
     """The remote parent a W3C `traceparent` names (None when empty or unparsable)."""
-    if not traceparent:
-        return None
-    ctx = _PROPAGATOR.extract({"traceparent": traceparent})
-    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+    return context_from_headers({"traceparent": traceparent}) if traceparent else None
 
 
 def context_from_headers(headers) -> Context | None:

@@ -4,13 +4,14 @@ every span it is sent, for tests that read the traces pdserve processes export."
 from __future__ import annotations
 
 import threading
-import time
 from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tpb_grpc
+
+from tests.helpers import wait_for
 
 
 @dataclass(frozen=True)
@@ -71,16 +72,17 @@ class OtlpCollector(tpb_grpc.TraceServiceServicer):
 
     def wait_for(self, predicate, timeout_s: float = 10.0) -> list[CollectedSpan]:
         """The spans once `predicate(spans)` holds; AssertionError with what came if it never does."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def matched() -> list[CollectedSpan] | None:
             with self._lock:
                 spans = list(self.spans)
-            if predicate(spans):
-                return spans
-            if time.monotonic() > deadline:
-                raise AssertionError("spans never matched; got:\n" + "\n".join(
-                    f"{s.service} {s.name} {s.trace_id[:8]} {s.span_id[:8]}<-{s.parent_span_id[:8]}" for s in spans))
-            time.sleep(0.05)
+            return spans if predicate(spans) else None
+
+        try:
+            return wait_for(matched, timeout_s, "spans")
+        except AssertionError:
+            raise AssertionError("spans never matched; got:\n" + "\n".join(
+                f"{s.service} {s.name} {s.trace_id[:8]} {s.span_id[:8]}<-{s.parent_span_id[:8]}"
+                for s in self.spans)) from None
 
     def stop(self) -> None:
         self._server.stop(grace=None)

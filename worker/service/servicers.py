@@ -158,8 +158,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         times = PrefillTimes(time.perf_counter())
         parent = traced(request.traceparent)
-        if parent is None:
-            return await self._run_prefill(request, context, times)
         error = None
         try:
             return await self._run_prefill(request, context, times)
@@ -167,7 +165,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             error = failure_text(exc, context)
             raise
         finally:
-            record_safely(record_prefill, parent, request.request_id, len(request.prompt_token_ids), times, error)
+            if parent is not None:
+                record_safely(record_prefill, parent, request.request_id, len(request.prompt_token_ids), times,
+                              error)
 
     async def _run_prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext,
                            times: PrefillTimes) -> pb.PrefillResponse:
