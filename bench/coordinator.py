@@ -453,7 +453,7 @@ async def table_rows(args, proxy: Process, clusters: list[Cluster], cores: Cores
                    for name, (make, client_cpus, pinned) in paths.items()
                    if args.direct or concurrency == 1 or not name.startswith(BASELINE)]
                   for _ in range(args.repeats)]
-        return [statistics.median_low(sorted(same, key=lambda row: row.cpu_ms)) for same in zip(*rounds)]
+        return [sorted(same, key=lambda row: row.cpu_ms)[(len(same) - 1) // 2] for same in zip(*rounds)]
 
 
 async def fleet_row(args, size: int, coordinator: Process, cores: Cores) -> Row:

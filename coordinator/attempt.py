@@ -16,7 +16,7 @@ from coordinator.failures import FailureKind, WorkerCallError, WorkerFailure, de
 from coordinator.instances import Instance, InstanceRegistry
 from coordinator.limits import ModelLimits
 from coordinator.metrics import CoordinatorMetrics, NullMetrics
-from coordinator.request import Finished, GenerationEvent, GenerationRequest, TokenDelta
+from coordinator.request import Finished, GenerationEvent, GenerationRequest, TokenDelta, TokenListener
 from coordinator.request_trace import GenerationTrace
 from coordinator.scheduling.router import Route
 from coordinator.worker_client import DecodeAccepted, DecodeCall, DecodedToken, PrefillDone, WorkerClient
@@ -62,6 +62,45 @@ class _Deadlines:
         return max(self.first_token - time.monotonic(), 0.0)
 
 
+class TokenRelay:
+    """An attempt's decoded tokens as the client's TokenDeltas, each counted into the request's progress, the
+    metrics and the decode instance's signs of life (whether the task or a token channel's frame relays it)."""
+
+    __slots__ = ("metrics", "decode", "progress", "wants_logprobs", "admission_ms", "arrived_at", "offset", "last")
+
+    def __init__(self, metrics: CoordinatorMetrics | NullMetrics, decode: Instance, progress: Progress,
+                 wants_logprobs: bool, admission_ms: float, arrived_at: float):
+        self.metrics = metrics
+        self.decode = decode
+        self.progress = progress
+        self.wants_logprobs = wants_logprobs
+        self.admission_ms = admission_ms
+        self.arrived_at = arrived_at
+        self.offset = progress.count  # tokens sent by earlier attempts
+        self.last = time.monotonic()
+
+    def delta(self, token: DecodedToken) -> TokenDelta:
+        progress = self.progress
+        index = self.offset + token.index
+        if index == 0:
+            progress.prefill_ms = token.time_ms
+        else:
+            progress.decode_times.append(token.time_ms)
+        now = time.monotonic()
+        self.metrics.token(index, now - self.arrived_at, now - self.last)  # TTFT counts from arrival
+        decode = self.decode
+        self.last = decode.last_heard = now  # the silence watch's sign of life, and its step cadence below
+        if token.index:
+            decode.step_ms += (token.time_ms - decode.step_ms) * 0.1
+        progress.token_ids.append(token.token_id)
+        return TokenDelta(
+            token_id=token.token_id, text=token.text, index=index, time_ms=token.time_ms,
+            logprob=token.logprob if self.wants_logprobs else None, top_logprobs=token.top_logprobs,
+            final=token.finish_reason is not None, batch_size=token.batch_size,
+            queue_wait_ms=self.admission_ms if token.index == 0 else token.queue_wait_ms,
+        )
+
+
 class AttemptRunner:
     """Runs attempts on the workers a router picked, keeping each instance's lease and circuit breaker."""
 
@@ -74,8 +113,10 @@ class AttemptRunner:
         self.metrics = metrics
 
     async def run(self, request: GenerationRequest, route: Route, max_tokens: int, deadline: float, timeout: float,
-                  progress: Progress, original_prompt_len: int, trace: GenerationTrace) -> AsyncIterator[GenerationEvent]:
-        """Yield the attempt's events, continuing `progress`, timing its phases on `trace`; raises AttemptFailed."""
+                  progress: Progress, original_prompt_len: int, trace: GenerationTrace,
+                  listener: TokenListener | None = None) -> AsyncIterator[GenerationEvent]:
+        """Yield the attempt's events, continuing `progress`, timing its phases on `trace`; raises AttemptFailed.
+        With a `listener`, tokens it accepts go to it instead, as they arrive."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise AttemptFailed(deadline_error(timeout))
@@ -108,9 +149,10 @@ class AttemptRunner:
                     first_at = time.monotonic()
                     trace.phase(phase, since, first_at)
                     phase, since = "decode", first_at
-                    async for event in self._relay(stream, first, route, progress, original_prompt_len,
-                                                   request.sampling.logprobs is not None,
-                                                   (accepted_at - started) * 1000, clocks, request.arrived_at):
+                    relay = TokenRelay(self.metrics, route.decode, progress, request.sampling.logprobs is not None,
+                                       (accepted_at - started) * 1000, request.arrived_at)
+                    async for event in self._relay(stream, first, route, progress, original_prompt_len, relay,
+                                                   clocks, listener):
                         if event.__class__ is Finished:
                             trace.phase(phase, since, time.monotonic())
                             phase = None
@@ -194,39 +236,29 @@ class AttemptRunner:
                 read.cancel()
 
     async def _relay(self, stream: DecodeCall, token: DecodedToken | None, route: Route, progress: Progress,
-                     prompt_len: int, wants_logprobs: bool, admission_ms: float, clocks: _Deadlines,
-                     arrived_at: float):
-        loop_time = time.monotonic
-        last = loop_time()
-        offset = progress.count
-        decode = route.decode
+                     prompt_len: int, relay: TokenRelay, clocks: _Deadlines, listener: TokenListener | None):
+        if listener is not None:
+            # From here on the tokens but the last may go straight from their frames to the client (the
+            # task sees only what the listener leaves: the last token, a failure, a token of a slow client).
+            def take(decoded: DecodedToken) -> bool:
+                if not listener.accepts():
+                    return False
+                listener.write(relay.delta(decoded))
+                return True
+
+            stream.deliver_directly(take)
         while True:
             if token is None:
                 raise AttemptFailed(WorkerError(f"decode worker {route.decode.address} ended the stream without "
                                                 "a final token"), route.decode, retryable=True)
-            index = offset + token.index
-            if index == 0:
-                progress.prefill_ms = token.time_ms
-            else:
-                progress.decode_times.append(token.time_ms)
-            now = loop_time()
-            self.metrics.token(index, now - arrived_at, now - last)  # TTFT counts from arrival
-            last = decode.last_heard = now  # the silence watch's sign of life, and its step cadence below
-            if token.index:
-                decode.step_ms += (token.time_ms - decode.step_ms) * 0.1
-            progress.token_ids.append(token.token_id)
-            yield TokenDelta(
-                token_id=token.token_id, text=token.text, index=index, time_ms=token.time_ms,
-                logprob=token.logprob if wants_logprobs else None, top_logprobs=token.top_logprobs,
-                final=token.finish_reason is not None, batch_size=token.batch_size,
-                queue_wait_ms=admission_ms if token.index == 0 else token.queue_wait_ms,
-            )
+            delta = relay.delta(token)
+            yield delta
             if token.finish_reason is not None:
                 self.metrics.generation_done(prompt_len)
                 yield Finished(
                     reason=token.finish_reason,
                     prompt_tokens=prompt_len,
-                    completion_tokens=index + 1,
+                    completion_tokens=delta.index + 1,
                     matched_stop=token.matched_stop,
                     prefill_time_ms=progress.prefill_ms,
                     decode_time_ms=tuple(progress.decode_times),

@@ -29,7 +29,7 @@ from coordinator.errors import WorkerError
 from coordinator.instances import InstanceRegistry
 from coordinator.limits import ModelLimits
 from coordinator.metrics import CoordinatorMetrics, NullMetrics
-from coordinator.request import GenerationEvent, GenerationRequest
+from coordinator.request import GenerationEvent, GenerationRequest, TokenListener
 from coordinator.request_queue import RequestQueue
 from coordinator.request_trace import GenerationTrace
 from coordinator.scheduling.router import Router
@@ -53,7 +53,9 @@ class RequestPipeline:
         self.max_migrations = max_migrations
         self.attempts = AttemptRunner(client, registry, limits, first_token_timeout, self.metrics)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+    async def generate(self, request: GenerationRequest,
+                       listener: TokenListener | None = None) -> AsyncIterator[GenerationEvent]:
+        """The request's events; with a `listener`, the tokens it accepts go to it instead, as they arrive."""
         max_tokens = self.limits.generation_cap(request.max_tokens, len(request.prompt_token_ids))
         timeout = min(self.infer_timeout, request.timeout_s or self.infer_timeout)
         deadline = request.arrived_at + timeout
@@ -69,7 +71,7 @@ class RequestPipeline:
                 trace.phase("queue", request.arrived_at, queued_until)
             self.metrics.queued(queued_until - request.arrived_at)
             try:
-                async for event in self._attempts(request, max_tokens, deadline, timeout, trace):
+                async for event in self._attempts(request, max_tokens, deadline, timeout, trace, listener):
                     yield event
             finally:
                 self.queue.release()
@@ -77,7 +79,7 @@ class RequestPipeline:
             trace.finish()
 
     async def _attempts(self, request: GenerationRequest, max_tokens: int, deadline: float, timeout: float,
-                        trace: GenerationTrace):
+                        trace: GenerationTrace, listener: TokenListener | None):
         progress = Progress()
         excluded = {"prefill": set(), "decode": set()}
         retries = migrations = 0
@@ -102,7 +104,7 @@ class RequestPipeline:
             attempt = request.continued(progress.token_ids, retries + migrations)
             try:
                 async for event in self.attempts.run(attempt, route, max_tokens - progress.count, deadline, timeout,
-                                                     progress, len(request.prompt_token_ids), trace):
+                                                     progress, len(request.prompt_token_ids), trace, listener):
                     yield event
                 return
             except AttemptFailed as failed:

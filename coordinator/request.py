@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -108,3 +109,14 @@ class Finished:
 
 
 GenerationEvent = TokenDelta | Finished
+
+
+class TokenListener(Protocol):
+    """Takes a stream's tokens as their frames arrive, skipping the events' way through the request's task."""
+
+    def accepts(self) -> bool:
+        """Whether the next token can be written now, in order (the stream is open, its earlier events are all
+        written and the client keeps up)."""
+
+    def write(self, delta: TokenDelta) -> None:
+        """Record and write one token (only after `accepts` said so)."""

@@ -78,8 +78,8 @@ async def serve_generation(
     stream: bool,
 ) -> web.StreamResponse:
     transcript = Transcript()
-    events = pipeline.generate(request)
     if not stream:
+        events = pipeline.generate(request)
         try:
             async for event in events:
                 record(transcript, event)
@@ -89,17 +89,19 @@ async def serve_generation(
 
     response: web.StreamResponse | None = None
     tail: list[dict | str] = []
+    writer = TokenWriter(formatter, transcript)
+    events = pipeline.generate(request, writer)
     try:
         async for event in events:
+            writer.busy = True  # until this event is written: a token's frame must not overtake it
             if response is None:
                 # Opened on the first event, so a failure before it is a plain HTTP error.
                 response = await open_stream(http_request, formatter.stream_content_type)
+                writer.open(http_request, response)
             record(transcript, event)
             if isinstance(event, TokenDelta):
-                data = formatter.token_bytes(event, transcript)
-                if data is None:
-                    data = b"".join(map(formatter.encode, formatter.token_frames(event, transcript)))
-                await response.write(data)
+                await response.write(writer.token_data(event))
+                writer.busy = False
             else:  # the end: written below with the stream's last bytes
                 tail = formatter.final_frames(event, transcript)
     except ApiError as error:
@@ -109,12 +111,50 @@ async def serve_generation(
         http_request.app[METRICS].fail(api_label(http_request), error.status)
         tail = formatter.error_frames(error, transcript)
     finally:
+        writer.busy = True  # the rest of the stream is written here
         await events.aclose()
     if formatter.done_marker is not None:
         tail.append(formatter.done_marker)
     # The last chunk, usage, the done marker and the end of the body leave in one write.
     await response.write_eof(b"".join(map(formatter.encode, tail)))
     return response
+
+
+class TokenWriter:
+    """Writes a streamed generation's tokens; as the pipeline's TokenListener it writes a token straight from its
+    token channel frame (one callback, no wake-up of the request's task), when the client keeps up."""
+
+    # Above this many unsent bytes the client is behind: its tokens go through the task, which waits for it.
+    HIGH_WATER = 64 * 1024
+
+    def __init__(self, formatter: ResponseFormatter, transcript: Transcript):
+        self.formatter = formatter
+        self.transcript = transcript
+        self.busy = False  # the task is writing an event: a token written now would overtake it
+        self._transport = None  # set once the stream is open with chunked framing, which `write` frames itself
+
+    def open(self, http_request: web.Request, response: web.StreamResponse) -> None:
+        if response.chunked:
+            self._transport = http_request.transport
+
+    def accepts(self) -> bool:
+        transport = self._transport
+        return (not self.busy and transport is not None and not transport.is_closing()
+                and transport.get_write_buffer_size() <= self.HIGH_WATER)
+
+    def write(self, delta: TokenDelta) -> None:
+        self.transcript.add(delta)
+        data = self.token_data(delta)
+        # One HTTP/1.1 chunk, as aiohttp's StreamResponse.write frames it.
+        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def token_data(self, delta: TokenDelta) -> bytes:
+        """A token's stream bytes (after it was recorded in the transcript)."""
+        formatter = self.formatter
+        data = formatter.token_bytes(delta, self.transcript)
+        if data is None:
+            data = b"".join(map(formatter.encode, formatter.token_frames(delta, self.transcript)))
+        return data
 
 
 class SseFormatter:

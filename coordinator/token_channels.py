@@ -10,6 +10,7 @@ import collections
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 from coordinator.failures import WorkerCallError, WorkerFailure
 from proto import worker_pb2 as pb
@@ -26,16 +27,30 @@ REDIAL_AFTER_S = 5.0
 
 
 class TokenSink:
-    """The events of one request on a channel, read in order by its attempt."""
+    """The events of one request on a channel, read in order by its attempt; or, while nothing is queued and
+    `direct` takes them, handed to `direct` inside the frame's own callback (no wake-up of the attempt's task)."""
 
-    __slots__ = ("_items", "_waiter", "_lost")
+    __slots__ = ("_items", "_waiter", "_lost", "_loop", "direct")
 
     def __init__(self):
         self._items: collections.deque[pb.RoutedEvent] = collections.deque()
         self._waiter: asyncio.Future | None = None
-        self._lost: WorkerCallError | None = None  # the channel closed under it
+        self._lost: BaseException | None = None  # the channel closed under it, or `direct` failed
+        self._loop = asyncio.get_running_loop()
+        # Returns whether it consumed the event; False leaves it to the queue, as do queued events before it.
+        self.direct: Callable[[pb.RoutedEvent], bool] | None = None
 
     def push(self, event: pb.RoutedEvent) -> None:
+        direct = self.direct
+        if direct is not None and not self._items and self._lost is None:
+            try:
+                if direct(event):
+                    return
+            except Exception as exc:  # noqa: BLE001 - the request's own failure, raised in its task, not the channel's
+                self.direct = None
+                self._lost = exc
+                self._wake()
+                return
         self._items.append(event)
         self._wake()
 
@@ -53,7 +68,7 @@ class TokenSink:
         while not self._items:
             if self._lost is not None:
                 raise self._lost
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:

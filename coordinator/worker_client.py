@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -172,6 +173,9 @@ class DecodeStream:
             return accepted_from_pb(msg.accepted)
         return token_from_pb(msg.token)
 
+    def deliver_directly(self, take: Callable[[DecodedToken], bool]) -> None:
+        """Nothing to do: a gRPC stream's messages come only through `read`."""
+
     def cancel(self) -> None:
         self._call.cancel()
 
@@ -201,6 +205,16 @@ class ChannelDecodeStream:
             return accepted_from_pb(event.accepted)
         self._release(cancel=False)
         raise WorkerCallError(WorkerFailure("decode", self.address, event.error.code, event.error.details))
+
+    def deliver_directly(self, take: Callable[[DecodedToken], bool]) -> None:
+        """Hand every token but the last to `take` inside the frame's callback as it arrives, while `take`
+        returns True; a token it leaves (False), the last one and any failure come through `read`, in order."""
+        def direct(event: pb.RoutedEvent) -> bool:
+            if event.WhichOneof("event") != "token" or event.token.finish_reason:
+                return False
+            return take(token_from_pb(event.token))
+
+        self._sink.direct = direct
 
     def _expire(self) -> None:
         # gRPC's own words for a call whose deadline passed, as failures.py tells it apart from an abort.

@@ -74,7 +74,7 @@ def test_a_failed_prompt_of_a_batch_cancels_the_other_generations():
     cancelled = []
 
     class Pipeline:
-        async def generate(self, request: GenerationRequest):
+        async def generate(self, request: GenerationRequest, listener=None):
             if request.request_id == "bad":
                 raise ApiError(400, "max_tokens: too many for this prompt", param="max_tokens")
             try:

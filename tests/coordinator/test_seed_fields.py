@@ -121,7 +121,7 @@ class FailingPipeline:
         self.num_tokens = num_tokens
         self.fail = fail
 
-    async def generate(self, request: GenerationRequest):
+    async def generate(self, request: GenerationRequest, listener=None):
         for i in range(self.num_tokens):
             yield TokenDelta(token_id=5, text="a", index=i, time_ms=1.0)
         if self.fail:

@@ -1,0 +1,169 @@
+"""Tokens written straight from their token channel frame (TokenSink.direct, serving.TokenWriter): in order, only
+while nothing is queued before them and the client keeps up; a stalled client's tokens wait in the request's task."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from coordinator.request import TokenDelta
+from coordinator.serving import SseFormatter, TokenWriter, Transcript
+from coordinator.token_channels import TokenSink
+from proto import worker_pb2 as pb
+from worker.simulated.tokens import synthetic_token, token_key, token_text
+from tests.helpers import sse_events, start_coordinator, start_sim_worker, write_config
+
+
+def token_event(index: int) -> pb.RoutedEvent:
+    return pb.RoutedEvent(request_id="r", token=pb.TokenEvent(token_id=index, text=f"t{index}", index=index))
+
+
+async def test_sink_hands_events_to_direct_while_nothing_is_queued_and_queues_from_the_first_it_refuses():
+    sink, taken = TokenSink(), []
+    accept = True
+
+    def direct(event):
+        if accept:
+            taken.append(event.token.index)
+        return accept
+
+    sink.direct = direct
+    sink.push(token_event(0))
+    sink.push(token_event(1))
+    accept = False
+    sink.push(token_event(2))
+    accept = True
+    sink.push(token_event(3))  # behind a queued event: queued too, or it would overtake it
+    assert taken == [0, 1]
+    assert [(await sink.next()).token.index for _ in range(2)] == [2, 3]
+    sink.push(token_event(4))  # the queue drained: direct again
+    assert taken == [0, 1, 4]
+
+
+async def test_an_error_in_direct_fails_the_reading_task_with_it():
+    sink = TokenSink()
+
+    def direct(event):
+        raise ValueError("formatter broke")
+
+    sink.direct = direct
+    sink.push(token_event(0))  # the channel's callback is not where it surfaces
+    with pytest.raises(ValueError, match="formatter broke"):
+        await sink.next()
+
+
+class BufferingTransport:
+    """Stands in for a client connection's transport: what was written, and how much is still unsent."""
+
+    def __init__(self, unsent: int = 0):
+        self.unsent = unsent
+        self.closing = False
+        self.written: list[bytes] = []
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+class OpenStream:
+    def __init__(self, transport, chunked: bool = True):
+        self.transport = transport
+        self.chunked = chunked
+
+
+def test_writer_accepts_only_an_open_chunked_stream_not_busy_whose_client_keeps_up():
+    transport = BufferingTransport()
+    writer = TokenWriter(SseFormatter(), Transcript())
+    assert not writer.accepts()  # not open yet
+    writer.open(OpenStream(transport, chunked=False), OpenStream(None, chunked=False))
+    assert not writer.accepts()  # HTTP/1.0: aiohttp frames it
+    writer.open(OpenStream(transport), OpenStream(None))
+    assert writer.accepts()
+    writer.busy = True
+    assert not writer.accepts()
+    writer.busy = False
+    transport.unsent = TokenWriter.HIGH_WATER + 1
+    assert not writer.accepts()  # the client is behind: the task waits for it
+    transport.unsent, transport.closing = 0, True
+    assert not writer.accepts()
+
+
+class TextFormatter(SseFormatter):
+    def token_frames(self, delta, transcript):
+        return [{"text": delta.text}]
+
+
+def test_writer_records_the_token_and_frames_it_as_one_http_chunk():
+    transport, transcript = BufferingTransport(), Transcript()
+    writer = TokenWriter(TextFormatter(), transcript)
+    writer.open(OpenStream(transport), OpenStream(None))
+    writer.write(TokenDelta(token_id=7, text="hé", index=0, time_ms=1.0))
+    body = 'data: {"text":"hé"}\n\n'.encode()
+    assert transport.written == [b"%x\r\n" % len(body) + body + b"\r\n"]
+    assert transcript.text == "hé" and transcript.token_ids == [7]
+
+
+TOKENS = 15000
+SIMULATED_VOCAB = 32000
+
+
+@pytest.mark.system
+def test_a_client_that_stops_reading_mid_stream_gets_every_token_in_order(model_dir, tmp_path):
+    prefill = start_sim_worker("prefill", "--sim-vocab-size", str(SIMULATED_VOCAB))
+    decode = start_sim_worker("decode", "--sim-decode-base-ms", "0.2", "--sim-vocab-size", str(SIMULATED_VOCAB))
+    coordinator = None
+    try:
+        config = write_config(tmp_path / "ms_coordinator.json", [prefill.address], [decode.address], model_dir,
+                              maxSeqLen=16384, maxIterTimes=16000)
+        coordinator = start_coordinator(config)
+        # Chunks of about 2 KiB (20 alternatives each): more than the kernel's socket buffers hold, so the
+        # coordinator's own buffer fills while the client is stalled.
+        request = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": TOKENS,
+                   "ignore_eos": True, "seed": 11, "logprobs": True, "top_logprobs": 20}
+        with httpx.Client(base_url=coordinator.address, timeout=60) as http:  # the token channel opens
+            assert http.post("/v1/chat/completions", json={**request, "max_tokens": 2}).status_code == 200
+        body = json.dumps({**request, "stream": True}).encode()
+        url = urlsplit(coordinator.address)
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((url.hostname, url.port))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+            raw = [sock.recv(4096)]
+            time.sleep(3.0)  # stalled while the stream goes on
+            while chunk := sock.recv(65536):
+                raw.append(chunk)
+        head, _, chunked = b"".join(raw).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        stream = bytearray()
+        while True:  # undo the HTTP/1.1 chunking
+            size_line, _, chunked = chunked.partition(b"\r\n")
+            size = int(size_line, 16)
+            if size == 0:
+                break
+            stream += chunked[:size]
+            chunked = chunked[size + 2:]
+        payloads = sse_events(bytes(stream))
+        assert payloads[-1] == "[DONE]"
+        chunks = [json.loads(p) for p in payloads[:-1]]
+        assert len(chunks) == TOKENS + 1  # and the final chunk
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        # Simulated tokens follow from the seed and their index: the text says every one came, in order.
+        assert streamed == "".join(token_text(synthetic_token(token_key("", 11), i, SIMULATED_VOCAB))
+                                   for i in range(TOKENS))
+    finally:
+        for process in (coordinator, decode, prefill):
+            if process is not None:
+                process.stop()
