@@ -1,7 +1,8 @@
 """The coordinator's side of the token channels (life cycle in worker/service/token_channel.py): one
-connection per decode worker, dialled in the background once the worker names its listener in an
-`accepted` (until then, and whenever it is down, requests take gRPC Decode calls). Decode requests
-go out on it; each frame's events go to the TokenSink of their request as the frame arrives."""
+connection per worker, dialled in the background once the worker names its listener (a decode worker in an
+`accepted`, a prefill worker in a Prefill answer; until then, and whenever it is down, requests take gRPC
+calls). Decode requests or prefills go out on it; each frame's events go to the TokenSink of their request
+as the frame arrives."""
 
 from __future__ import annotations
 
@@ -77,11 +78,12 @@ class TokenSink:
 
 
 class TokenChannel(asyncio.Protocol):
-    """One decode worker's channel: hands each token to its request's sink."""
+    """One worker's channel: hands each event to its request's sink."""
 
-    def __init__(self, worker_address: str, listener_address: str):
+    def __init__(self, worker_address: str, listener_address: str, role: str = "decode"):
         self.worker_address = worker_address
         self.listener_address = listener_address
+        self.role = role  # the worker's: the stage a lost channel fails its requests at
         self.state = ChannelState.GREETING
         self.channel_id = ""
         self.sinks: dict[str, TokenSink] = {}
@@ -127,10 +129,10 @@ class TokenChannel(asyncio.Protocol):
         if not self.opened.done():
             self.opened.set_result(None)
 
-    def submit(self, request: pb.DecodeRequest, timeout_s: float) -> TokenSink:
-        """Send a decode request; its events come to the returned sink."""
-        sink = self.sinks[request.request_id] = TokenSink()
-        self._send(pb.TokenChannelRequest(decode=request, timeout_s=timeout_s))
+    def submit(self, request_id: str, request: pb.TokenChannelRequest) -> TokenSink:
+        """Send a decode or prefill request; its events come to the returned sink."""
+        sink = self.sinks[request_id] = TokenSink()
+        self._send(request)
         return sink
 
     def release(self, request_id: str, cancel: bool) -> None:
@@ -146,7 +148,7 @@ class TokenChannel(asyncio.Protocol):
         if not self.opened.done():
             self.opened.set_exception(ConnectionError(f"closed before the worker named the channel: {exc}"))
             self.opened.exception()  # retrieved: the dialler reports it
-        error = WorkerCallError(WorkerFailure("decode", self.worker_address, "UNAVAILABLE",
+        error = WorkerCallError(WorkerFailure(self.role, self.worker_address, "UNAVAILABLE",
                                               self._lost_reason or f"token channel lost: {exc or 'closed'}"))
         for sink in self.sinks.values():
             sink.lose(error)
@@ -178,7 +180,7 @@ def keep_alive(transport: asyncio.Transport) -> None:
 
 
 class TokenChannels:
-    """The coordinator's token channels, one per decode worker, opened once a worker names its listener."""
+    """The coordinator's token channels, one per worker, opened once a worker names its listener."""
 
     def __init__(self, tls: LinkTls | None = None, secret: SecretFile | None = None):
         self.tls = tls
@@ -194,17 +196,18 @@ class TokenChannels:
             return channel
         return None
 
-    def learn(self, worker_address: str, channel_address: str) -> None:
-        """A worker named its listener: dial it in the background unless a channel is open or being opened."""
+    def learn(self, worker_address: str, channel_address: str, role: str = "decode") -> None:
+        """A `role` worker named its listener: dial it in the background unless a channel is open or being
+        opened."""
         if not channel_address or self.open_channel(worker_address) is not None or worker_address in self._dialling:
             return
         if time.monotonic() - self._failed_at.get(worker_address, -REDIAL_AFTER_S) < REDIAL_AFTER_S:
             return
-        task = asyncio.create_task(self._dial(worker_address, channel_address))
+        task = asyncio.create_task(self._dial(worker_address, channel_address, role))
         self._dialling[worker_address] = task
         task.add_done_callback(lambda _: self._dialling.pop(worker_address, None))
 
-    async def _dial(self, worker_address: str, channel_address: str) -> None:
+    async def _dial(self, worker_address: str, channel_address: str, role: str) -> None:
         loop = asyncio.get_running_loop()
         ssl_context = self.tls.ssl_context() if self.tls is not None else None
         channel: TokenChannel | None = None
@@ -213,7 +216,7 @@ class TokenChannels:
             host = host.strip("[]")
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 _, channel = await loop.create_connection(
-                    lambda: TokenChannel(worker_address, channel_address), host, int(port), ssl=ssl_context,
+                    lambda: TokenChannel(worker_address, channel_address, role), host, int(port), ssl=ssl_context,
                     server_hostname=host if ssl_context is not None else None)
                 channel.hello(self.secret)
                 await channel.opened
@@ -223,8 +226,8 @@ class TokenChannels:
             if not isinstance(exc, Exception):  # cancelled: the worker left, or the coordinator stops
                 raise
             self._failed_at[worker_address] = time.monotonic()
-            logger.warning("token channel to decode worker %s (%s) failed: %s; its requests stay on gRPC calls",
-                           worker_address, channel_address, exc or type(exc).__name__)
+            logger.warning("token channel to %s worker %s (%s) failed: %s; its requests stay on gRPC calls",
+                           role, worker_address, channel_address, exc or type(exc).__name__)
             return
         old = self._channels.get(worker_address)
         if old is not None:

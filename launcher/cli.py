@@ -162,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-data-port", type=int, default=0,
                    help="decode: raw-TCP KV receiver port (0 picks one, -1 disables it: KV over gRPC only)")
     p.add_argument("--token-channel-port", type=int, default=0,
-                   help="decode: token channel port, one connection per coordinator carrying its tokens (0 picks one, "
-                        "-1 disables it: tokens on each request's gRPC stream)")
+                   help="token channel port, one connection per coordinator carrying its decode requests and their "
+                        "tokens (decode) or its prefills (prefill); 0 picks one, -1 disables it: a gRPC call per "
+                        "request")
     p.add_argument("--advertise-host", default=None,
                    help="host the coordinator and other workers dial (e.g. the pod IP when --host is 0.0.0.0)")
     p.add_argument("--coordinator", default=None,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\npdserve.v1\"\xa3\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1b\n\x13skip_special_tokens\x18\x08 \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x10 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\x05\x12*\n\x06guided\x18\x12 \x01(\x0b\x32\x1a.pdserve.v1.GuidedDecoding\x12=\n\nlogit_bias\x18\x13 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\">\n\x0eGuidedDecoding\x12\x0f\n\x07grammar\x18\x01 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x02 \x03(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xcd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x17\n\x0fkv_data_address\x18\x05 \x01(\t\x12\x19\n\x11kv_transfer_token\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"\x80\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x17\n\x0fprefill_time_ms\x18\x02 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\"\xc0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"i\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AcceptedH\x00\x12\'\n\x05token\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x42\x07\n\x05\x65vent\"]\n\x08\x41\x63\x63\x65pted\x12\x17\n\x0fkv_data_address\x18\x01 \x01(\t\x12\x19\n\x11kv_transfer_token\x18\x02 \x01(\t\x12\x1d\n\x15token_channel_address\x18\x03 \x01(\t\"\xfd\x01\n\nTokenEvent\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07time_ms\x18\x03 \x01(\x01\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\r\n\x05index\x18\x05 \x01(\x05\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12\x0f\n\x07logprob\x18\x07 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x12\n\nbatch_size\x18\t \x01(\x05\x12\x15\n\rqueue_wait_ms\x18\n \x01(\x01\"\x0f\n\rHealthRequest\"\xd2\x01\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x03\x12\x16\n\x0ekv_used_tokens\x18\x06 \x01(\x03\x12\x15\n\rnum_kv_leases\x18\x07 \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x10\n\x08\x64raining\x18\t \x01(\x08\"~\n\x08KvHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x14\n\x0ctensor_bytes\x18\x05 \x01(\x04\x12\x16\n\x0etransfer_token\x18\x06 \x01(\t\"\x87\x01\n\tKvTrailer\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x17\n\x0fprefill_time_ms\x18\x02 \x01(\x01\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x32\n\x12\x66irst_top_logprobs\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"Z\n\x07KvBlock\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x10\n\x08is_value\x18\x02 \x01(\x08\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\"\x8e\x01\n\tKvMessage\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KvHeaderH\x00\x12$\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KvBlockH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KvTrailerH\x00\x42\t\n\x07payload\"\x1f\n\x05KvAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"*\n\x11TokenChannelHello\x12\x15\n\rworker_secret\x18\x01 \x01(\t\"o\n\x13TokenChannelRequest\x12+\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x42\x06\n\x04kind\"-\n\x0c\x43hannelError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\xa8\x01\n\x0bRoutedEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.AcceptedH\x00\x12\'\n\x05token\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChannelErrorH\x00\x42\x07\n\x05\x65vent\"a\n\x11TokenChannelFrame\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.RoutedEvent\x12\x0f\n\x07refused\x18\x03 \x01(\t*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x04\x32\x95\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse2\x90\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse2B\n\nKvReceiver\x12\x34\n\x06PushKv\x12\x15.pdserve.v1.KvMessage\x1a\x11.pdserve.v1.KvAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\npdserve.v1\"\xa3\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1b\n\x13skip_special_tokens\x18\x08 \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x17\n\x0freturn_logprobs\x18\x10 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\x05\x12*\n\x06guided\x18\x12 \x01(\x0b\x32\x1a.pdserve.v1.GuidedDecoding\x12=\n\nlogit_bias\x18\x13 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\">\n\x0eGuidedDecoding\x12\x0f\n\x07grammar\x18\x01 \x01(\t\x12\x1b\n\x13generated_token_ids\x18\x02 \x03(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xcd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x17\n\x0fkv_data_address\x18\x05 \x01(\t\x12\x19\n\x11kv_transfer_token\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"\x9f\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x17\n\x0fprefill_time_ms\x18\x02 \x01(\x01\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x12\n\nforward_ms\x18\x05 \x01(\x01\x12\x1d\n\x15token_channel_address\x18\x06 \x01(\t\"\xc0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0bmax_seq_len\x18\x04 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\"i\n\x0b\x44\x65\x63odeEvent\x12(\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.AcceptedH\x00\x12\'\n\x05token\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x42\x07\n\x05\x65vent\"]\n\x08\x41\x63\x63\x65pted\x12\x17\n\x0fkv_data_address\x18\x01 \x01(\t\x12\x19\n\x11kv_transfer_token\x18\x02 \x01(\t\x12\x1d\n\x15token_channel_address\x18\x03 \x01(\t\"\xfd\x01\n\nTokenEvent\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07time_ms\x18\x03 \x01(\x01\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\r\n\x05index\x18\x05 \x01(\x05\x12\x14\n\x0cmatched_stop\x18\x06 \x01(\t\x12\x0f\n\x07logprob\x18\x07 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x12\n\nbatch_size\x18\t \x01(\x05\x12\x15\n\rqueue_wait_ms\x18\n \x01(\x01\"\x0f\n\rHealthRequest\"\xd2\x01\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x03\x12\x16\n\x0ekv_used_tokens\x18\x06 \x01(\x03\x12\x15\n\rnum_kv_leases\x18\x07 \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x04\x12\x10\n\x08\x64raining\x18\t \x01(\x08\"~\n\x08KvHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x14\n\x0ctensor_bytes\x18\x05 \x01(\x04\x12\x16\n\x0etransfer_token\x18\x06 \x01(\t\"\x87\x01\n\tKvTrailer\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x17\n\x0fprefill_time_ms\x18\x02 \x01(\x01\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x32\n\x12\x66irst_top_logprobs\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"Z\n\x07KvBlock\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\x10\n\x08is_value\x18\x02 \x01(\x08\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\"\x8e\x01\n\tKvMessage\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KvHeaderH\x00\x12$\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KvBlockH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KvTrailerH\x00\x42\t\n\x07payload\"\x1f\n\x05KvAck\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\"*\n\x11TokenChannelHello\x12\x15\n\rworker_secret\x18\x01 \x01(\t\"\xb0\x01\n\x13TokenChannelRequest\x12+\n\x06\x64\x65\x63ode\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.DecodeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12-\n\x07prefill\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.PrefillRequestH\x00\x12\x10\n\x06health\x18\x05 \x01(\tH\x00\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x42\x06\n\x04kind\"-\n\x0c\x43hannelError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\"\x88\x02\n\x0bRoutedEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.AcceptedH\x00\x12\'\n\x05token\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChannelErrorH\x00\x12\x30\n\tprefilled\x18\x05 \x01(\x0b\x32\x1b.pdserve.v1.PrefillResponseH\x00\x12,\n\x06health\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.HealthResponseH\x00\x42\x07\n\x05\x65vent\"a\n\x11TokenChannelFrame\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\'\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.RoutedEvent\x12\x0f\n\x07refused\x18\x03 \x01(\t*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x04\x32\x95\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse2\x90\x01\n\rDecodeService\x12>\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x17.pdserve.v1.DecodeEvent0\x01\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse2B\n\nKvReceiver\x12\x34\n\x06PushKv\x12\x15.pdserve.v1.KvMessage\x1a\x11.pdserve.v1.KvAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2930
-  _globals['_FINISHREASON']._serialized_end=3085
+  _globals['_FINISHREASON']._serialized_start=3123
+  _globals['_FINISHREASON']._serialized_end=3278
   _globals['_SAMPLINGPARAMS']._serialized_start=35
   _globals['_SAMPLINGPARAMS']._serialized_end=582
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=534
@@ -46,43 +46,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=698
   _globals['_PREFILLREQUEST']._serialized_end=903
   _globals['_PREFILLRESPONSE']._serialized_start=906
-  _globals['_PREFILLRESPONSE']._serialized_end=1034
-  _globals['_DECODEREQUEST']._serialized_start=1037
-  _globals['_DECODEREQUEST']._serialized_end=1229
-  _globals['_DECODEEVENT']._serialized_start=1231
-  _globals['_DECODEEVENT']._serialized_end=1336
-  _globals['_ACCEPTED']._serialized_start=1338
-  _globals['_ACCEPTED']._serialized_end=1431
-  _globals['_TOKENEVENT']._serialized_start=1434
-  _globals['_TOKENEVENT']._serialized_end=1687
-  _globals['_HEALTHREQUEST']._serialized_start=1689
-  _globals['_HEALTHREQUEST']._serialized_end=1704
-  _globals['_HEALTHRESPONSE']._serialized_start=1707
-  _globals['_HEALTHRESPONSE']._serialized_end=1917
-  _globals['_KVHEADER']._serialized_start=1919
-  _globals['_KVHEADER']._serialized_end=2045
-  _globals['_KVTRAILER']._serialized_start=2048
-  _globals['_KVTRAILER']._serialized_end=2183
-  _globals['_KVBLOCK']._serialized_start=2185
-  _globals['_KVBLOCK']._serialized_end=2275
-  _globals['_KVMESSAGE']._serialized_start=2278
-  _globals['_KVMESSAGE']._serialized_end=2420
-  _globals['_KVACK']._serialized_start=2422
-  _globals['_KVACK']._serialized_end=2453
-  _globals['_TOKENCHANNELHELLO']._serialized_start=2455
-  _globals['_TOKENCHANNELHELLO']._serialized_end=2497
-  _globals['_TOKENCHANNELREQUEST']._serialized_start=2499
-  _globals['_TOKENCHANNELREQUEST']._serialized_end=2610
-  _globals['_CHANNELERROR']._serialized_start=2612
-  _globals['_CHANNELERROR']._serialized_end=2657
-  _globals['_ROUTEDEVENT']._serialized_start=2660
-  _globals['_ROUTEDEVENT']._serialized_end=2828
-  _globals['_TOKENCHANNELFRAME']._serialized_start=2830
-  _globals['_TOKENCHANNELFRAME']._serialized_end=2927
-  _globals['_PREFILLSERVICE']._serialized_start=3088
-  _globals['_PREFILLSERVICE']._serialized_end=3237
-  _globals['_DECODESERVICE']._serialized_start=3240
-  _globals['_DECODESERVICE']._serialized_end=3384
-  _globals['_KVRECEIVER']._serialized_start=3386
-  _globals['_KVRECEIVER']._serialized_end=3452
+  _globals['_PREFILLRESPONSE']._serialized_end=1065
+  _globals['_DECODEREQUEST']._serialized_start=1068
+  _globals['_DECODEREQUEST']._serialized_end=1260
+  _globals['_DECODEEVENT']._serialized_start=1262
+  _globals['_DECODEEVENT']._serialized_end=1367
+  _globals['_ACCEPTED']._serialized_start=1369
+  _globals['_ACCEPTED']._serialized_end=1462
+  _globals['_TOKENEVENT']._serialized_start=1465
+  _globals['_TOKENEVENT']._serialized_end=1718
+  _globals['_HEALTHREQUEST']._serialized_start=1720
+  _globals['_HEALTHREQUEST']._serialized_end=1735
+  _globals['_HEALTHRESPONSE']._serialized_start=1738
+  _globals['_HEALTHRESPONSE']._serialized_end=1948
+  _globals['_KVHEADER']._serialized_start=1950
+  _globals['_KVHEADER']._serialized_end=2076
+  _globals['_KVTRAILER']._serialized_start=2079
+  _globals['_KVTRAILER']._serialized_end=2214
+  _globals['_KVBLOCK']._serialized_start=2216
+  _globals['_KVBLOCK']._serialized_end=2306
+  _globals['_KVMESSAGE']._serialized_start=2309
+  _globals['_KVMESSAGE']._serialized_end=2451
+  _globals['_KVACK']._serialized_start=2453
+  _globals['_KVACK']._serialized_end=2484
+  _globals['_TOKENCHANNELHELLO']._serialized_start=2486
+  _globals['_TOKENCHANNELHELLO']._serialized_end=2528
+  _globals['_TOKENCHANNELREQUEST']._serialized_start=2531
+  _globals['_TOKENCHANNELREQUEST']._serialized_end=2707
+  _globals['_CHANNELERROR']._serialized_start=2709
+  _globals['_CHANNELERROR']._serialized_end=2754
+  _globals['_ROUTEDEVENT']._serialized_start=2757
+  _globals['_ROUTEDEVENT']._serialized_end=3021
+  _globals['_TOKENCHANNELFRAME']._serialized_start=3023
+  _globals['_TOKENCHANNELFRAME']._serialized_end=3120
+  _globals['_PREFILLSERVICE']._serialized_start=3281
+  _globals['_PREFILLSERVICE']._serialized_end=3430
+  _globals['_DECODESERVICE']._serialized_start=3433
+  _globals['_DECODESERVICE']._serialized_end=3577
+  _globals['_KVRECEIVER']._serialized_start=3579
+  _globals['_KVRECEIVER']._serialized_end=3645
 # @@protoc_insertion_point(module_scope)

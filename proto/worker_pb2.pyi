@@ -104,18 +104,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "prefill_time_ms", "kv_bytes", "kv_transfer_ms", "forward_ms")
+    __slots__ = ("first_token_id", "prefill_time_ms", "kv_bytes", "kv_transfer_ms", "forward_ms", "token_channel_address")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_CHANNEL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_time_ms: float
     kv_bytes: int
     kv_transfer_ms: float
     forward_ms: float
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+    token_channel_address: str
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., token_channel_address: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill", "traceparent")
@@ -268,14 +270,18 @@ class TokenChannelHello(_message.Message):
     def __init__(self, worker_secret: _Optional[str] = ...) -> None: ...
 
 class TokenChannelRequest(_message.Message):
-    __slots__ = ("decode", "cancel", "timeout_s")
+    __slots__ = ("decode", "cancel", "prefill", "health", "timeout_s")
     DECODE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     decode: DecodeRequest
     cancel: str
+    prefill: PrefillRequest
+    health: str
     timeout_s: float
-    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., health: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class ChannelError(_message.Message):
     __slots__ = ("code", "details")
@@ -286,16 +292,20 @@ class ChannelError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., details: _Optional[str] = ...) -> None: ...
 
 class RoutedEvent(_message.Message):
-    __slots__ = ("request_id", "accepted", "token", "error")
+    __slots__ = ("request_id", "accepted", "token", "error", "prefilled", "health")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     accepted: Accepted
     token: TokenEvent
     error: ChannelError
-    def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., error: _Optional[_Union[ChannelError, _Mapping]] = ...) -> None: ...
+    prefilled: PrefillResponse
+    health: HealthResponse
+    def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., error: _Optional[_Union[ChannelError, _Mapping]] = ..., prefilled: _Optional[_Union[PrefillResponse, _Mapping]] = ..., health: _Optional[_Union[HealthResponse, _Mapping]] = ...) -> None: ...
 
 class TokenChannelFrame(_message.Message):
     __slots__ = ("channel_id", "events", "refused")

@@ -229,3 +229,34 @@ async def test_a_frozen_worker_fails_a_channel_request_at_its_deadline_as_a_deco
             await asyncio.to_thread(wait_for_idle, worker.address, "decode")  # the cancel reached it after all
     finally:
         assert worker.stop() == 0
+
+
+async def test_a_health_probe_goes_on_the_channel_and_answers_as_the_health_call(decode_worker):
+    by_call = WorkerClient()
+    try:
+        async with client_with_channel(decode_worker.address) as (client, channel):
+            await asyncio.to_thread(wait_for_idle, decode_worker.address, "decode")
+            sent = []
+            original = channel._send
+            channel._send = lambda request: (sent.append(request.WhichOneof("kind")), original(request))
+            on_channel = await client.health(decode_worker.address, "decode")
+            assert sent == ["health"] and not channel.sinks
+            assert on_channel == await by_call.health(decode_worker.address, "decode")
+            assert on_channel.load.kv_capacity_tokens > 0 and not on_channel.draining
+    finally:
+        await by_call.close()
+
+
+async def test_a_frozen_workers_health_probe_on_the_channel_fails_at_its_deadline():
+    worker = start_sim_worker("decode", "--metrics-port", "-1")
+    try:
+        async with client_with_channel(worker.address) as (client, _):
+            os.kill(worker.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(WorkerCallError) as failed:
+                    await client.health(worker.address, "decode", timeout=0.5)
+                assert (failed.value.failure.stage, failed.value.failure.code) == ("decode", "DEADLINE_EXCEEDED")
+            finally:
+                os.kill(worker.proc.pid, signal.SIGCONT)
+    finally:
+        assert worker.stop() == 0

@@ -45,8 +45,8 @@ class WorkerOptions:
     max_prefill_batch_size: int = 16
     max_running: int = 64
     kv_data_port: int = 0  # decode: raw-TCP KV receiver port; 0 picks one, -1 disables (gRPC PushKv only)
-    # decode: the token channel listener (coordinators take their requests' tokens from it, one frame per
-    # step); 0 picks one, -1 disables (tokens on each request's gRPC stream)
+    # the token channel listener (a decode worker's carries coordinators' decode requests and their tokens, one
+    # frame per step; a prefill worker's their prefills); 0 picks one, -1 disables (a gRPC call per request)
     token_channel_port: int = 0
     metrics_port: int = 0  # Prometheus /metrics; 0 picks one, -1 disables
     coordinator_url: str | None = None  # the coordinator's management URL to register with; None: no registration

@@ -45,6 +45,18 @@ async def serve(options: WorkerOptions) -> None:
         tracing.shutdown()  # the last requests' spans are exported, not lost
 
 
+async def open_token_channels(servicer, kind: str, options: WorkerOptions, trust: WorkerTrust, closers: list) -> None:
+    """Listen for coordinators' token channels (unless --token-channel-port is -1); the servicer names the
+    listener in its answers."""
+    if options.token_channel_port < 0:
+        return
+    channels = TokenChannelListener(servicer.serve_on_channel, servicer.health_now, trust.worker_secret,
+                                    trust.grpc_server, kind)
+    port = await channels.start(options.host, options.token_channel_port)
+    servicer.token_channel_address = f"{options.public_host}:{port}"
+    closers.append(channels.stop)
+
+
 async def _serve(options: WorkerOptions) -> None:
     trust = WorkerTrust.from_settings(options.role, options.tls, options.auth)  # bad files fail before the model loads
     engine = build_engine(options)
@@ -58,6 +70,7 @@ async def _serve(options: WorkerOptions) -> None:
                                    tls=trust.grpc_client)
         tcp_sender = TcpKvSender(options.kv_chunk_bytes, tls=trust.kv_client)
         servicer = PrefillServicer(engine, grpc_sender, tcp_sender, options.kv_lease_timeout_s, metrics, gate)
+        await open_token_channels(servicer, "prefill", options, trust, closers)
         pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
         closers.append(grpc_sender.close)
     else:
@@ -80,11 +93,7 @@ async def _serve(options: WorkerOptions) -> None:
             kv_data_address = f"{options.public_host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
         servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, tokens, metrics, gate)
-        if options.token_channel_port >= 0:
-            channels = TokenChannelListener(servicer.serve_on_channel, trust.worker_secret, trust.grpc_server)
-            port = await channels.start(options.host, options.token_channel_port)
-            servicer.token_channel_address = f"{options.public_host}:{port}"
-            closers.append(channels.stop)
+        await open_token_channels(servicer, "decode", options, trust, closers)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(sink), server)
 

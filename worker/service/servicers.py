@@ -29,7 +29,7 @@ from worker.service.drain import DrainGate, refuse_if_draining
 from worker.service.errors import abort_with, engine_errors_as_status
 from worker.service.request_spans import (DecodeTimes, PrefillTimes, failure_text, record_decode, record_prefill,
                                            record_safely, traced)
-from worker.service.token_channel import ChannelAbort, ChannelCallContext, TokenChannel
+from worker.service.token_channel import ChannelCallContext, TokenChannel, serve_as_call
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +142,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     """Prefill, then push the KV cache to the decode worker the coordinator chose."""
 
     def __init__(self, engine: PrefillBackend, grpc_sender: GrpcKvSender, tcp_sender: TcpKvSender,
-                 lease_timeout_s: float, metrics: WorkerMetrics, gate: DrainGate):
+                 lease_timeout_s: float, metrics: WorkerMetrics, gate: DrainGate, token_channel_address: str = ""):
         self.engine = engine
+        self.token_channel_address = token_channel_address
         self.grpc_sender = grpc_sender
         self.tcp_sender = tcp_sender
         self.lease_timeout_s = lease_timeout_s
@@ -223,9 +224,20 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await context.abort(code, stream.error)
         return pb.PrefillResponse(first_token_id=stream.first_token_id, prefill_time_ms=stream.prefill_time_ms,
                                   kv_bytes=sent, kv_transfer_ms=(times.send_ended - start) * 1000,
-                                  forward_ms=stream.done.forward_ms)
+                                  forward_ms=stream.done.forward_ms, token_channel_address=self.token_channel_address)
+
+    async def serve_on_channel(self, channel: TokenChannel, request: pb.PrefillRequest, timeout_s: float) -> None:
+        """A prefill that came on a token channel: run as a Prefill call, its answer sent on the channel."""
+        async def answer():
+            reply = await self.Prefill(request, ChannelCallContext())
+            channel.send(pb.RoutedEvent(request_id=request.request_id, prefilled=reply))
+
+        await serve_as_call(channel, "prefill", request.request_id, timeout_s, answer())
 
     async def Health(self, request, context) -> pb.HealthResponse:
+        return self.health_now()
+
+    def health_now(self) -> pb.HealthResponse:
         return load_to_pb(self.engine.load(), self.gate.draining)
 
 
@@ -248,19 +260,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     async def serve_on_channel(self, channel: TokenChannel, request: pb.DecodeRequest, timeout_s: float) -> None:
         """A decode request that came on a token channel: run as a Decode call, its events sent on the channel."""
-        request_id = request.request_id
-        try:
-            async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
-                async for event in self._serve(request, ChannelCallContext(), channel):
-                    channel.send_accepted(request_id, event.accepted)  # tokens go by the handle's relay
-        except ChannelAbort as abort:
-            channel.send_error(request_id, abort.code.name, abort.details)
-        except TimeoutError:
-            # gRPC's own words for a call whose deadline passed, which the coordinator tells apart from an abort.
-            channel.send_error(request_id, grpc.StatusCode.DEADLINE_EXCEEDED.name, "Deadline Exceeded")
-        except Exception as exc:  # noqa: BLE001 - what a gRPC call ends with on an unexpected error: UNKNOWN
-            logger.exception("decode request %s failed", request_id)
-            channel.send_error(request_id, grpc.StatusCode.UNKNOWN.name, f"unexpected error on the worker: {exc}")
+        async def events():
+            async for event in self._serve(request, ChannelCallContext(), channel):
+                channel.send_accepted(request.request_id, event.accepted)  # tokens go by the handle's relay
+
+        await serve_as_call(channel, "decode", request.request_id, timeout_s, events())
 
     async def _serve(self, request: pb.DecodeRequest, context, channel: TokenChannel | None = None):
         await refuse_if_draining(self.gate, context)
@@ -352,4 +356,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 )
 
     async def Health(self, request, context) -> pb.HealthResponse:
+        return self.health_now()
+
+    def health_now(self) -> pb.HealthResponse:
         return load_to_pb(self.engine.load(), self.gate.draining)

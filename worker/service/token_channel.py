@@ -1,16 +1,18 @@
-"""The decode worker's token channels: one raw connection per coordinator carries that coordinator's
-decode requests and every event of theirs, one frame per event-loop turn (so one per decode step),
-where gRPC would cost a call per request and a message and a wake-up per token on both ends.
+"""A worker's token channels: one raw connection per coordinator carries that coordinator's requests and
+every event of theirs, one frame per event-loop turn (so one per decode step), where gRPC would cost a call
+per request and a message and a wake-up per token on both ends. A decode worker's carry decode requests, a
+prefill worker's carry prefills (each answered by one `prefilled` event).
 
 Life of a channel:
   1. A coordinator connects (TLS as tls_config.worker_grpc, when it is on) and sends a
      TokenChannelHello with the worker secret (when one is set) within HELLO_TIMEOUT_S.
   2. The worker names the channel with a random id in its first frame (or says why it refused, and
      closes).
-  3. Each TokenChannelRequest `decode` runs as a Decode call would (the same servicer code, with a
-     context whose abort becomes an `error` event) under its `timeout_s`; its accepted, tokens and
-     error are queued as events, and the queue is written as one frame when the event loop turn that
-     filled it ends. `cancel` ends one at once.
+  3. Each TokenChannelRequest `decode` (`prefill`) runs as a Decode (Prefill) call would: the same
+     servicer code, with a context whose abort becomes an `error` event, under its `timeout_s`; its
+     accepted, tokens, answer and error are queued as events, and the queue is written as one frame
+     when the event loop turn that filled it ends. `cancel` ends one at once; `health` is answered at
+     once, as the Health call. A request of the other role's kind is refused with UNIMPLEMENTED.
   4. When the connection closes, its requests are cancelled and released.
 """
 
@@ -51,6 +53,22 @@ class ChannelCallContext:
         raise ChannelAbort(code, details)
 
 
+async def serve_as_call(channel: TokenChannel, kind: str, request_id: str, timeout_s: float, work) -> None:
+    """Run a channel request's `work` (a coroutine) as its gRPC call would run, under its deadline: an abort,
+    the deadline or an unexpected error end it with the `error` event carrying that call's status."""
+    try:
+        async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
+            await work
+    except ChannelAbort as abort:
+        channel.send_error(request_id, abort.code.name, abort.details)
+    except TimeoutError:
+        # gRPC's own words for a call whose deadline passed, which the coordinator tells apart from an abort.
+        channel.send_error(request_id, grpc.StatusCode.DEADLINE_EXCEEDED.name, "Deadline Exceeded")
+    except Exception as exc:  # noqa: BLE001 - what a gRPC call ends with on an unexpected error: UNKNOWN
+        logger.exception("%s request %s failed", kind, request_id)
+        channel.send_error(request_id, grpc.StatusCode.UNKNOWN.name, f"unexpected error on the worker: {exc}")
+
+
 class TokenChannel(asyncio.Protocol):
     """One coordinator's connection: its decode requests, and their events written once per loop turn."""
 
@@ -88,16 +106,25 @@ class TokenChannel(asyncio.Protocol):
         except Exception:  # noqa: BLE001 - protobuf's DecodeError: not a coordinator speaking
             self._transport.abort()
             return
-        if request.WhichOneof("kind") == "cancel":
+        kind = request.WhichOneof("kind")
+        if kind == "cancel":
             task = self.tasks.get(request.cancel)
             if task is not None:
                 task.cancel()
             return
-        request_id = request.decode.request_id
+        if kind == "health":
+            self.send(pb.RoutedEvent(request_id=request.health, health=self.listener.health()))
+            return
+        body = getattr(request, kind) if kind is not None else None
+        request_id = body.request_id if body is not None else ""
+        if kind != self.listener.kind:
+            self.send_error(request_id, "UNIMPLEMENTED", f"this is a {self.listener.kind} worker's channel: "
+                                                         f"no {kind} requests")
+            return
         if request_id in self.tasks:
             self.send_error(request_id, "ALREADY_EXISTS", f"request {request_id!r} already runs on this channel")
             return
-        task = asyncio.ensure_future(self.listener.serve_decode(self, request.decode, request.timeout_s))
+        task = asyncio.ensure_future(self.listener.serve(self, body, request.timeout_s))
         self.tasks[request_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
 
@@ -158,9 +185,13 @@ class TokenChannel(asyncio.Protocol):
 class TokenChannelListener:
     """Accepts coordinators' token channels; `channels` maps each open one's id to it."""
 
-    def __init__(self, serve_decode, secret: SecretFile | None = None, tls: LinkTls | None = None):
-        # serve_decode(channel, pb.DecodeRequest, timeout_s): runs one decode request of a channel
-        self.serve_decode = serve_decode
+    def __init__(self, serve, health, secret: SecretFile | None = None, tls: LinkTls | None = None,
+                 kind: str = "decode"):
+        # serve(channel, request, timeout_s): runs one request of a channel, a pb.DecodeRequest or, with
+        # kind "prefill", a pb.PrefillRequest; health(): the worker's pb.HealthResponse now
+        self.serve = serve
+        self.health = health
+        self.kind = kind
         self.secret = secret
         self.tls = tls
         self.channels: dict[str, TokenChannel] = {}
