@@ -294,7 +294,9 @@ def free_port() -> int:
 def write_config(path: Path, prefill: list[str], decode: list[str], cert_dir: Path | None = None,
                  manage_port: int = 0) -> Path:
     config = {
-        "http_config": {"predict_ip": "127.0.0.1", "predict_port": 0, "manage_port": manage_port},
+        # Kept-alive client connections wait while other paths' rows run: not closed under them meanwhile.
+        "http_config": {"predict_ip": "127.0.0.1", "predict_port": 0, "manage_port": manage_port,
+                        "keepalive_timeout_s": 600},
         "model_config": {"modelName": "pdserve-tiny"},
         "instances": {"prefill": [{"address": a} for a in prefill], "decode": [{"address": a} for a in decode]},
         "digs_scheduler_config": {"algorithm_type": "round_robin"},
