@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -278,6 +279,16 @@ def start_sim_worker(role: str, *extra: str) -> ServerProcess:
     """A `--simulate` worker (no model, ready in a second or two) on a free port."""
     return ServerProcess(pdserve_argv("worker", "--role", role, "--port", "0", "--simulate", *extra),
                          "pdserve worker ready:", timeout_s=30)
+
+
+async def token_channel_opens(client, address: str):
+    """The WorkerClient's token channel to the worker at `address`, once open (a first call named its listener)."""
+    for _ in range(100):
+        channel = client.token_channels.open_channel(address)
+        if channel is not None:
+            return channel
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no token channel to {address} opened")
 
 
 def open_decode_by_hand(channel, request_id: str, prompt_len: int = 9, max_tokens: int = 4):

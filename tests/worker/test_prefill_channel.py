@@ -12,7 +12,7 @@ import pytest
 from coordinator.failures import FailureKind, WorkerCallError
 from coordinator.request import GenerationRequest, SamplingOptions
 from coordinator.worker_client import DecodeAccepted, WorkerClient
-from tests.helpers import start_sim_worker, wait_for_idle
+from tests.helpers import start_sim_worker, token_channel_opens, wait_for_idle
 
 pytestmark = pytest.mark.system
 
@@ -58,21 +58,12 @@ async def disaggregated(client: WorkerClient, prefill: str, decode: str, seed: i
         stream.cancel()
 
 
-async def prefill_channel_opens(client: WorkerClient, address: str):
-    for _ in range(100):
-        channel = client.token_channels.open_channel(address)
-        if channel is not None:
-            return channel
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no token channel to prefill worker {address} opened")
-
-
 async def test_prefills_after_the_first_go_on_the_channel_and_get_what_a_prefill_call_gets(workers):
     prefill, decode = workers
     client = WorkerClient()
     try:
         by_call = await disaggregated(client, prefill, decode)  # its answer names the listener
-        channel = await prefill_channel_opens(client, prefill)
+        channel = await token_channel_opens(client, prefill)
         assert channel.role == "prefill"
         by_channel = await asyncio.gather(*(disaggregated(client, prefill, decode) for _ in range(8)))
         assert all(result == by_call for result in by_channel)
@@ -86,7 +77,7 @@ async def test_a_bad_prefill_on_the_channel_gets_the_status_a_prefill_call_gets(
     fresh, warm = WorkerClient(), WorkerClient()  # no channel yet / a channel open
     try:
         await disaggregated(warm, prefill, decode)
-        await prefill_channel_opens(warm, prefill)
+        await token_channel_opens(warm, prefill)
         failures = []
         for client in (fresh, warm):
             with pytest.raises(WorkerCallError) as failed:
@@ -118,7 +109,7 @@ async def test_a_lost_prefill_channel_fails_its_prefill_as_a_lost_prefill_worker
     client = WorkerClient()
     try:
         await disaggregated(client, slow_prefill, decode)
-        channel = await prefill_channel_opens(client, slow_prefill)
+        channel = await token_channel_opens(client, slow_prefill)
         task, stream = await slow_prefill_running(client, slow_prefill, decode)
         channel.close()
         with pytest.raises(WorkerCallError) as failed:
@@ -136,7 +127,7 @@ async def test_a_prefill_past_its_deadline_or_cancelled_on_the_channel_is_freed_
     client = WorkerClient()
     try:
         await disaggregated(client, slow_prefill, decode)
-        await prefill_channel_opens(client, slow_prefill)
+        await token_channel_opens(client, slow_prefill)
         task, stream = await slow_prefill_running(client, slow_prefill, decode, timeout_s=0.6)
         with pytest.raises(WorkerCallError) as failed:
             await task

@@ -22,7 +22,7 @@ from security.secrets import SecretFile
 from security.settings import TlsLink
 from security.tls import LinkTls
 from tests.certificates import make_pki
-from tests.helpers import start_sim_worker, wait_for_idle
+from tests.helpers import start_sim_worker, token_channel_opens, wait_for_idle
 
 pytestmark = pytest.mark.system
 
@@ -48,22 +48,13 @@ async def generate(client: WorkerClient, address: str, max_tokens: int = 12, see
         stream.cancel()
 
 
-async def channel_opens(client: WorkerClient, address: str):
-    for _ in range(100):
-        channel = client.token_channels.open_channel(address)
-        if channel is not None:
-            return channel
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no token channel to {address} opened")
-
-
 @contextlib.asynccontextmanager
 async def client_with_channel(address: str):
     """The coordinator's WorkerClient once its channel to `address` is open (a first request, a gRPC call, named it)."""
     client = WorkerClient()
     try:
         await generate(client, address, via=DecodeStream)
-        yield client, await channel_opens(client, address)
+        yield client, await token_channel_opens(client, address)
     finally:
         await client.close()
 
@@ -83,7 +74,7 @@ async def test_requests_after_the_first_go_on_the_channel_and_get_the_tokens_a_d
     client = WorkerClient()
     try:
         on_stream = await generate(client, decode_worker.address, via=DecodeStream)  # its `accepted` names the listener
-        channel = await channel_opens(client, decode_worker.address)
+        channel = await token_channel_opens(client, decode_worker.address)
         on_channel = await generate(client, decode_worker.address)
         assert summary(on_channel) == summary(on_stream)
         assert len(on_channel) == 12 and on_channel[-1].finish_reason is not None
@@ -126,7 +117,7 @@ async def test_a_lost_channel_fails_its_streams_as_a_lost_decode_worker_and_the_
         await asyncio.to_thread(wait_for_idle, decode_worker.address, "decode")
         # The next request takes a Decode call, whose `accepted` opens a new channel.
         await generate(client, decode_worker.address, via=DecodeStream)
-        await channel_opens(client, decode_worker.address)
+        await token_channel_opens(client, decode_worker.address)
         assert len(await generate(client, decode_worker.address)) == 12
 
 
@@ -158,7 +149,7 @@ async def test_a_bad_channel_request_gets_the_status_a_decode_call_gets(decode_w
     fresh, warm = WorkerClient(), WorkerClient()  # no channel yet / a channel open
     try:
         await generate(warm, decode_worker.address, via=DecodeStream)
-        await channel_opens(warm, decode_worker.address)
+        await token_channel_opens(warm, decode_worker.address)
         failures = []
         for client, via in ((fresh, DecodeStream), (warm, ChannelDecodeStream)):
             request = GenerationRequest(uuid.uuid4().hex, PROMPT, SamplingOptions(temperature=0.0), 4)
@@ -192,7 +183,7 @@ async def test_the_channel_runs_over_mutual_tls_and_needs_the_worker_secret(secu
     good = WorkerClient(tls, SecretFile("auth_config.worker_secret_file", str(tmp / "secret")))
     try:
         first = await generate(good, worker.address, via=DecodeStream)
-        listener = (await channel_opens(good, worker.address)).listener_address
+        listener = (await token_channel_opens(good, worker.address)).listener_address
         assert summary(await generate(good, worker.address)) == summary(first)
     finally:
         await good.close()
@@ -213,7 +204,7 @@ async def test_the_channel_runs_over_mutual_tls_and_needs_the_worker_secret(secu
         await wrong.close()
 
 
-async def test_a_frozen_worker_fails_a_channel_request_at_its_deadline_as_a_decode_call_does():
+async def test_a_frozen_worker_fails_a_channel_request_and_a_health_probe_at_their_deadlines_as_calls_do():
     worker = start_sim_worker("decode", "--metrics-port", "-1")
     try:
         async with client_with_channel(worker.address) as (client, _):
@@ -224,6 +215,9 @@ async def test_a_frozen_worker_fails_a_channel_request_at_its_deadline_as_a_deco
                 failure = (await read_until_failure(stream)).failure
                 assert (failure.code, failure.kind) == ("DEADLINE_EXCEEDED", FailureKind.DEADLINE)
                 assert time.monotonic() - started < 2.0
+                with pytest.raises(WorkerCallError) as probe:  # a health probe on the channel gets no answer either
+                    await client.health(worker.address, "decode", timeout=0.5)
+                assert (probe.value.failure.stage, probe.value.failure.code) == ("decode", "DEADLINE_EXCEEDED")
             finally:
                 os.kill(worker.proc.pid, signal.SIGCONT)
             await asyncio.to_thread(wait_for_idle, worker.address, "decode")  # the cancel reached it after all
@@ -246,17 +240,3 @@ async def test_a_health_probe_goes_on_the_channel_and_answers_as_the_health_call
     finally:
         await by_call.close()
 
-
-async def test_a_frozen_workers_health_probe_on_the_channel_fails_at_its_deadline():
-    worker = start_sim_worker("decode", "--metrics-port", "-1")
-    try:
-        async with client_with_channel(worker.address) as (client, _):
-            os.kill(worker.proc.pid, signal.SIGSTOP)
-            try:
-                with pytest.raises(WorkerCallError) as failed:
-                    await client.health(worker.address, "decode", timeout=0.5)
-                assert (failed.value.failure.stage, failed.value.failure.code) == ("decode", "DEADLINE_EXCEEDED")
-            finally:
-                os.kill(worker.proc.pid, signal.SIGCONT)
-    finally:
-        assert worker.stop() == 0
