@@ -145,8 +145,8 @@ class TokenWriter:
     def write(self, delta: TokenDelta) -> None:
         self.transcript.add(delta)
         data = self.token_data(delta)
-        # One HTTP/1.1 chunk, as aiohttp's StreamResponse.write frames it.
-        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        if data:  # one HTTP/1.1 chunk, as aiohttp's StreamResponse.write frames it (an empty one would end the body)
+            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     def token_data(self, delta: TokenDelta) -> bytes:
         """A token's stream bytes (after it was recorded in the transcript)."""

@@ -31,7 +31,7 @@ class ChunkTemplate:
 
 async def open_stream(request: web.Request, content_type: str = "text/event-stream; charset=utf-8") -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
-    if request.version >= (1, 1):
+    if request.version == (1, 1):  # aiohttp chunks HTTP/1.1 only
         response.enable_chunked_encoding()  # what aiohttp picks for HTTP/1.1 anyway; said here so `chunked` tells
     await response.prepare(request)
     return response

@@ -31,17 +31,20 @@ class TokenSink:
     """The events of one request on a channel, read in order by its attempt; or, while nothing is queued and
     `direct` takes them, handed to `direct` inside the frame's own callback (no wake-up of the attempt's task)."""
 
-    __slots__ = ("_items", "_waiter", "_lost", "_loop", "direct")
+    __slots__ = ("_items", "_waiter", "_lost", "_failed", "_loop", "direct")
 
     def __init__(self):
         self._items: collections.deque[pb.RoutedEvent] = collections.deque()
         self._waiter: asyncio.Future | None = None
-        self._lost: BaseException | None = None  # the channel closed under it, or `direct` failed
+        self._lost: WorkerCallError | None = None  # the channel closed under it
+        self._failed: Exception | None = None  # `direct` raised: the request is over, whatever came after
         self._loop = asyncio.get_running_loop()
         # Returns whether it consumed the event; False leaves it to the queue, as do queued events before it.
         self.direct: Callable[[pb.RoutedEvent], bool] | None = None
 
     def push(self, event: pb.RoutedEvent) -> None:
+        if self._failed is not None:
+            return
         direct = self.direct
         if direct is not None and not self._items and self._lost is None:
             try:
@@ -49,7 +52,7 @@ class TokenSink:
                     return
             except Exception as exc:  # noqa: BLE001 - the request's own failure, raised in its task, not the channel's
                 self.direct = None
-                self._lost = exc
+                self._failed = exc
                 self._wake()
                 return
         self._items.append(event)
@@ -65,8 +68,11 @@ class TokenSink:
             self._waiter.set_result(None)
 
     async def next(self) -> pb.RoutedEvent:
-        """The next event; raises the channel's loss once the events that came before it are read."""
-        while not self._items:
+        """The next event; raises the channel's loss once the events that came before it are read, and a failure
+        of `direct` at once (the events after the one it failed on must not reach the client)."""
+        while self._failed is not None or not self._items:
+            if self._failed is not None:
+                raise self._failed
             if self._lost is not None:
                 raise self._lost
             self._waiter = self._loop.create_future()
@@ -86,6 +92,7 @@ class TokenChannel(asyncio.Protocol):
         self.role = role  # the worker's: the stage a lost channel fails its requests at
         self.state = ChannelState.GREETING
         self.channel_id = ""
+        self.answers_health = False  # the worker said so in its first frame (older workers cannot)
         self.sinks: dict[str, TokenSink] = {}
         self.opened: asyncio.Future = asyncio.get_running_loop().create_future()
         self._reader = FrameReader()
@@ -125,6 +132,7 @@ class TokenChannel(asyncio.Protocol):
             self._transport.close()
             return
         self.channel_id = frame.channel_id
+        self.answers_health = frame.answers_health
         self.state = ChannelState.OPEN
         if not self.opened.done():
             self.opened.set_result(None)

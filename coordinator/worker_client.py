@@ -353,7 +353,7 @@ class WorkerClient:
         """The worker's Health answer: on its token channel when one is open (a frame each way, where a call costs
         ~0.3 ms of CPU here: what probing a large fleet costs), else a call."""
         token_channel = self.token_channels.open_channel(address)
-        if token_channel is not None:
+        if token_channel is not None and token_channel.answers_health:
             probe = f"health-probe-{next(self._probes)}"
             reply = await ask_on_channel(token_channel, probe, pb.TokenChannelRequest(health=probe), "health",
                                          timeout, role)

@@ -308,11 +308,13 @@ class RoutedEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., error: _Optional[_Union[ChannelError, _Mapping]] = ..., prefilled: _Optional[_Union[PrefillResponse, _Mapping]] = ..., health: _Optional[_Union[HealthResponse, _Mapping]] = ...) -> None: ...
 
 class TokenChannelFrame(_message.Message):
-    __slots__ = ("channel_id", "events", "refused")
+    __slots__ = ("channel_id", "events", "refused", "answers_health")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_HEALTH_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
     events: _containers.RepeatedCompositeFieldContainer[RoutedEvent]
     refused: str
-    def __init__(self, channel_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ..., refused: _Optional[str] = ...) -> None: ...
+    answers_health: bool
+    def __init__(self, channel_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ..., refused: _Optional[str] = ..., answers_health: _Optional[bool] = ...) -> None: ...

@@ -46,7 +46,7 @@ async def test_sink_hands_events_to_direct_while_nothing_is_queued_and_queues_fr
     assert taken == [0, 1, 4]
 
 
-async def test_an_error_in_direct_fails_the_reading_task_with_it():
+async def test_an_error_in_direct_fails_the_reading_task_with_it_before_any_later_event():
     sink = TokenSink()
 
     def direct(event):
@@ -54,6 +54,9 @@ async def test_an_error_in_direct_fails_the_reading_task_with_it():
 
     sink.direct = direct
     sink.push(token_event(0))  # the channel's callback is not where it surfaces
+    sink.push(token_event(1))  # after the failed one: never read, or the client would get it without token 0
+    with pytest.raises(ValueError, match="formatter broke"):
+        await sink.next()
     with pytest.raises(ValueError, match="formatter broke"):
         await sink.next()
 
@@ -116,54 +119,85 @@ def test_writer_records_the_token_and_frames_it_as_one_http_chunk():
 
 TOKENS = 15000
 SIMULATED_VOCAB = 32000
+# Chunks of about 2 KiB (20 alternatives each): more than the kernel's socket buffers hold, so the coordinator's own
+# buffer fills while a client is stalled.
+REQUEST = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": "hello"}], "ignore_eos": True, "seed": 11,
+           "logprobs": True, "top_logprobs": 20}
 
 
-@pytest.mark.system
-def test_a_client_that_stops_reading_mid_stream_gets_every_token_in_order(model_dir, tmp_path):
+def expected_text(tokens: int) -> str:
+    """Simulated tokens follow from the seed and their index: the text says every one came, in order."""
+    return "".join(token_text(synthetic_token(token_key("", 11), i, SIMULATED_VOCAB)) for i in range(tokens))
+
+
+@pytest.fixture(scope="module")
+def sim_coordinator(model_dir, tmp_path_factory):
+    """A coordinator in front of simulated workers, its token channel to the decode worker open."""
     prefill = start_sim_worker("prefill", "--sim-vocab-size", str(SIMULATED_VOCAB))
     decode = start_sim_worker("decode", "--sim-decode-base-ms", "0.2", "--sim-vocab-size", str(SIMULATED_VOCAB))
     coordinator = None
     try:
-        config = write_config(tmp_path / "ms_coordinator.json", [prefill.address], [decode.address], model_dir,
-                              maxSeqLen=16384, maxIterTimes=16000)
+        config = write_config(tmp_path_factory.mktemp("direct") / "ms_coordinator.json", [prefill.address],
+                              [decode.address], model_dir, maxSeqLen=16384, maxIterTimes=16000)
         coordinator = start_coordinator(config)
-        # Chunks of about 2 KiB (20 alternatives each): more than the kernel's socket buffers hold, so the
-        # coordinator's own buffer fills while the client is stalled.
-        request = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": TOKENS,
-                   "ignore_eos": True, "seed": 11, "logprobs": True, "top_logprobs": 20}
         with httpx.Client(base_url=coordinator.address, timeout=60) as http:  # the token channel opens
-            assert http.post("/v1/chat/completions", json={**request, "max_tokens": 2}).status_code == 200
-        body = json.dumps({**request, "stream": True}).encode()
-        url = urlsplit(coordinator.address)
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect((url.hostname, url.port))
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
-            raw = [sock.recv(4096)]
-            time.sleep(3.0)  # stalled while the stream goes on
-            while chunk := sock.recv(65536):
-                raw.append(chunk)
-        head, _, chunked = b"".join(raw).partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200")
-        stream = bytearray()
-        while True:  # undo the HTTP/1.1 chunking
-            size_line, _, chunked = chunked.partition(b"\r\n")
-            size = int(size_line, 16)
-            if size == 0:
-                break
-            stream += chunked[:size]
-            chunked = chunked[size + 2:]
-        payloads = sse_events(bytes(stream))
-        assert payloads[-1] == "[DONE]"
-        chunks = [json.loads(p) for p in payloads[:-1]]
-        assert len(chunks) == TOKENS + 1  # and the final chunk
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
-        # Simulated tokens follow from the seed and their index: the text says every one came, in order.
-        assert streamed == "".join(token_text(synthetic_token(token_key("", 11), i, SIMULATED_VOCAB))
-                                   for i in range(TOKENS))
+            assert http.post("/v1/chat/completions", json={**REQUEST, "max_tokens": 2}).status_code == 200
+        yield urlsplit(coordinator.address)
     finally:
         for process in (coordinator, decode, prefill):
             if process is not None:
                 process.stop()
+
+
+def raw_stream(url, version: bytes, tokens: int, stall_s: float = 0.0) -> tuple[bytes, bytes]:
+    """A streamed chat request over a raw socket with request line `version`, read to the end after `stall_s`
+    without reading: the response head and body."""
+    body = json.dumps({**REQUEST, "max_tokens": tokens, "stream": True}).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((url.hostname, url.port))
+        sock.sendall(b"POST /v1/chat/completions %b\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n%b" % (version, len(body), body))
+        raw = [sock.recv(4096)]
+        time.sleep(stall_s)
+        while chunk := sock.recv(65536):
+            raw.append(chunk)
+    head, _, rest = b"".join(raw).partition(b"\r\n\r\n")
+    return head, rest
+
+
+def unchunked(chunked: bytes) -> bytes:
+    stream = bytearray()
+    while True:
+        size_line, _, chunked = chunked.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            return bytes(stream)
+        stream += chunked[:size]
+        chunked = chunked[size + 2:]
+
+
+def streamed_text(stream: bytes, tokens: int) -> str:
+    payloads = sse_events(stream)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert len(chunks) == tokens + 1  # and the final chunk
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+
+
+@pytest.mark.system
+def test_a_client_that_stops_reading_mid_stream_gets_every_token_in_order(sim_coordinator):
+    head, body = raw_stream(sim_coordinator, b"HTTP/1.1", TOKENS, stall_s=3.0)
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    assert streamed_text(unchunked(body), TOKENS) == expected_text(TOKENS)
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("version", [b"HTTP/1.0", b"HTTP/2.0"])
+def test_a_stream_aiohttp_frames_itself_is_complete_and_in_order(sim_coordinator, version):
+    head, body = raw_stream(sim_coordinator, version, 300)
+    assert b" 200 " in head.split(b"\r\n")[0]
+    chunked = b"transfer-encoding: chunked" in head.lower()
+    assert chunked == (version != b"HTTP/1.0")
+    assert streamed_text(unchunked(body) if chunked else body, 300) == expected_text(300)

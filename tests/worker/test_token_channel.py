@@ -237,6 +237,9 @@ async def test_a_health_probe_goes_on_the_channel_and_answers_as_the_health_call
             assert sent == ["health"] and not channel.sinks
             assert on_channel == await by_call.health(decode_worker.address, "decode")
             assert on_channel.load.kv_capacity_tokens > 0 and not on_channel.draining
+            channel.answers_health = False  # as a worker from before the `health` kind greets
+            assert await client.health(decode_worker.address, "decode") == on_channel  # by a call
+            assert sent == ["health"]
     finally:
         await by_call.close()
 

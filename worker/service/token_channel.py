@@ -113,7 +113,7 @@ class TokenChannel(asyncio.Protocol):
                 task.cancel()
             return
         if kind == "health":
-            self.send(pb.RoutedEvent(request_id=request.health, health=self.listener.health()))
+            self._answer_health(request.health)
             return
         body = getattr(request, kind) if kind is not None else None
         request_id = body.request_id if body is not None else ""
@@ -128,6 +128,13 @@ class TokenChannel(asyncio.Protocol):
         self.tasks[request_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
 
+    def _answer_health(self, probe_id: str) -> None:
+        try:
+            self.send(pb.RoutedEvent(request_id=probe_id, health=self.listener.health()))
+        except Exception as exc:  # noqa: BLE001 - a failed probe fails the probe, not the channel's other requests
+            logger.exception("health probe on token channel %s failed", self.channel_id)
+            self.send_error(probe_id, grpc.StatusCode.UNKNOWN.name, f"unexpected error on the worker: {exc}")
+
     def _greet(self, frame: bytes) -> None:
         hello = pb.TokenChannelHello()
         try:
@@ -141,7 +148,7 @@ class TokenChannel(asyncio.Protocol):
         self.state = ChannelState.OPEN
         self._reader.max_frame_bytes = MAX_FRAME_BYTES  # a decode request carries a prompt and maybe a grammar
         self.listener.channels[self.channel_id] = self
-        self._write(pb.TokenChannelFrame(channel_id=self.channel_id))
+        self._write(pb.TokenChannelFrame(channel_id=self.channel_id, answers_health=True))
 
     def _refuse(self, reason: str) -> None:
         logger.warning("token channel refused: %s", reason)
