@@ -379,12 +379,10 @@ def start_cluster(args, tmp: Path, cert_dir: Path | None, cores: Cores) -> Clust
 def start_against(against: str, config: Path, cores: Cores) -> Process:
     """The coordinator that --against names: this checkout's with NAME=VALUE in its environment, or another
     checkout's (a folder: `git worktree add /tmp/base HEAD~1`), run by this Python."""
-    if "=" in against:
-        name, value = against.split("=", 1)
-        return Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:", cores.pinned,
-                       env={name: value})
+    name, is_env, value = against.partition("=")
+    where = {"env": {name: value}} if is_env else {"cwd": Path(against).resolve()}
     return Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:", cores.pinned,
-                   cwd=Path(against).resolve())
+                   **where)
 
 
 def http_session(address: str, client_ssl: ssl.SSLContext | None = None) -> aiohttp.ClientSession:

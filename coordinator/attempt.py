@@ -151,8 +151,8 @@ class AttemptRunner:
                     phase, since = "decode", first_at
                     relay = TokenRelay(self.metrics, route.decode, progress, request.sampling.logprobs is not None,
                                        (accepted_at - started) * 1000, request.arrived_at)
-                    async for event in self._relay(stream, first, route, progress, original_prompt_len, relay,
-                                                   clocks, listener):
+                    async for event in self._relay(stream, first, route, original_prompt_len, relay, clocks,
+                                                   listener):
                         if event.__class__ is Finished:
                             trace.phase(phase, since, time.monotonic())
                             phase = None
@@ -235,18 +235,13 @@ class AttemptRunner:
             if not read.done():
                 read.cancel()
 
-    async def _relay(self, stream: DecodeCall, token: DecodedToken | None, route: Route, progress: Progress,
-                     prompt_len: int, relay: TokenRelay, clocks: _Deadlines, listener: TokenListener | None):
+    async def _relay(self, stream: DecodeCall, token: DecodedToken | None, route: Route, prompt_len: int,
+                     relay: TokenRelay, clocks: _Deadlines, listener: TokenListener | None):
         if listener is not None:
             # From here on the tokens but the last may go straight from their frames to the client (the
             # task sees only what the listener leaves: the last token, a failure, a token of a slow client).
-            def take(decoded: DecodedToken) -> bool:
-                if not listener.accepts():
-                    return False
-                listener.write(relay.delta(decoded))
-                return True
-
-            stream.deliver_directly(take)
+            stream.deliver_directly(listener.accepts, lambda decoded: listener.write(relay.delta(decoded)))
+        progress = relay.progress
         while True:
             if token is None:
                 raise AttemptFailed(WorkerError(f"decode worker {route.decode.address} ended the stream without "

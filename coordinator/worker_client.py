@@ -186,7 +186,7 @@ class DecodeStream:
             return accepted_from_pb(msg.accepted)
         return token_from_pb(msg.token)
 
-    def deliver_directly(self, take: Callable[[DecodedToken], bool]) -> None:
+    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[DecodedToken], None]) -> None:
         """Nothing to do: a gRPC stream's messages come only through `read`."""
 
     def cancel(self) -> None:
@@ -219,13 +219,17 @@ class ChannelDecodeStream:
         self._release(cancel=False)
         raise WorkerCallError(WorkerFailure("decode", self.address, event.error.code, event.error.details))
 
-    def deliver_directly(self, take: Callable[[DecodedToken], bool]) -> None:
-        """Hand every token but the last to `take` inside the frame's callback as it arrives, while `take`
-        returns True; a token it leaves (False), the last one and any failure come through `read`, in order."""
+    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[DecodedToken], None]) -> None:
+        """Hand every token but the last to `take` inside the frame's callback as it arrives, while `accepts()`;
+        a token arriving when it does not, the last one and any failure come through `read`, in order."""
         def direct(event: pb.RoutedEvent) -> bool:
-            if event.WhichOneof("event") != "token" or event.token.finish_reason:
+            if event.WhichOneof("event") != "token":
                 return False
-            return take(token_from_pb(event.token))
+            token = event.token
+            if token.finish_reason or not accepts():  # checked first: a token left to `read` is converted there
+                return False
+            take(token_from_pb(token))
+            return True
 
         self._sink.direct = direct
 
@@ -263,7 +267,7 @@ async def ask_on_channel(channel: TokenChannel, request_id: str, request: pb.Tok
         raise WorkerCallError(WorkerFailure(stage, address, grpc.StatusCode.DEADLINE_EXCEEDED.name,
                                             CALL_DEADLINE_DETAILS)) from None
     finally:
-        channel.release(request_id, cancel=event is None and answer != "health")
+        channel.release(request_id, cancel=event is None)
     kind = event.WhichOneof("event")
     if kind == answer:
         return getattr(event, answer)

@@ -110,6 +110,16 @@ def load_to_pb(load: WorkerLoad, draining: bool) -> pb.HealthResponse:
     )
 
 
+class AnswersHealth:
+    """Health for a servicer with an `engine` and a drain `gate`: as a gRPC call, and now (for its token channels)."""
+
+    async def Health(self, request, context) -> pb.HealthResponse:
+        return self.health_now()
+
+    def health_now(self) -> pb.HealthResponse:
+        return load_to_pb(self.engine.load(), self.gate.draining)
+
+
 class PrefillKvStream:
     """The KV items of one prefill job, produced while its forward runs: header, layers, trailer."""
 
@@ -138,13 +148,13 @@ class PrefillKvStream:
                     return
 
 
-class PrefillServicer(pb_grpc.PrefillServiceServicer):
+class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
     """Prefill, then push the KV cache to the decode worker the coordinator chose."""
 
     def __init__(self, engine: PrefillBackend, grpc_sender: GrpcKvSender, tcp_sender: TcpKvSender,
-                 lease_timeout_s: float, metrics: WorkerMetrics, gate: DrainGate, token_channel_address: str = ""):
+                 lease_timeout_s: float, metrics: WorkerMetrics, gate: DrainGate):
         self.engine = engine
-        self.token_channel_address = token_channel_address
+        self.token_channel_address = ""  # its token channel listener, named in every answer once it listens
         self.grpc_sender = grpc_sender
         self.tcp_sender = tcp_sender
         self.lease_timeout_s = lease_timeout_s
@@ -234,14 +244,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
         await serve_as_call(channel, "prefill", request.request_id, timeout_s, answer())
 
-    async def Health(self, request, context) -> pb.HealthResponse:
-        return self.health_now()
 
-    def health_now(self) -> pb.HealthResponse:
-        return load_to_pb(self.engine.load(), self.gate.draining)
-
-
-class DecodeServicer(pb_grpc.DecodeServiceServicer):
+class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
     """Register a request, wait for its KV cache (or prefill it here), stream its tokens."""
 
     def __init__(self, engine: DecodeBackend, kv_trans_timeout_s: float, kv_data_address: str,
@@ -354,9 +358,3 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     f"KV cache for request {handle.request_id} did not arrive within "
                     f"kv_trans_timeout={self.kv_trans_timeout_s}s",
                 )
-
-    async def Health(self, request, context) -> pb.HealthResponse:
-        return self.health_now()
-
-    def health_now(self) -> pb.HealthResponse:
-        return load_to_pb(self.engine.load(), self.gate.draining)
