@@ -19,7 +19,9 @@ from coordinator.metrics import CoordinatorMetrics, NullMetrics
 from coordinator.request import Finished, GenerationEvent, GenerationRequest, TokenDelta, TokenListener
 from coordinator.request_trace import GenerationTrace
 from coordinator.scheduling.router import Route
-from coordinator.worker_client import DecodeAccepted, DecodeCall, DecodedToken, PrefillDone, WorkerClient
+from coordinator.worker_client import (DecodeAccepted, DecodeCall, DecodedToken, PrefillDone, WorkerClient,
+                                       sampling_to_pb)
+from proto import worker_pb2 as pb
 from telemetry import tracing
 
 
@@ -48,6 +50,32 @@ class Progress:
     @property
     def count(self) -> int:
         return len(self.token_ids)
+
+
+class _PrefillInterrupt:
+    """Cancels the current task, as asyncio.timeout does, if the prefill it watches fails while armed: the first
+    token is then read in the request's own task, not raced by a task of its own against the prefill."""
+
+    __slots__ = ("_task", "_prefill", "_armed", "_fired")
+
+    def __init__(self, prefill: asyncio.Task):
+        self._task = asyncio.current_task()
+        self._prefill = prefill
+        self._armed, self._fired = True, False
+        prefill.add_done_callback(self._done)  # runs while the task waits: never cancels it mid-step
+
+    def _done(self, prefill: asyncio.Task) -> None:
+        if self._armed and not prefill.cancelled() and prefill.exception() is not None:
+            self._armed, self._fired = False, True
+            self._task.cancel()
+
+    def disarm(self) -> bool:
+        """Stop watching; whether it fired (its cancellation then taken back, unless another one is pending)."""
+        if self._armed:
+            self._armed = False
+            self._prefill.remove_done_callback(self._done)
+        fired, self._fired = self._fired, False
+        return fired and self._task.uncancel() == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +121,11 @@ class TokenRelay:
         if token.index:
             decode.step_ms += (token.time_ms - decode.step_ms) * 0.1
         progress.token_ids.append(token.token_id)
-        return TokenDelta(
-            token_id=token.token_id, text=token.text, index=index, time_ms=token.time_ms,
-            logprob=token.logprob if self.wants_logprobs else None, top_logprobs=token.top_logprobs,
-            final=token.finish_reason is not None, batch_size=token.batch_size,
-            queue_wait_ms=self.admission_ms if token.index == 0 else token.queue_wait_ms,
-        )
+        # Positional, in TokenDelta's field order: keywords cost five times as much, once per token.
+        return TokenDelta(token.token_id, token.text, index, token.time_ms,
+                          token.logprob if self.wants_logprobs else None, token.top_logprobs,
+                          token.finish_reason is not None, token.batch_size,
+                          self.admission_ms if token.index == 0 else token.queue_wait_ms)
 
 
 class AttemptRunner:
@@ -129,9 +156,10 @@ class AttemptRunner:
             with self.registry.lease(route.decode):
                 # The Decode call's deadline ends the request everywhere: the decode worker cancels and frees it.
                 started = time.monotonic()
+                sampling = sampling_to_pb(request, max_tokens)  # once, for the decode and the prefill
                 stream = self.client.open_decode(route.decode.address, request, max_tokens, self.limits.max_seq_len,
                                                  remaining, local_prefill=route.prefill is None,
-                                                 traceparent=trace.attempt_traceparent())
+                                                 traceparent=trace.attempt_traceparent(), sampling=sampling)
                 # The phase under way, and since when: a failure or the client leaving ends it where it stands.
                 phase, since = "decode_admission", started
                 try:
@@ -144,7 +172,8 @@ class AttemptRunner:
                     phase, since = "first_token", accepted_at
                     # The decode worker now holds KV budget for this request and waits for its cache.
                     if route.prefill is not None:
-                        prefill_task = asyncio.create_task(self._prefill(route, request, max_tokens, accepted, trace))
+                        prefill_task = asyncio.create_task(self._prefill(route, request, max_tokens, accepted, trace,
+                                                                         sampling))
                     first = await self._first_token(stream, prefill_task, route, clocks)
                     first_at = time.monotonic()
                     trace.phase(phase, since, first_at)
@@ -165,11 +194,12 @@ class AttemptRunner:
             if prefill_task is not None:
                 if not prefill_task.done():
                     prefill_task.cancel()
-                # Retrieve the outcome so a failed prefill is never reported as unhandled.
-                await asyncio.gather(prefill_task, return_exceptions=True)
+                    await asyncio.gather(prefill_task, return_exceptions=True)
+                elif not prefill_task.cancelled():
+                    prefill_task.exception()  # retrieved, so a failed prefill is never reported as unhandled
 
     async def _prefill(self, route: Route, request: GenerationRequest, max_tokens: int,
-                       accepted: DecodeAccepted, trace: GenerationTrace) -> PrefillDone:
+                       accepted: DecodeAccepted, trace: GenerationTrace, sampling: pb.SamplingParams) -> PrefillDone:
         span = trace.start_prefill()
         started = time.monotonic()
         try:
@@ -178,7 +208,7 @@ class AttemptRunner:
                     done = await self.client.prefill(
                         route.prefill.address, request, max_tokens, route.decode.address, self.first_token_timeout,
                         kv_data_address=accepted.kv_data_address, kv_transfer_token=accepted.kv_transfer_token,
-                        traceparent=tracing.traceparent_of(span))
+                        traceparent=tracing.traceparent_of(span), sampling=sampling)
                 finally:
                     route.prefill.last_heard = time.monotonic()  # an answer, for the silence watch
             trace.add_time("prefill_queue", (done.prefill_time_ms - done.forward_ms) / 1000)
@@ -199,7 +229,8 @@ class AttemptRunner:
 
     async def _read_within(self, stream: DecodeCall, route: Route, clocks: _Deadlines):
         try:
-            return await asyncio.wait_for(stream.read(), clocks.left())
+            async with asyncio.timeout(clocks.left()):  # no task of its own per read, as wait_for would make
+                return await stream.read()
         except TimeoutError:
             raise AttemptFailed(clocks.late) from None
         except WorkerCallError as exc:
@@ -208,32 +239,30 @@ class AttemptRunner:
     async def _first_token(self, stream: DecodeCall, prefill_task: asyncio.Task | None, route: Route,
                            clocks: _Deadlines) -> DecodedToken | None:
         """The first token event, racing the decode stream against the prefill and the clock."""
-        if prefill_task is None:
-            return await self._read_within(stream, route, clocks)
-        read = asyncio.ensure_future(stream.read())
-        try:
-            done, _ = await asyncio.wait({read, prefill_task}, timeout=clocks.left(),
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if read not in done and prefill_task in done:
-                # A failed prefill fails the attempt at once; a finished one hands over to the decode worker.
+        if prefill_task is None or prefill_task.done():
+            if prefill_task is not None:
                 self._raise_if_prefill_failed(prefill_task, route, clocks)
-                await asyncio.wait({read}, timeout=clocks.left())
-            if not read.done():
-                raise AttemptFailed(clocks.late)
-            exc = read.exception()
-            if exc is None:
-                return read.result()
+            return await self._read_within(stream, route, clocks)
+        # Read in this task, which a failed prefill interrupts; a finished one hands over to the decode worker.
+        interrupt = _PrefillInterrupt(prefill_task)
+        try:
+            async with asyncio.timeout(clocks.left()):
+                return await stream.read()
+        except (asyncio.CancelledError, TimeoutError, WorkerCallError) as exc:
+            if interrupt.disarm():
+                self._raise_if_prefill_failed(prefill_task, route, clocks)
+            if isinstance(exc, TimeoutError):
+                raise AttemptFailed(clocks.late) from None
             if not isinstance(exc, WorkerCallError):
-                raise exc
+                raise
             # A failed prefill explains a failed decode better than the decode error does (a prefill that
             # refused the request's grammar truncates the KV stream too); its answer is moments behind.
             if exc.failure.kind is FailureKind.KV_NOT_RECEIVED:
                 await asyncio.wait({prefill_task}, timeout=min(PREFILL_VERDICT_WAIT_S, clocks.left()))
             self._raise_if_prefill_failed(prefill_task, route, clocks)
-            raise self._failed(route, exc.failure, clocks)
+            raise self._failed(route, exc.failure, clocks) from None
         finally:
-            if not read.done():
-                read.cancel()
+            interrupt.disarm()
 
     async def _relay(self, stream: DecodeCall, token: DecodedToken | None, route: Route, prompt_len: int,
                      relay: TokenRelay, clocks: _Deadlines, listener: TokenListener | None):

@@ -29,8 +29,17 @@ class ChunkTemplate:
         return self.head + orjson.dumps(text) + self.tail
 
 
+class EventStreamResponse(web.StreamResponse):
+    """A streamed answer whose head leaves in one write with its first bytes (streams are opened on their first
+    event, which is written at once), as aiohttp's web.Response sends its head with its body: a send and a client
+    wake-up fewer per request."""
+
+    _send_headers_immediately = False
+
+
 async def open_stream(request: web.Request, content_type: str = "text/event-stream; charset=utf-8") -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+    """Open a stream whose first bytes must follow at once (its head goes with them)."""
+    response = EventStreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
     if request.version == (1, 1):  # aiohttp chunks HTTP/1.1 only
         response.enable_chunked_encoding()  # what aiohttp picks for HTTP/1.1 anyway; said here so `chunked` tells
     await response.prepare(request)

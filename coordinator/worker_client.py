@@ -106,18 +106,12 @@ def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingPa
 
 
 def token_from_pb(token: pb.TokenEvent) -> DecodedToken:
-    return DecodedToken(
-        token_id=token.token_id,
-        text=token.text,
-        index=token.index,
-        time_ms=token.time_ms,
-        finish_reason=FINISH_FROM_PB.get(token.finish_reason),
-        matched_stop=token.matched_stop or None,
-        logprob=token.logprob,
-        top_logprobs=tuple((t.token_id, t.logprob) for t in token.top_logprobs) if token.top_logprobs else (),
-        batch_size=token.batch_size or 1,
-        queue_wait_ms=token.queue_wait_ms,
-    )
+    # Positional, in DecodedToken's field order: keywords cost five times as much, once per token.
+    top = token.top_logprobs
+    return DecodedToken(token.token_id, token.text, token.index, token.time_ms,
+                        FINISH_FROM_PB.get(token.finish_reason), token.matched_stop or None, token.logprob,
+                        tuple((t.token_id, t.logprob) for t in top) if top else (), token.batch_size or 1,
+                        token.queue_wait_ms)
 
 
 def done_from_pb(reply: pb.PrefillResponse) -> PrefillDone:
@@ -302,14 +296,16 @@ class WorkerClient:
         return channel, stub
 
     def open_decode(self, address: str, request: GenerationRequest, max_tokens: int, max_seq_len: int, timeout: float,
-                    local_prefill: bool = False, traceparent: str = "") -> DecodeCall:
+                    local_prefill: bool = False, traceparent: str = "",
+                    sampling: pb.SamplingParams | None = None) -> DecodeCall:
         """Start a decode, on the worker's token channel when one is open, else as a Decode call (with
-        `local_prefill`, the decode worker prefills the prompt itself; the worker's spans join `traceparent`)."""
+        `local_prefill`, the decode worker prefills the prompt itself; the worker's spans join `traceparent`;
+        `sampling`: the request's sampling_to_pb, when the caller made it already)."""
         send_prompt = local_prefill or request.sampling.repetition_penalty != 1.0
         message = pb.DecodeRequest(
             request_id=request.request_id,
             prompt_len=len(request.prompt_token_ids),
-            sampling=sampling_to_pb(request, max_tokens),
+            sampling=sampling if sampling is not None else sampling_to_pb(request, max_tokens),
             max_seq_len=max_seq_len,
             prompt_token_ids=request.prompt_token_ids if send_prompt else [],
             local_prefill=local_prefill,
@@ -326,13 +322,14 @@ class WorkerClient:
     async def prefill(
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
         kv_data_address: str = "", kv_transfer_token: str = "", traceparent: str = "",
+        sampling: pb.SamplingParams | None = None,
     ) -> PrefillDone:
         """Prefill on `address` and push the KV cache to the decode worker that answered `accepted` with
-        `kv_data_address` and `kv_transfer_token`."""
+        `kv_data_address` and `kv_transfer_token` (`sampling` as in open_decode)."""
         message = pb.PrefillRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            sampling=sampling_to_pb(request, max_tokens),
+            sampling=sampling if sampling is not None else sampling_to_pb(request, max_tokens),
             decode_address=decode_address,
             kv_data_address=kv_data_address,
             kv_transfer_token=kv_transfer_token,

@@ -39,6 +39,7 @@ class ScriptedStream:
         self.events = list(events)
 
     async def read(self):
+        await asyncio.sleep(0)  # as a worker's answer, never there before the loop turns (the prefill runs first)
         item = self.events.pop(0) if self.events else HANG
         if item is HANG:
             await asyncio.get_running_loop().create_future()
@@ -59,13 +60,14 @@ class ScriptedWorkers:
         self.decode_calls: list[tuple[str, GenerationRequest]] = []
         self.traceparents: list[tuple[str, str]] = []  # (call, traceparent) in call order
 
-    def open_decode(self, address, request, max_tokens, max_seq_len, timeout, local_prefill=False, traceparent=""):
+    def open_decode(self, address, request, max_tokens, max_seq_len, timeout, local_prefill=False, traceparent="",
+                    sampling=None):
         self.decode_calls.append((address, request))
         self.traceparents.append(("decode", traceparent))
         return ScriptedStream(self.decode_scripts[address].pop(0))
 
     async def prefill(self, address, request, max_tokens, decode_address, timeout, kv_data_address="",
-                      kv_transfer_token="", traceparent=""):
+                      kv_transfer_token="", traceparent="", sampling=None):
         self.traceparents.append(("prefill", traceparent))
         if address in self.prefill_errors:
             raise self.prefill_errors[address]
