@@ -42,14 +42,5 @@ class OutputProcessor:
             finish = FinishReason.LENGTH
         if finish is not None and finish is not FinishReason.STOP_STRING:
             text += self._stops.feed(self._detok.flush()) + self._stops.flush()
-        return TokenOutput(
-            token_id=token_id,
-            text=text,
-            time_ms=time_ms,
-            index=seq.num_generated - 1,
-            finish_reason=finish,
-            matched_stop=matched,
-            logprobs=logprobs,
-            batch_size=batch_size,
-            queue_wait_ms=queue_wait_ms,
-        )
+        return TokenOutput(token_id, text, time_ms, seq.num_generated - 1, finish, matched, logprobs, batch_size,
+                           queue_wait_ms)

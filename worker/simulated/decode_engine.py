@@ -62,9 +62,8 @@ class SimulatedDecodeEngine(RunsOnEventLoop, RefusesTokenConstraints, DecodeBack
 
     def _output(self, seq: Sequence, token_id: int, time_ms: float, finished: bool, batch_size: int,
                 queue_wait_ms: float) -> TokenOutput:
-        return TokenOutput(token_id=token_id, text=token_text(token_id), time_ms=time_ms, index=seq.num_generated - 1,
-                           finish_reason=FinishReason.LENGTH if finished else None, batch_size=batch_size,
-                           queue_wait_ms=queue_wait_ms)
+        return TokenOutput(token_id, token_text(token_id), time_ms, seq.num_generated - 1,
+                           FinishReason.LENGTH if finished else None, None, None, batch_size, queue_wait_ms)
 
     async def _run(self) -> None:
         while True:
