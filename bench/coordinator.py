@@ -74,6 +74,7 @@ import aiohttp  # noqa: E402
 
 from coordinator.request import GenerationRequest, SamplingOptions  # noqa: E402
 from coordinator.worker_client import WorkerClient  # noqa: E402
+from bench.stream_client import StreamClient  # noqa: E402
 from launcher.cli import run_event_loop  # noqa: E402
 from security.certificates import ensure_local_certificates  # noqa: E402
 from security.settings import TlsLink  # noqa: E402
@@ -220,32 +221,29 @@ async def open_loop(one, rate: float, seconds: float) -> tuple[list[Sample], flo
     return samples, time.perf_counter() - start
 
 
-def completions_request(session: aiohttp.ClientSession, max_tokens: int):
+def completions_request(client: StreamClient, max_tokens: int):
     """One streaming /v1/completions request; raises unless it streams `max_tokens` token chunks, usage and [DONE]."""
-    body = {"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True}
+    request = client.request("/v1/completions", json.dumps(
+        {"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True}).encode())
 
     async def one() -> Sample:
         start = time.perf_counter()
-        ttft, received = None, []
-        async with session.post("/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"{resp.url} answered {resp.status}: {await resp.text()}")
-            # Whole reads, split into events at the end: the load generator shares the workers' cores.
-            async for data in resp.content.iter_any():
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                received.append(data)
+        status, body, first_read = await client.post(request)
         e2e = time.perf_counter() - start
-        events = [event for event in b"".join(received).split(b"\n\n") if event.startswith(b"data: ")]
+        if status != 200:
+            raise RuntimeError(f"{client.host}:{client.port} answered {status}: {body[:500]!r}")
+        events = [event for event in body.split(b"\n\n") if event.startswith(b"data: ")]
         done = bool(events) and events.pop() == b"data: [DONE]"
         final = json.loads(events.pop()[6:]) if events else {}
         if final.get("error"):
-            raise RuntimeError(f"{resp.url} failed mid-stream: {final['error']}")
+            raise RuntimeError(f"{client.host}:{client.port} failed mid-stream: {final['error']}")
         tokens = final.get("usage", {}).get("completion_tokens", 0)
         if not done or len(events) != max_tokens or tokens != max_tokens:
-            raise RuntimeError(f"{resp.url} came back short: {len(events)} token chunks, final {final}, "
-                               f"[DONE] {'seen' if done else 'missing'}; {max_tokens} tokens asked for")
-        return Sample(ttft, e2e)
+            raise RuntimeError(f"{client.host}:{client.port} came back short: {len(events)} token chunks, final "
+                               f"{final}, [DONE] {'seen' if done else 'missing'}; {max_tokens} tokens asked for")
+        # The first read holds the response head and, as the servers here send the head with the first chunk or
+        # just before it, the first token: as the aiohttp client's first body read timed it before.
+        return Sample(first_read - start, e2e)
 
     return one
 
@@ -391,6 +389,13 @@ def http_session(address: str, client_ssl: ssl.SSLContext | None = None) -> aioh
                                  timeout=aiohttp.ClientTimeout(total=120))
 
 
+def stream_client(stack: contextlib.ExitStack | contextlib.AsyncExitStack, address: str,
+                  client_ssl: ssl.SSLContext | None = None) -> StreamClient:
+    client = StreamClient(address, client_ssl)
+    stack.callback(client.close)
+    return client
+
+
 async def server_ttft(metrics_url: str) -> tuple[float, float]:
     """The coordinator's own TTFT histogram (arrival to the first token in hand): its sum and count."""
     async with aiohttp.ClientSession() as session, session.get(metrics_url) as resp:
@@ -426,19 +431,19 @@ async def measure_row(tokens: int, concurrency: int, name: str, one, client_cpus
 
 async def table_rows(args, proxy: Process, clusters: list[Cluster], cores: Cores) -> list[Row]:
     async with contextlib.AsyncExitStack() as stack:
-        session = await stack.enter_async_context(http_session(proxy.address))
+        session = stream_client(stack, proxy.address)
         paths = {PASSTHROUGH: (lambda tokens, s=session: completions_request(s, tokens), cores.others, proxy)}
         for cluster in clusters:
-            session = await stack.enter_async_context(http_session(cluster.coordinator.address, cluster.client_ssl))
+            session = stream_client(stack, cluster.coordinator.address, cluster.client_ssl)
             paths[THROUGH + cluster.suffix] = (lambda tokens, s=session: completions_request(s, tokens), cores.others,
                                                cluster.coordinator)
             if cluster.against is not None:
-                against = await stack.enter_async_context(http_session(cluster.against.address))
+                against = stream_client(stack, cluster.against.address)
                 paths[AGAINST] = (lambda tokens, s=against: completions_request(s, tokens), cores.others,
                                   cluster.against)
             # The direct rows: at c=1 always (the TTFT the coordinator adds), at every level with --direct.
-            async with session.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": PROMPT,
-                                                             "max_tokens": 1}) as resp:
+            async with http_session(cluster.coordinator.address, cluster.client_ssl) as once, once.post(
+                    "/v1/completions", json={"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": 1}) as resp:
                 prompt_len = (await resp.json())["usage"]["prompt_tokens"]
             client = WorkerClient(cluster.worker_tls)
             stack.push_async_callback(client.close)
@@ -457,7 +462,8 @@ async def table_rows(args, proxy: Process, clusters: list[Cluster], cores: Cores
 
 
 async def fleet_row(args, size: int, coordinator: Process, cores: Cores) -> Row:
-    async with http_session(coordinator.address) as session:
+    with contextlib.ExitStack() as stack:
+        session = stream_client(stack, coordinator.address)
         # Round robin: `size` / 2 requests have opened channels to every instance before the measured loop.
         # At one offered rate for every size: a closed loop runs each at whatever rate its workers' core allows, and
         # a less loaded coordinator pays more idle wake-ups per request, which would be compared instead of sizes.
