@@ -119,6 +119,42 @@ async def test_a_prefill_worker_gone_before_the_first_token_is_retried_on_anothe
     assert_all_leases_returned(registry)
 
 
+async def test_a_prefill_failing_under_the_first_token_wait_leaves_no_cancellation_behind():
+    accepted = DecodeAccepted("")
+    workers = ScriptedWorkers({"d0:1": [[accepted, HANG]]},
+                              {"p0:1": failure("prefill", "p0:1", "INVALID_ARGUMENT", "bad grammar")})
+    pipeline, registry, _ = make_pipeline(workers, ["p0:1"], ["d0:1"])
+    with pytest.raises(WorkerError, match="bad grammar"):
+        await run(pipeline, max_tokens=2)
+    assert asyncio.current_task().cancelling() == 0  # the interrupt took its cancellation back
+    await asyncio.sleep(0)  # and none is still pending for this task's next wait
+    assert_all_leases_returned(registry)
+
+
+async def test_a_client_leaving_as_the_prefill_fails_is_a_cancellation_not_a_retry():
+    accepted = DecodeAccepted("")
+    prefill_failed = asyncio.Event()
+
+    class FailingAfterSignal(ScriptedWorkers):
+        async def prefill(self, *args, **kwargs):
+            await prefill_failed.wait()
+            raise failure("prefill", "p0:1", "UNAVAILABLE", "connection refused")
+
+    workers = FailingAfterSignal({"d0:1": [[accepted, HANG], [accepted, HANG]]})
+    pipeline, registry, metrics = make_pipeline(workers, ["p0:1", "p1:1"], ["d0:1"])
+    request = asyncio.create_task(run(pipeline, max_tokens=2))
+    while not workers.decode_calls:
+        await asyncio.sleep(0)
+    for _ in range(3):
+        await asyncio.sleep(0)  # the request now waits for its first token
+    prefill_failed.set()
+    request.cancel()  # in the same turn: both cancel the request's task
+    with pytest.raises(asyncio.CancelledError):
+        await request
+    assert metrics.num_retries == 0 and len(workers.decode_calls) == 1
+    assert_all_leases_returned(registry)
+
+
 async def test_a_decode_worker_lost_mid_stream_is_replaced_and_the_stream_continues():
     accepted = DecodeAccepted("")
     workers = ScriptedWorkers({

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.helpers import CLUSTER_MAX_SEQ_LEN
@@ -86,6 +88,14 @@ def test_deeply_nested_json_is_400_in_the_apis_format_and_the_server_keeps_servi
     message = error["message"] if path.startswith("/v1/") else error  # OpenAI's body, else the TGI family's
     assert message == "request body is not valid JSON: nested too deeply"
     assert http.post("/v1/completions", json={**COMPLETION, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-8-sig"])
+def test_a_body_in_another_unicode_encoding_is_read_as_json(http, encoding):
+    body = json.dumps({**COMPLETION, "max_tokens": 2}).encode(encoding)
+    resp = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 2
 
 
 def test_non_object_body_is_400(http):
