@@ -3,13 +3,15 @@ pass-through proxy in the coordinator's place.
 
     .venv/bin/python bench/coordinator.py [--max-tokens 64 256] [--concurrency 1 32 128] [--seconds 5]
                                           [--workers 2] [--decode-step-ms 1] [--direct] [--tls | --plain-kv]
-                                          [--against DIR|NAME=VALUE] [--repeats N]
+                                          [--against DIR|NAME=VALUE] [--repeats N] [--cpu-share F]
     .venv/bin/python bench/coordinator.py --fleet 2 64 256 [--seconds 5]
 
 Each row is a closed loop of streaming /v1/completions requests at one `--max-tokens` and one concurrency:
 `concurrency` clients each send their next request as soon as the last one ends, for `--seconds` (their last
 requests included), after a warm-up of 1 s. The clients start staggered over one request's unloaded length (tokens
 x decode step): simulated requests of one length step in lockstep, so clients that start together stay a burst.
+The clients are bench/stream_client.py: kept-alive HTTP/1.1 connections, one protocol callback per socket read and
+the stream parsed once it has ended (an aiohttp client cost the shared core about as much per token as the proxy).
 
 - pass-through (floor): bench/passthrough.py. A mock upstream streams what the coordinator streams (one `data:`
   chunk per token, of the coordinator's chunk size; the first at once, as prefill costs 0 ms here, then one per
@@ -38,6 +40,13 @@ checkout (`git worktree add /tmp/base HEAD~1`, then `--against /tmp/base`) or fr
 environment; its rows sit beside this one's and a summary line gives the ratio. `--repeats N` runs every row N
 times, the paths taking turns, and keeps each row's median: this machine's rows move by 10-20% from run to run, so a
 change is judged only against rows from the same stretch of time.
+
+`--cpu-share F` holds each pinned process (the proxy, the coordinator, the --against coordinator; not the direct
+client) to F of one core with a cgroup CPU quota (root; bench/cpu_quota.py). On this 2-core machine the workers'
+core saturates first, so without it the pinned process idles part of the time and pays a wake-up per event that a
+busy loop batches: its CPU per request then says how loaded it was as much as what a request costs (here 6.7 ms at
+c=8 against 3.7 at c=64 for the same code). Held to a share, every process runs saturated, and CPU per request
+is the cost at capacity: what requests/s per core means.
 
 `--fleet N ...` measures instead the coordinator alone, at 64 tokens, in front of N simulated instances (N/2
 prefill, N/2 decode, all in one process: bench/sim_fleet.py) for each N in turn, warmed up until every instance has
@@ -74,6 +83,7 @@ import aiohttp  # noqa: E402
 
 from coordinator.request import GenerationRequest, SamplingOptions  # noqa: E402
 from coordinator.worker_client import WorkerClient  # noqa: E402
+from bench.cpu_quota import CpuQuota, check_available  # noqa: E402
 from bench.stream_client import StreamClient  # noqa: E402
 from launcher.cli import run_event_loop  # noqa: E402
 from security.certificates import ensure_local_certificates  # noqa: E402
@@ -135,11 +145,14 @@ class Process:
     """A process started for the benchmark; `address` (and the whole `ready_line`) come from its ready line."""
 
     def __init__(self, argv: list[str], ready_prefix: str, cpus: set[int], cwd: Path = REPO,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, share: float | None = None):
         # Pinned before it starts (taskset execs it), so every thread it ever starts stays on `cpus`.
         pin = ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
         self.proc = subprocess.Popen(pin + argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env={**os.environ, **env} if env else None)
+        self.quota = CpuQuota(share) if share is not None else None  # held to `share` of a core (--cpu-share)
+        if self.quota is not None:
+            self.quota.add(self.proc.pid)
         output = []
         for line in self.proc.stdout:
             if line.startswith(ready_prefix):
@@ -162,6 +175,8 @@ class Process:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
+        if self.quota is not None:
+            self.quota.remove()
 
 
 class ThisProcess:
@@ -317,6 +332,7 @@ def sim_flags(args) -> tuple[str, ...]:
 class Cores:
     pinned: set[int]  # the coordinator, the proxy, the direct client: the process whose CPU is measured
     others: set[int]  # the workers, the mock upstream, the HTTP clients
+    share: float | None = None  # --cpu-share: each pinned process (not the direct client) held to this much of a core
 
 
 @dataclass
@@ -359,7 +375,7 @@ def start_cluster(args, tmp: Path, cert_dir: Path | None, cores: Cores) -> Clust
         config = write_config(tmp / f"ms_coordinator{'-tls' if suffix else ''}.json", cluster.prefill, cluster.decode,
                               cert_dir, manage_port)
         cluster.coordinator = Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:",
-                                      cores.pinned)
+                                      cores.pinned, share=cores.share)
         cluster.coordinator.metrics_url = f"http://127.0.0.1:{manage_port}/metrics"
         if args.against and cert_dir is None:
             cluster.against = start_against(args.against, write_config(
@@ -380,7 +396,7 @@ def start_against(against: str, config: Path, cores: Cores) -> Process:
     name, is_env, value = against.partition("=")
     where = {"env": {name: value}} if is_env else {"cwd": Path(against).resolve()}
     return Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:", cores.pinned,
-                   **where)
+                   share=cores.share, **where)
 
 
 def http_session(address: str, client_ssl: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
@@ -483,7 +499,7 @@ def run_fleet(args, tmp: Path, cores: Cores) -> list[tuple[int, Row, float]]:
             prefill, decode = (field.split("=", 1)[1].split(",") for field in fleet.ready_line.split()[-2:])
             config = write_config(tmp / f"ms_coordinator-fleet{size}.json", prefill, decode)
             coordinator = Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:",
-                                  cores.pinned)
+                                  cores.pinned, share=cores.share)
             running.callback(coordinator.stop)
             row = run_event_loop(fleet_row(args, size, coordinator, cores))
             results.append((size, row, fleet.rss_mib()))
@@ -518,13 +534,17 @@ def main() -> None:
     parser.add_argument("--against", metavar="DIR|NAME=VALUE", help="a second coordinator in front of the same "
                         "workers, its rows beside this one's: another checkout's code (DIR), or this one's with NAME=VALUE "
                         "in its environment; to measure what one change buys")
+    parser.add_argument("--cpu-share", type=float, metavar="F", help="hold the coordinator, the proxy and the --against "
+                        "coordinator each to F of one core (a cgroup CPU quota; root): saturated, their CPU per request is "
+                        "the cost at capacity, not also the idle wake-ups of a process its clients cannot keep busy")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every row; each row's median (by CPU per "
                         "request) is shown")
     args = parser.parse_args()
     args.tls = args.tls or args.plain_kv
 
     cpus = sorted(os.sched_getaffinity(0))
-    cores = Cores({cpus[0]}, set(cpus[1:]) or {cpus[0]})
+    check_available(args.cpu_share)
+    cores = Cores({cpus[0]}, set(cpus[1:]) or {cpus[0]}, args.cpu_share)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as running:
         if args.fleet:
             print_fleet(args, run_fleet(args, Path(tmp), cores), cores)
@@ -533,7 +553,7 @@ def main() -> None:
                            "passthrough upstream ready:", cores.others)
         running.callback(upstream.stop)
         proxy = Process(bench_script("passthrough.py", "proxy", "--upstream", upstream.address),
-                        "passthrough proxy ready:", cores.pinned)
+                        "passthrough proxy ready:", cores.pinned, share=cores.share)
         running.callback(proxy.stop)
         clusters = [start_cluster(args, Path(tmp), None, cores)]
         running.callback(clusters[0].stop)
@@ -552,7 +572,9 @@ def print_table(args, rows: list[Row], cores: Cores) -> None:
           f"{args.decode_step_ms:g} ms), a closed loop of {args.seconds:g} s per row. CPU {sorted(cores.pinned)}: the "
           f"pinned process (the proxy, the coordinator, or the direct client); CPU {sorted(cores.others)}: the "
           f"workers, the mock upstream and the HTTP clients. Latencies in ms; 'vs floor' and 'TTFT added' against the "
-          f"pass-through at the same tokens and concurrency.\n")
+          f"pass-through at the same tokens and concurrency."
+          + (f" Each pinned process but the direct client held to {args.cpu_share:g} of a core (--cpu-share)."
+             if args.cpu_share else "") + "\n")
     print("| tokens | concurrency | path | requests/s | pinned CPU | CPU ms / request | vs floor | TTFT p50 | TTFT p99 "
           "| TTFT added | e2e p50 | e2e p99 |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
