@@ -7,7 +7,7 @@ import bisect
 import time
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -48,26 +48,92 @@ class InstanceCollector:
 
 class LoopHistogram:
     """A histogram observed only from the event loop: a bisect and two additions per value, no lock (a
-    prometheus_client Histogram takes a lock per observation, once per streamed token here)."""
+    prometheus_client Histogram takes a lock per observation, once per streamed token here). With `labelnames`,
+    a family: `child(labels)` is the histogram of one label set."""
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], labelnames: tuple[str, ...] = ()):
         self.name = name
         self.documentation = documentation
+        self.labelnames = labelnames
         self.bounds = list(buckets)
         self.counts = [0] * (len(buckets) + 1)  # the last is +Inf
         self.total = 0.0
+        self.children: dict[tuple[str, ...], LoopHistogram] = {}
+
+    def child(self, labels: tuple[str, ...]) -> LoopHistogram:
+        child = self.children.get(labels)
+        if child is None:
+            child = self.children[labels] = LoopHistogram(self.name, self.documentation, tuple(self.bounds))
+        return child
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.total += value
 
-    def family(self) -> HistogramMetricFamily:
+    def cumulative(self) -> list[tuple[str, int]]:
         cumulative, running = [], 0
         # As prometheus_client labels its own buckets (le="1.0"), so series keep their names across versions.
         for bound, count in zip([*map(floatToGoString, self.bounds), "+Inf"], self.counts):
             running += count
             cumulative.append((bound, running))
-        return HistogramMetricFamily(self.name, self.documentation, buckets=cumulative, sum_value=self.total)
+        return cumulative
+
+    def family(self) -> HistogramMetricFamily:
+        if not self.labelnames:
+            return HistogramMetricFamily(self.name, self.documentation, buckets=self.cumulative(),
+                                         sum_value=self.total)
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, child in self.children.items():
+            family.add_metric(list(labels), child.cumulative(), child.total)
+        return family
+
+
+class LoopCounter:
+    """A counter family bumped only from the event loop: one dict update per increment, no lock."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = ()):
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, labels: tuple[str, ...] = (), amount: float = 1.0) -> None:
+        values = self.values
+        values[labels] = values.get(labels, 0.0) + amount
+
+    def family(self) -> CounterMetricFamily:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in self.values.items():
+            family.add_metric(list(labels), value)
+        return family
+
+
+class RequestCollector:
+    """The figures every generation request moves (counts, latencies, phases), kept on the event loop and read
+    at scrape time: about a dozen locked prometheus_client updates per request otherwise."""
+
+    def __init__(self):
+        self.received = LoopCounter("pdserve_requests_received", "Generation requests received.", ("api",))
+        self.finished = LoopCounter("pdserve_requests_finished",
+                                    "Generation requests finished, by HTTP status ('200' = success).",
+                                    ("api", "status"))
+        self.running = 0
+        self.e2e = LoopHistogram("pdserve_e2e_request_latency_seconds", "Request latency, arrival to last byte.",
+                                 LATENCY_BUCKETS, ("api",))
+        self.prompt_tokens = LoopCounter("pdserve_prompt_tokens", "Prompt tokens of finished requests.")
+        self.prompt_tokens.inc(amount=0.0)  # exported at zero from the start, as prometheus_client does
+        self.queue_time = LoopHistogram("pdserve_request_queue_time_seconds",
+                                        "Time from arrival to leaving the coordinator's queue.", LATENCY_BUCKETS)
+        self.phase_seconds = LoopHistogram(
+            "pdserve_request_phase_seconds", "Time a generation spent in each phase (coordinator/request_trace.py): "
+            "queue, route, decode_admission, prefill (of it, as the prefill worker timed them: prefill_queue, "
+            "prefill_forward, kv_transfer), first_token, decode, summed over its attempts; tokenize once per "
+            "client request (all its prompts).", LATENCY_BUCKETS_FINE, ("phase",))
+
+    def collect(self):
+        running = GaugeMetricFamily("pdserve_requests_running", "Generation requests in flight.", value=self.running)
+        return [self.received.family(), self.finished.family(), running, self.e2e.family(),
+                self.prompt_tokens.family(), self.queue_time.family(), self.phase_seconds.family()]
 
 
 class TokenCollector:
@@ -98,18 +164,10 @@ class CoordinatorMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.received = Counter("pdserve_requests_received_total", "Generation requests received.", ["api"],
-                                registry=r)
-        self.finished = Counter("pdserve_requests_finished_total",
-                                "Generation requests finished, by HTTP status ('200' = success).",
-                                ["api", "status"], registry=r)
-        self.running = Gauge("pdserve_requests_running", "Generation requests in flight.", registry=r)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Request latency, arrival to last byte.",
-                             ["api"], buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = RequestCollector()
+        r.register(self.requests)
         self.tokens = TokenCollector()
         r.register(self.tokens)
-        self.prompt_tokens = Counter("pdserve_prompt_tokens_total", "Prompt tokens of finished requests.",
-                                     registry=r)
         self.retries = Counter("pdserve_prefill_retries_total",
                                "Requests restarted on other instances before their first token.", registry=r)
         self.migrations = Counter("pdserve_request_migrations_total",
@@ -118,17 +176,8 @@ class CoordinatorMetrics:
                               ["api", "reason"], registry=r)
         self.waiting = Gauge("pdserve_requests_waiting", "Generation requests waiting in the coordinator's queue.",
                              registry=r)
-        self.queue_time = Histogram("pdserve_request_queue_time_seconds",
-                                    "Time from arrival to leaving the coordinator's queue.",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.phase_seconds = Histogram(
-            "pdserve_request_phase_seconds", "Time a generation spent in each phase (coordinator/request_trace.py): "
-            "queue, route, decode_admission, prefill (of it, as the prefill worker timed them: prefill_queue, "
-            "prefill_forward, kv_transfer), first_token, decode, summed over its attempts; tokenize once per "
-            "client request (all its prompts).", ["phase"],
-            buckets=LATENCY_BUCKETS_FINE, registry=r)
-        # Every phase exported from the start, at zero; the children kept, as labels() costs a lookup per call.
-        self._phases = {phase: self.phase_seconds.labels(phase) for phase in PHASES}
+        # Every phase exported from the start, at zero; the children kept, so a phase costs one dict lookup.
+        self._phases = {phase: self.requests.phase_seconds.child((phase,)) for phase in PHASES}
         self.auth_failures = Counter("pdserve_auth_failures_total",
                                      "Requests refused for their API key, by reason (missing, malformed, invalid).",
                                      ["reason"], registry=r)
@@ -144,7 +193,7 @@ class CoordinatorMetrics:
         self.failed.labels(api, FAILURE_REASONS.get(status, "client_error" if status < 500 else "server_error")).inc()
 
     def queued(self, seconds: float) -> None:
-        self.queue_time.observe(seconds)
+        self.requests.queue_time.observe(seconds)
 
     def token(self, index: int, since_start_s: float, since_last_s: float) -> None:
         tokens = self.tokens
@@ -155,7 +204,7 @@ class CoordinatorMetrics:
         tokens.generated += 1
 
     def generation_done(self, prompt_tokens: int) -> None:
-        self.prompt_tokens.inc(prompt_tokens)
+        self.requests.prompt_tokens.inc(amount=prompt_tokens)
 
     def phase(self, name: str, seconds: float) -> None:
         self._phases[name].observe(seconds)
@@ -178,8 +227,9 @@ class CoordinatorMetrics:
         api = request.app[ROUTE_TABLE].metrics_label(request.method, request.path)
         if api is None:
             return await handler(request)
-        self.received.labels(api).inc()
-        self.running.inc()
+        requests = self.requests
+        requests.received.inc((api,))
+        requests.running += 1
         started = time.perf_counter()
         # The route's template (`/v2/models/{model}/generate`), not the path, as OpenTelemetry's HTTP
         # conventions name a server span: span names stay few; an unrouted request is its method alone.
@@ -204,9 +254,9 @@ class CoordinatorMetrics:
                 self.phase("tokenize", trace.tokenize_s)
             if status != "200":
                 self.fail(api, int(status))
-            self.running.dec()
-            self.finished.labels(api, status).inc()
-            self.e2e.labels(api).observe(time.perf_counter() - started)
+            requests.running -= 1
+            requests.finished.inc((api, status))
+            requests.e2e.child((api,)).observe(time.perf_counter() - started)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
