@@ -269,7 +269,8 @@ class AttemptRunner:
         if listener is not None:
             # From here on the tokens but the last may go straight from their frames to the client (the
             # task sees only what the listener leaves: the last token, a failure, a token of a slow client).
-            stream.deliver_directly(listener.accepts, lambda decoded: listener.write(relay.delta(decoded)))
+            stream.deliver_directly(listener.accepts, lambda decoded: listener.write(relay.delta(decoded)),
+                                    listener.flush)
         progress = relay.progress
         while True:
             if token is None:

@@ -119,4 +119,7 @@ class TokenListener(Protocol):
         written and the client keeps up)."""
 
     def write(self, delta: TokenDelta) -> None:
-        """Record and write one token (only after `accepts` said so)."""
+        """Record one token and queue its bytes (only after `accepts` said so)."""
+
+    def flush(self) -> None:
+        """Send the bytes `write` queued, in one write (called once per socket read that brought tokens)."""

@@ -132,6 +132,7 @@ class TokenWriter:
         self.transcript = transcript
         self.busy = False  # the task is writing an event: a token written now would overtake it
         self._transport = None  # set once the stream is open with chunked framing, which `write` frames itself
+        self._unsent: list[bytes] = []  # chunks `write` framed, sent by `flush`
 
     def open(self, http_request: web.Request, response: web.StreamResponse) -> None:
         if response.chunked:
@@ -146,7 +147,13 @@ class TokenWriter:
         self.transcript.add(delta)
         data = self.token_data(delta)
         if data:  # one HTTP/1.1 chunk, as aiohttp's StreamResponse.write frames it (an empty one would end the body)
-            self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self._unsent.append(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def flush(self) -> None:
+        unsent = self._unsent
+        if unsent:
+            self._transport.write(unsent[0] if len(unsent) == 1 else b"".join(unsent))
+            unsent.clear()
 
     def token_data(self, delta: TokenDelta) -> bytes:
         """A token's stream bytes (after it was recorded in the transcript)."""

@@ -29,9 +29,11 @@ REDIAL_AFTER_S = 5.0
 
 class TokenSink:
     """The events of one request on a channel, read in order by its attempt; or, while nothing is queued and
-    `direct` takes them, handed to `direct` inside the frame's own callback (no wake-up of the attempt's task)."""
+    `direct` takes them, handed to `direct` inside the frame's own callback (no wake-up of the attempt's task),
+    and sent by `flush` once every frame of that socket read is handed out (tokens of one request that came in
+    one read leave in one write: none waits for a later read)."""
 
-    __slots__ = ("_items", "_waiter", "_lost", "_failed", "_loop", "direct")
+    __slots__ = ("_items", "_waiter", "_lost", "_failed", "_loop", "_unflushed", "direct", "flush")
 
     def __init__(self):
         self._items: collections.deque[pb.RoutedEvent] = collections.deque()
@@ -39,23 +41,42 @@ class TokenSink:
         self._lost: WorkerCallError | None = None  # the channel closed under it
         self._failed: Exception | None = None  # `direct` raised: the request is over, whatever came after
         self._loop = asyncio.get_running_loop()
+        self._unflushed = False  # `direct` took an event since the last flush
         # Returns whether it consumed the event; False leaves it to the queue, as do queued events before it.
         self.direct: Callable[[pb.RoutedEvent], bool] | None = None
+        self.flush: Callable[[], None] | None = None
 
-    def push(self, event: pb.RoutedEvent) -> None:
+    def push(self, event: pb.RoutedEvent) -> bool:
+        """Queue or hand over one event; True when it is the first `direct` took since the last `flush_direct`
+        (the channel then owes this sink a flush at the end of the read)."""
         if self._failed is not None:
-            return
+            return False
         direct = self.direct
         if direct is not None and not self._items and self._lost is None:
             try:
                 if direct(event):
-                    return
+                    first, self._unflushed = not self._unflushed, True
+                    return first
             except Exception as exc:  # noqa: BLE001 - the request's own failure, raised in its task, not the channel's
-                self.direct = None
-                self._failed = exc
-                self._wake()
-                return
+                self._fail(exc)
+                return False
         self._items.append(event)
+        self._wake()
+        return False
+
+    def flush_direct(self) -> None:
+        """Send what `direct` took from the frames of this read (before any queued event is read: the task
+        runs only after the read's callback)."""
+        self._unflushed = False
+        if self.flush is not None:
+            try:
+                self.flush()
+            except Exception as exc:  # noqa: BLE001 - as in push
+                self._fail(exc)
+
+    def _fail(self, exc: Exception) -> None:
+        self.direct = self.flush = None
+        self._failed = exc
         self._wake()
 
     def lose(self, error: WorkerCallError) -> None:
@@ -114,6 +135,7 @@ class TokenChannel(asyncio.Protocol):
             logger.warning("token channel to %s: %s", self.worker_address, exc)
             self._transport.abort()
             return
+        unflushed: list[TokenSink] = []
         for payload in frames:
             frame = pb.TokenChannelFrame()
             frame.ParseFromString(payload)
@@ -123,8 +145,11 @@ class TokenChannel(asyncio.Protocol):
             sinks = self.sinks
             for event in frame.events:
                 sink = sinks.get(event.request_id)
-                if sink is not None:  # a request that ended (client gone) may still have events in flight
-                    sink.push(event)
+                # A request that ended (client gone) may still have events in flight.
+                if sink is not None and sink.push(event):
+                    unflushed.append(sink)
+        for sink in unflushed:
+            sink.flush_direct()
 
     def _greeted(self, frame: pb.TokenChannelFrame) -> None:
         if not frame.channel_id:

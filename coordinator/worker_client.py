@@ -180,7 +180,8 @@ class DecodeStream:
             return accepted_from_pb(msg.accepted)
         return token_from_pb(msg.token)
 
-    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[DecodedToken], None]) -> None:
+    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[DecodedToken], None],
+                         flush: Callable[[], None]) -> None:
         """Nothing to do: a gRPC stream's messages come only through `read`."""
 
     def cancel(self) -> None:
@@ -213,9 +214,11 @@ class ChannelDecodeStream:
         self._release(cancel=False)
         raise WorkerCallError(WorkerFailure("decode", self.address, event.error.code, event.error.details))
 
-    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[DecodedToken], None]) -> None:
-        """Hand every token but the last to `take` inside the frame's callback as it arrives, while `accepts()`;
-        a token arriving when it does not, the last one and any failure come through `read`, in order."""
+    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[DecodedToken], None],
+                         flush: Callable[[], None]) -> None:
+        """Hand every token but the last to `take` inside the frame's callback as it arrives, while `accepts()`,
+        and call `flush` once the read that brought them is handed out; a token arriving when it does not, the
+        last one and any failure come through `read`, in order."""
         def direct(event: pb.RoutedEvent) -> bool:
             if event.WhichOneof("event") != "token":
                 return False
@@ -226,6 +229,7 @@ class ChannelDecodeStream:
             return True
 
         self._sink.direct = direct
+        self._sink.flush = flush
 
     def _expire(self) -> None:
         # gRPC's own words for a call whose deadline passed, as failures.py tells it apart from an abort.

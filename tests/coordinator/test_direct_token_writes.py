@@ -14,8 +14,9 @@ import pytest
 
 from coordinator.request import TokenDelta
 from coordinator.serving import SseFormatter, TokenWriter, Transcript
-from coordinator.token_channels import TokenSink
+from coordinator.token_channels import TokenChannel, TokenSink
 from proto import worker_pb2 as pb
+from proto.token_channel import ChannelState, encode_frame
 from worker.simulated.tokens import synthetic_token, token_key, token_text
 from tests.helpers import sse_events, start_coordinator, start_sim_worker, write_config
 
@@ -58,6 +59,23 @@ async def test_an_error_in_direct_fails_the_reading_task_with_it_before_any_late
     with pytest.raises(ValueError, match="formatter broke"):
         await sink.next()
     with pytest.raises(ValueError, match="formatter broke"):
+        await sink.next()
+
+
+async def test_an_error_in_flush_fails_the_reading_task_and_nothing_more_is_taken_directly():
+    sink, taken = TokenSink(), []
+
+    def flush():
+        raise ConnectionResetError("client gone")
+
+    sink.direct = lambda event: taken.append(event.token.index) is None
+    sink.flush = flush
+    assert sink.push(token_event(0)) is True  # the first taken since a flush: the channel owes it one
+    assert sink.push(token_event(1)) is False  # owed already
+    sink.flush_direct()
+    sink.push(token_event(2))
+    assert taken == [0, 1]
+    with pytest.raises(ConnectionResetError, match="client gone"):
         await sink.next()
 
 
@@ -107,14 +125,51 @@ class TextFormatter(SseFormatter):
         return [{"text": delta.text}]
 
 
-def test_writer_records_the_token_and_frames_it_as_one_http_chunk():
+def test_writer_records_the_token_and_frames_it_as_one_http_chunk_sent_at_the_flush():
     transport, transcript = BufferingTransport(), Transcript()
     writer = TokenWriter(TextFormatter(), transcript)
     writer.open(OpenStream(transport), OpenStream(None))
     writer.write(TokenDelta(token_id=7, text="hé", index=0, time_ms=1.0))
+    assert transport.written == [] and transcript.text == "hé" and transcript.token_ids == [7]
+    writer.flush()
     body = 'data: {"text":"hé"}\n\n'.encode()
     assert transport.written == [b"%x\r\n" % len(body) + body + b"\r\n"]
-    assert transcript.text == "hé" and transcript.token_ids == [7]
+    writer.flush()  # nothing new: nothing written
+    assert len(transport.written) == 1
+
+
+def chunk(text: str) -> bytes:
+    body = f'data: {{"text":"{text}"}}\n\n'.encode()
+    return b"%x\r\n" % len(body) + body + b"\r\n"
+
+
+async def test_tokens_of_one_request_in_one_channel_read_leave_in_one_write_in_order():
+    channel = TokenChannel("w:1", "w:2")
+    channel.state = ChannelState.OPEN
+    transports = {rid: BufferingTransport() for rid in ("a", "b")}
+    for rid, transport in transports.items():
+        writer = TokenWriter(TextFormatter(), Transcript())
+        writer.open(OpenStream(transport), OpenStream(None))
+        sink = channel.sinks[rid] = TokenSink()
+        sink.direct = lambda event, w=writer: w.write(TokenDelta(event.token.token_id, event.token.text,
+                                                                  event.token.index, 1.0)) is None
+        sink.flush = writer.flush
+
+    def frame(*events) -> bytes:
+        return encode_frame(pb.TokenChannelFrame(events=list(events)).SerializeToString())
+
+    def token(rid: str, index: int) -> pb.RoutedEvent:
+        return pb.RoutedEvent(request_id=rid, token=pb.TokenEvent(token_id=index, text=f"{rid}{index}", index=index))
+
+    # Three steps' frames in one read (a busy coordinator reads what queued up): one write per request.
+    data = frame(token("a", 0), token("b", 0)) + frame(token("a", 1), token("b", 1)) + frame(token("a", 2))
+    channel.data_received(data[:7])  # a frame cut across reads: nothing complete, nothing written
+    assert transports["a"].written == transports["b"].written == []
+    channel.data_received(data[7:])
+    assert transports["a"].written == [chunk("a0") + chunk("a1") + chunk("a2")]
+    assert transports["b"].written == [chunk("b0") + chunk("b1")]
+    channel.data_received(frame(token("b", 2)))  # the next read: its own write, not held for more
+    assert transports["b"].written == [chunk("b0") + chunk("b1"), chunk("b2")]
 
 
 TOKENS = 15000
