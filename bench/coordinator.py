@@ -256,9 +256,7 @@ def completions_request(client: StreamClient, max_tokens: int):
         if not done or len(events) != max_tokens or tokens != max_tokens:
             raise RuntimeError(f"{client.host}:{client.port} came back short: {len(events)} token chunks, final "
                                f"{final}, [DONE] {'seen' if done else 'missing'}; {max_tokens} tokens asked for")
-        # The first read holds the response head and, as the servers here send the head with the first chunk or
-        # just before it, the first token: as the aiohttp client's first body read timed it before.
-        return Sample(first_read - start, e2e)
+        return Sample(first_read - start, e2e)  # to the first body byte: the first token's chunk
 
     return one
 

@@ -14,7 +14,7 @@ _TERMINAL_CHUNK = b"\r\n0\r\n\r\n"  # the end of the last data chunk, then the z
 
 
 class StreamProtocol(asyncio.Protocol):
-    """One connection; `answer` resolves to (status, body, seconds to the first read) per request."""
+    """One connection; `answer` resolves to (status, body, time of the first body byte) per request."""
 
     def __init__(self):
         self.transport: asyncio.Transport | None = None
@@ -35,10 +35,13 @@ class StreamProtocol(asyncio.Protocol):
         return self.answer
 
     def data_received(self, data: bytes) -> None:
-        if self._first is None:
-            self._first = time.perf_counter()
+        if not self._reads:
             self._status = int(data[9:12])  # "HTTP/1.1 200 OK": the status line comes whole in the first read
         self._reads.append(data)
+        if self._first is None:  # the first body byte, whether the head came alone or with it
+            head_end = b"".join(self._reads).find(b"\r\n\r\n")
+            if head_end >= 0 and sum(map(len, self._reads)) > head_end + 4:
+                self._first = time.perf_counter()
         if self._status == 200:  # a stream: chunked
             self._tail = (self._tail + data)[-len(_TERMINAL_CHUNK):]
             if self._tail == _TERMINAL_CHUNK:
@@ -92,7 +95,7 @@ class StreamClient:
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
     async def post(self, request: bytes) -> tuple[int, bytes, float]:
-        """(status, body, perf_counter time of the answer's first read) of a prepared `request`."""
+        """(status, body, perf_counter time of the answer's first body byte) of a prepared `request`."""
         while self._idle:
             connection = self._idle.pop()
             if not connection.closed:

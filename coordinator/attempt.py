@@ -56,11 +56,12 @@ class _PrefillInterrupt:
     """Cancels the current task, as asyncio.timeout does, if the prefill it watches fails while armed: the first
     token is then read in the request's own task, not raced by a task of its own against the prefill."""
 
-    __slots__ = ("_task", "_prefill", "_armed", "_fired")
+    __slots__ = ("_task", "_prefill", "_cancelling", "_armed", "_fired")
 
     def __init__(self, prefill: asyncio.Task):
         self._task = asyncio.current_task()
         self._prefill = prefill
+        self._cancelling = self._task.cancelling()  # requests already pending are not its own
         self._armed, self._fired = True, False
         prefill.add_done_callback(self._done)  # runs while the task waits: never cancels it mid-step
 
@@ -75,7 +76,7 @@ class _PrefillInterrupt:
             self._armed = False
             self._prefill.remove_done_callback(self._done)
         fired, self._fired = self._fired, False
-        return fired and self._task.uncancel() == 0
+        return fired and self._task.uncancel() <= self._cancelling
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,9 +94,11 @@ async def serve_generation(
     try:
         async for event in events:
             writer.busy = True  # until this event is written: a token's frame must not overtake it
+            writer.flush()  # tokens its frames took are always flushed before; this holds even if one was not
             if response is None:
                 # Opened on the first event, so a failure before it is a plain HTTP error.
-                response = await open_stream(http_request, formatter.stream_content_type)
+                # The event is written right below (an empty write sends the head too).
+                response = await open_stream(http_request, formatter.stream_content_type, head_with_first_chunk=True)
                 writer.open(http_request, response)
             record(transcript, event)
             if isinstance(event, TokenDelta):
@@ -113,6 +115,8 @@ async def serve_generation(
     finally:
         writer.busy = True  # the rest of the stream is written here
         await events.aclose()
+    if response is not None:
+        writer.flush()
     if formatter.done_marker is not None:
         tail.append(formatter.done_marker)
     # The last chunk, usage, the done marker and the end of the body leave in one write.
@@ -152,7 +156,8 @@ class TokenWriter:
     def flush(self) -> None:
         unsent = self._unsent
         if unsent:
-            self._transport.write(unsent[0] if len(unsent) == 1 else b"".join(unsent))
+            if not self._transport.is_closing():  # a client that left gets nothing more
+                self._transport.write(unsent[0] if len(unsent) == 1 else b"".join(unsent))
             unsent.clear()
 
     def token_data(self, delta: TokenDelta) -> bytes:

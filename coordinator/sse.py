@@ -29,17 +29,19 @@ class ChunkTemplate:
         return self.head + orjson.dumps(text) + self.tail
 
 
-class EventStreamResponse(web.StreamResponse):
-    """A streamed answer whose head leaves in one write with its first bytes (streams are opened on their first
-    event, which is written at once), as aiohttp's web.Response sends its head with its body: a send and a client
-    wake-up fewer per request."""
+class HeadWithFirstChunkResponse(web.StreamResponse):
+    """A streamed answer whose head leaves in one write with its first bytes, as aiohttp's web.Response sends its
+    head with its body: a send and a client wake-up fewer per request."""
 
     _send_headers_immediately = False
 
 
-async def open_stream(request: web.Request, content_type: str = "text/event-stream; charset=utf-8") -> web.StreamResponse:
-    """Open a stream whose first bytes must follow at once (its head goes with them)."""
-    response = EventStreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+async def open_stream(request: web.Request, content_type: str = "text/event-stream; charset=utf-8",
+                      head_with_first_chunk: bool = False) -> web.StreamResponse:
+    """Open a stream; with `head_with_first_chunk`, for a caller that writes its first bytes at once, its head
+    waits for them."""
+    kind = HeadWithFirstChunkResponse if head_with_first_chunk else web.StreamResponse
+    response = kind(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
     if request.version == (1, 1):  # aiohttp chunks HTTP/1.1 only
         response.enable_chunked_encoding()  # what aiohttp picks for HTTP/1.1 anyway; said here so `chunked` tells
     await response.prepare(request)

@@ -58,6 +58,7 @@ class TokenSink:
                     first, self._unflushed = not self._unflushed, True
                     return first
             except Exception as exc:  # noqa: BLE001 - the request's own failure, raised in its task, not the channel's
+                self.flush_direct()  # the tokens taken before this one came before the failure
                 self._fail(exc)
                 return False
         self._items.append(event)
@@ -68,7 +69,7 @@ class TokenSink:
         """Send what `direct` took from the frames of this read (before any queued event is read: the task
         runs only after the read's callback)."""
         self._unflushed = False
-        if self.flush is not None:
+        if self.flush is not None and self._failed is None:
             try:
                 self.flush()
             except Exception as exc:  # noqa: BLE001 - as in push
@@ -136,20 +137,22 @@ class TokenChannel(asyncio.Protocol):
             self._transport.abort()
             return
         unflushed: list[TokenSink] = []
-        for payload in frames:
-            frame = pb.TokenChannelFrame()
-            frame.ParseFromString(payload)
-            if self.state is ChannelState.GREETING:
-                self._greeted(frame)
-                continue
-            sinks = self.sinks
-            for event in frame.events:
-                sink = sinks.get(event.request_id)
-                # A request that ended (client gone) may still have events in flight.
-                if sink is not None and sink.push(event):
-                    unflushed.append(sink)
-        for sink in unflushed:
-            sink.flush_direct()
+        try:
+            for payload in frames:
+                frame = pb.TokenChannelFrame()
+                frame.ParseFromString(payload)
+                if self.state is ChannelState.GREETING:
+                    self._greeted(frame)
+                    continue
+                sinks = self.sinks
+                for event in frame.events:
+                    sink = sinks.get(event.request_id)
+                    # A request that ended (client gone) may still have events in flight.
+                    if sink is not None and sink.push(event):
+                        unflushed.append(sink)
+        finally:  # what was taken leaves, whatever a later frame of the read did
+            for sink in unflushed:
+                sink.flush_direct()
 
     def _greeted(self, frame: pb.TokenChannelFrame) -> None:
         if not frame.channel_id:

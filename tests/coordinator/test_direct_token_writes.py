@@ -170,6 +170,29 @@ async def test_tokens_of_one_request_in_one_channel_read_leave_in_one_write_in_o
     assert transports["b"].written == [chunk("b0") + chunk("b1")]
     channel.data_received(frame(token("b", 2)))  # the next read: its own write, not held for more
     assert transports["b"].written == [chunk("b0") + chunk("b1"), chunk("b2")]
+    # A frame that does not parse after a good one in the same read: the good one's token still leaves.
+    with pytest.raises(Exception):
+        channel.data_received(frame(token("a", 3)) + encode_frame(b"\xff\xff\xff"))
+    assert transports["a"].written[-1] == chunk("a3")
+
+
+async def test_tokens_taken_before_a_failing_one_in_the_same_read_are_sent_before_the_failure_surfaces():
+    sink, transport = TokenSink(), BufferingTransport()
+    writer = TokenWriter(TextFormatter(), Transcript())
+    writer.open(OpenStream(transport), OpenStream(None))
+
+    def direct(event):
+        if event.token.index == 1:
+            raise ValueError("formatter broke")
+        writer.write(TokenDelta(event.token.token_id, event.token.text, event.token.index, 1.0))
+        return True
+
+    sink.direct, sink.flush = direct, writer.flush
+    assert sink.push(token_event(0)) is True
+    sink.push(token_event(1))
+    assert transport.written == [chunk("t0")]
+    with pytest.raises(ValueError, match="formatter broke"):
+        await sink.next()
 
 
 TOKENS = 15000
