@@ -3,7 +3,6 @@ while nothing is queued before them and the client keeps up; a stalled client's 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import time
