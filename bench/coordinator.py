@@ -4,7 +4,8 @@ pass-through proxy in the coordinator's place.
     .venv/bin/python bench/coordinator.py [--max-tokens 64 256] [--concurrency 1 32 128] [--seconds 5]
                                           [--workers 2] [--decode-step-ms 1] [--direct] [--tls | --plain-kv]
                                           [--against DIR|NAME=VALUE] [--repeats N] [--cpu-share F]
-    .venv/bin/python bench/coordinator.py --fleet 2 64 256 [--seconds 5]
+    .venv/bin/python bench/coordinator.py --fleet 2 64 256 [--seconds 5] [--fleet-rate R] [--repeats N]
+                                          [--against DIR|NAME=VALUE] [--cpu-share F]
 
 Each row is a closed loop of streaming /v1/completions requests at one `--max-tokens` and one concurrency:
 `concurrency` clients each send their next request as soon as the last one ends, for `--seconds` (their last
@@ -49,10 +50,14 @@ c=8 against 3.7 at c=64 for the same code). Held to a share, every process runs 
 is the cost at capacity: what requests/s per core means.
 
 `--fleet N ...` measures instead the coordinator alone, at 64 tokens, in front of N simulated instances (N/2
-prefill, N/2 decode, all in one process: bench/sim_fleet.py) for each N in turn, warmed up until every instance has
+prefill, N/2 decode, all in one process: bench/sim_fleet.py) for each N, warmed up until every instance has
 served a request, and its CPU per request against the smallest fleet's (target: at most 1.2x apart at 64 vs 2).
+Every size's fleet and coordinator start at once and the sizes take turns within each of `--repeats` rounds (with
+`--against`, so do the two coordinators), so that each median comes from the same minutes as the others.
 Every size gets the same offered load, `--fleet-rate` requests started per second (an open loop), so that sizes are
-compared and not load levels; `--fleet-rate 0` runs the closed loop of 32 clients instead.
+compared and not load levels; `--fleet-rate 0` runs the closed loop of 32 clients instead. At capacity
+(`--fleet-rate 0 --cpu-share F`), F must be low enough that the fleet's core keeps up at every size (0.25 here:
+at 0.5 the 64-instance fleet process saturates the other core first and the coordinator idles again).
 """
 
 from __future__ import annotations
@@ -475,33 +480,53 @@ async def table_rows(args, proxy: Process, clusters: list[Cluster], cores: Cores
         return [sorted(same, key=lambda row: row.cpu_ms)[(len(same) - 1) // 2] for same in zip(*rounds)]
 
 
-async def fleet_row(args, size: int, coordinator: Process, cores: Cores) -> Row:
-    with contextlib.ExitStack() as stack:
-        session = stream_client(stack, coordinator.address)
-        # Round robin: `size` / 2 requests have opened channels to every instance before the measured loop.
-        # At one offered rate for every size: a closed loop runs each at whatever rate its workers' core allows, and
-        # a less loaded coordinator pays more idle wake-ups per request, which would be compared instead of sizes.
-        return await measure_row(FLEET_TOKENS, FLEET_CONCURRENCY, THROUGH, completions_request(session, FLEET_TOKENS),
-                                 cores.others, coordinator, args, warmup_requests=size // 2,
-                                 rate=args.fleet_rate or None)
+@dataclass
+class FleetSetup:
+    """One fleet size: its simulated instances and the coordinators measured in front of them, by path name."""
+
+    size: int
+    fleet: Process
+    coordinators: dict[str, Process]
 
 
-def run_fleet(args, tmp: Path, cores: Cores) -> list[tuple[int, Row, float]]:
-    """For each fleet size: its row and the fleet process's resident memory (MiB) after it."""
-    results = []
+def start_fleets(args, tmp: Path, cores: Cores, running: contextlib.ExitStack) -> list[FleetSetup]:
+    """Every size's fleet and coordinator(s), started at once so that rounds can take turns among them."""
+    setups = []
     for size in args.fleet:
-        with contextlib.ExitStack() as running:
-            fleet = Process(bench_script("sim_fleet.py", "--prefill", str(size // 2), "--decode", str(size // 2),
-                                         *sim_flags(args)), "sim fleet ready:", cores.others)
-            running.callback(fleet.stop)
-            prefill, decode = (field.split("=", 1)[1].split(",") for field in fleet.ready_line.split()[-2:])
-            config = write_config(tmp / f"ms_coordinator-fleet{size}.json", prefill, decode)
-            coordinator = Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:",
-                                  cores.pinned, share=cores.share)
-            running.callback(coordinator.stop)
-            row = run_event_loop(fleet_row(args, size, coordinator, cores))
-            results.append((size, row, fleet.rss_mib()))
-    return results
+        fleet = Process(bench_script("sim_fleet.py", "--prefill", str(size // 2), "--decode", str(size // 2),
+                                     *sim_flags(args)), "sim fleet ready:", cores.others)
+        running.callback(fleet.stop)
+        prefill, decode = (field.split("=", 1)[1].split(",") for field in fleet.ready_line.split()[-2:])
+        config = write_config(tmp / f"ms_coordinator-fleet{size}.json", prefill, decode)
+        coordinators = {THROUGH: Process(pdserve("coordinator", "--config", str(config)),
+                                         "pdserve coordinator ready:", cores.pinned, share=cores.share)}
+        running.callback(coordinators[THROUGH].stop)
+        if args.against:
+            coordinators[AGAINST] = start_against(args.against, write_config(
+                tmp / f"ms_coordinator-fleet{size}-against.json", prefill, decode, None, free_port()), cores)
+            running.callback(coordinators[AGAINST].stop)
+        setups.append(FleetSetup(size, fleet, coordinators))
+    return setups
+
+
+async def fleet_rows(args, setups: list[FleetSetup], cores: Cores) -> dict[tuple[int, str], Row]:
+    """Each (size, path)'s median row over `--repeats` rounds, the sizes and paths taking turns in every round."""
+    with contextlib.ExitStack() as stack:
+        sessions = {(setup.size, name): stream_client(stack, coordinator.address)
+                    for setup in setups for name, coordinator in setup.coordinators.items()}
+        rounds: dict[tuple[int, str], list[Row]] = {key: [] for key in sessions}
+        for _ in range(args.repeats):
+            for setup in setups:
+                for name, coordinator in setup.coordinators.items():
+                    # Warm-up: `size` / 2 requests, round robin, have opened channels to every instance. At one
+                    # offered rate for every size: a closed loop runs each at whatever rate its workers' core
+                    # allows, and a less loaded coordinator pays more idle wake-ups per request, which would be
+                    # compared instead of sizes.
+                    rounds[setup.size, name].append(await measure_row(
+                        FLEET_TOKENS, FLEET_CONCURRENCY, f"{name}, {setup.size} instances",
+                        completions_request(sessions[setup.size, name], FLEET_TOKENS), cores.others, coordinator,
+                        args, warmup_requests=setup.size // 2, rate=args.fleet_rate or None))
+        return {key: sorted(rows, key=lambda row: row.cpu_ms)[(len(rows) - 1) // 2] for key, rows in rounds.items()}
 
 
 def even_size(text: str) -> int:
@@ -545,7 +570,9 @@ def main() -> None:
     cores = Cores({cpus[0]}, set(cpus[1:]) or {cpus[0]}, args.cpu_share)
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as running:
         if args.fleet:
-            print_fleet(args, run_fleet(args, Path(tmp), cores), cores)
+            setups = start_fleets(args, Path(tmp), cores, running)
+            rows = run_event_loop(fleet_rows(args, setups, cores))
+            print_fleet(args, setups, rows, cores)
             return
         upstream = Process(bench_script("passthrough.py", "upstream", "--decode-step-ms", str(args.decode_step_ms)),
                            "passthrough upstream ready:", cores.others)
@@ -626,25 +653,33 @@ def print_tls_costs(args, rows: list[Row]) -> None:
                       f"| {tls.e2e_ms():.1f} | {tls.e2e_ms() / plain.e2e_ms():.2f}x |")
 
 
-def print_fleet(args, results: list[tuple[int, Row, float]], cores: Cores) -> None:
-    smallest = min(results, key=lambda result: result[0])
+def print_fleet(args, setups: list[FleetSetup], rows: dict[tuple[int, str], Row], cores: Cores) -> None:
+    smallest = min(setup.size for setup in setups)
+    paths = list(setups[0].coordinators)
     print(f"\nThe coordinator (CPU {sorted(cores.pinned)}) in front of N simulated instances, N/2 prefill and N/2 "
           f"decode in one process (bench/sim_fleet.py, CPU {sorted(cores.others)}; prefill 0 ms, decode step "
           f"{args.decode_step_ms:g} ms), {FLEET_TOKENS} tokens, "
           f"{f'{args.fleet_rate:g} requests started per second' if args.fleet_rate else f'c={FLEET_CONCURRENCY}'} "
-          f"for {args.seconds:g} s each. Latencies in ms.\n")
-    print(f"| instances | requests/s | coordinator CPU | CPU ms / request | vs {smallest[0]} instances | TTFT p50 "
+          f"for {args.seconds:g} s each"
+          f"{f', median of {args.repeats} rounds (sizes taking turns)' if args.repeats > 1 else ''}"
+          f"{f', each process held to {cores.share:g} of a core' if cores.share else ''}. Latencies in ms.\n")
+    print(f"| instances | path | requests/s | coordinator CPU | CPU ms / request | vs {smallest} instances | TTFT p50 "
           "| e2e p50 | fleet process RSS, MiB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for size, row, rss in results:
-        print(f"| {size} | {row.rps:.0f} | {row.cpu:.0%} | {row.cpu_ms:.2f} | {row.cpu_ms / smallest[1].cpu_ms:.2f}x "
-              f"| {row.ttft_ms():.2f} | {row.e2e_ms():.1f} | {rss:.0f} |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for setup in setups:
+        for name in paths:
+            row, base = rows[setup.size, name], rows[smallest, name]
+            print(f"| {setup.size} | {name} | {row.rps:.0f} | {row.cpu:.0%} | {row.cpu_ms:.2f} "
+                  f"| {row.cpu_ms / base.cpu_ms:.2f}x | {row.ttft_ms():.2f} | {row.e2e_ms():.1f} "
+                  f"| {setup.fleet.rss_mib():.0f} |")
     print()
-    for size, row, _ in results:
-        if size != smallest[0]:
-            target = f" (target <= {FLEET_RATIO_TARGET:g} up to 64 instances)" if size <= 64 else " (no target)"
-            print(f"coordinator CPU/request, {size} instances vs {smallest[0]}: "
-                  f"{row.cpu_ms / smallest[1].cpu_ms:.2f}x{target}")
+    for setup in setups:
+        if setup.size == smallest:
+            continue
+        for name in paths:
+            target = f" (target <= {FLEET_RATIO_TARGET:g} up to 64 instances)" if setup.size <= 64 else " (no target)"
+            print(f"{name} CPU/request, {setup.size} instances vs {smallest}: "
+                  f"{rows[setup.size, name].cpu_ms / rows[smallest, name].cpu_ms:.2f}x{target}")
 
 
 if __name__ == "__main__":
