@@ -448,6 +448,11 @@ async def measure_row(tokens: int, concurrency: int, name: str, one, client_cpus
     return row
 
 
+def median_row(rows: list[Row]) -> Row:
+    """The round whose CPU per request is the median (the lower one of an even count)."""
+    return sorted(rows, key=lambda row: row.cpu_ms)[(len(rows) - 1) // 2]
+
+
 async def table_rows(args, proxy: Process, clusters: list[Cluster], cores: Cores) -> list[Row]:
     async with contextlib.AsyncExitStack() as stack:
         session = stream_client(stack, proxy.address)
@@ -477,7 +482,7 @@ async def table_rows(args, proxy: Process, clusters: list[Cluster], cores: Cores
                    for name, (make, client_cpus, pinned) in paths.items()
                    if args.direct or concurrency == 1 or not name.startswith(BASELINE)]
                   for _ in range(args.repeats)]
-        return [sorted(same, key=lambda row: row.cpu_ms)[(len(same) - 1) // 2] for same in zip(*rounds)]
+        return [median_row(same) for same in zip(*rounds)]
 
 
 @dataclass
@@ -526,7 +531,7 @@ async def fleet_rows(args, setups: list[FleetSetup], cores: Cores) -> dict[tuple
                         FLEET_TOKENS, FLEET_CONCURRENCY, f"{name}, {setup.size} instances",
                         completions_request(sessions[setup.size, name], FLEET_TOKENS), cores.others, coordinator,
                         args, warmup_requests=setup.size // 2, rate=args.fleet_rate or None))
-        return {key: sorted(rows, key=lambda row: row.cpu_ms)[(len(rows) - 1) // 2] for key, rows in rounds.items()}
+        return {key: median_row(rows) for key, rows in rounds.items()}
 
 
 def even_size(text: str) -> int:
