@@ -22,15 +22,20 @@ class _Section(BaseModel):
 class HttpConfig(_Section):
     """Where clients reach the coordinator."""
 
-    predict_ip: str = Field("127.0.0.1", description="Address the client APIs listen on.")
-    predict_port: int = Field(1025, ge=0, le=65535, description="Port of the client APIs; 0 picks a free one.")
-    manage_ip: str = Field("127.0.0.1", description="Address of the management API (health, metrics).")
-    manage_port: int = Field(1026, ge=0, le=65535, description="Port of the management API; 0 picks a free one.")
-    drain_seconds: float = Field(30, ge=0, le=3600, description="On SIGTERM, how long running requests may finish.")
+    predict_ip: str = Field("127.0.0.1", description="Address the client APIs listen on (`--predict-ip` "
+                            "overrides it).")
+    predict_port: int = Field(1025, ge=0, le=65535, description="Port of the client APIs; 0 picks a free one "
+                              "(`--predict-port` overrides it).")
+    manage_ip: str = Field("127.0.0.1", description="Address of the management API: instance registration, "
+                           "GET /v1/instances, GET /health, GET /metrics.")
+    manage_port: int = Field(1026, ge=0, le=65535, description="Port of the management API; 0 picks a free one "
+                             "(printed as `pdserve coordinator management: URL`).")
+    drain_seconds: float = Field(30, ge=0, le=3600, description="On SIGTERM: stop accepting at once, let "
+                                 "running requests finish for up to this long, exit 0.")
     keepalive_timeout_s: float = Field(15, gt=0, le=3600, description="A connection idle this long, or still "
                                        "sending its request headers, is closed.")
     body_timeout_s: float = Field(30, gt=0, le=3600, description="A request body not fully received this long "
-                                  "after its headers is a 408.")
+                                  "after its headers is a 408, which frees its slot.")
     tls_handshake_timeout_s: float = Field(10, gt=0, le=600, description="A TLS connection must start and "
                                            "finish its handshake within this.")
 
@@ -44,8 +49,10 @@ class ModelConfig(_Section):
     maxSeqLen: int = Field(2048, ge=2, description="Prompt plus generated tokens, at most.")
     maxInputTokenLen: int = Field(2048, ge=1, description="Prompt tokens, at most.")
     maxIterTimes: int = Field(512, ge=1, description="Decode steps after the first token, at most.")
-    fullTextEnabled: bool = Field(False, description="Stream cumulative text instead of deltas.")
-    multimodalInputsDir: str = Field("/data/multimodal_inputs", description="Only local media files under this folder are accepted.")
+    fullTextEnabled: bool = Field(False, description="Every streaming API carries the cumulative text "
+                                    "instead of deltas; the final OpenAI chunk carries `full_text`.")
+    multimodalInputsDir: str = Field("/data/multimodal_inputs", description="Only local media files under this "
+                                     "folder are accepted (paths resolved first: symlinks and `..` included).")
 
     _name_from_folder: bool = PrivateAttr(False)
 
@@ -93,8 +100,8 @@ class InstanceConfig(_Section):
 class InstancesConfig(_Section):
     """The static instance lists; workers started with `--coordinator` register on top of them."""
 
-    prefill: list[InstanceConfig] = Field([], description="Prefill workers.")
-    decode: list[InstanceConfig] = Field([], description="Decode workers.")
+    prefill: list[InstanceConfig] = Field([], description='Static prefill workers, each {"address": "host:port"}.')
+    decode: list[InstanceConfig] = Field([], description='Static decode workers, each {"address": "host:port"}.')
 
 
 class HealthConfig(_Section):
@@ -120,13 +127,16 @@ class SchedulerConfig(_Section):
     """How a prefill and a decode instance are picked for each request."""
 
     algorithm_type: Literal["round_robin", "load_balance", "cache_affinity"] = Field(
-        "round_robin", description="Instance selection policy.")
+        "round_robin", description="Instance selection policy: round_robin (each role's instances in turn), "
+        "load_balance (least outstanding work) or cache_affinity (the prefill instance that last served the "
+        "prompt's longest prefix, within a load bound; decode as load_balance).")
     cache_affinity_max_load_ratio: float = Field(
         2.0, ge=1, description="cache_affinity: the affine prefill instance is used while its load is at most "
         "this times the least loaded one's (plus the slack).")
     cache_affinity_load_slack_tokens: int = Field(
         4096, ge=0, description="cache_affinity: queued prompt tokens always tolerated on the affine instance.")
-    cache_affinity_block_tokens: int = Field(16, ge=1, le=4096, description="Prompt prefix granularity, in tokens.")
+    cache_affinity_block_tokens: int = Field(16, ge=1, le=4096, description="cache_affinity: prompt "
+                                             "prefix granularity, in tokens.")
     local_prefill_max_tokens: int = Field(
         0, ge=0, description="Conditional disaggregation: prompts shorter than this are prefilled on the decode "
         "worker itself; 0 = always disaggregate.")
@@ -135,7 +145,8 @@ class SchedulerConfig(_Section):
 class RequestLimitConfig(_Section):
     """How much the coordinator takes on at once."""
 
-    max_requests: int = Field(10000, ge=1, description="Generation requests in flight; past it, 429 at once.")
+    max_requests: int = Field(10000, ge=1, description="Generation requests in flight; past it, 429 "
+                              "with Retry-After: 1 at once.")
     max_running: int = Field(1000, ge=1, description="Generations on the workers at once; the rest wait in a "
                              "queue ordered by priority, then arrival.")
     body_limit: int = Field(8, ge=1, le=1024, description="Largest request body, in MB; past it, 413.")
@@ -146,11 +157,15 @@ class RequestLimitConfig(_Section):
 class ExceptionConfig(_Section):
     """Deadlines that keep any request from hanging."""
 
-    max_retry: int = Field(5, ge=0, le=100, description="Other prefill instances tried when one is unreachable.")
+    max_retry: int = Field(5, ge=0, le=100, description="Attempts on other instances when one fails before the "
+                           "first token (a prefill or decode worker unreachable or gone, a KV transfer that "
+                           "failed or stalled), invisibly to the client.")
     max_migrations: int = Field(3, ge=0, le=100, description="Times a request moves to another decode instance "
                                 "when its decode worker is lost; 0 = fail the request instead.")
-    first_token_timeout: float = Field(600, gt=0, le=3600, description="Seconds until the first token.")
-    infer_timeout: float = Field(600, gt=0, le=3600, description="Seconds for the whole request.")
+    first_token_timeout: float = Field(600, gt=0, le=3600, description="Seconds from an attempt's dispatch to "
+                                        "its first token, else 504.")
+    infer_timeout: float = Field(600, gt=0, le=3600, description="Seconds for the whole request, queueing "
+                                  "included; a request's own `timeout` (MindIE, Triton) may only shorten it.")
 
 
 class BackupConfig(_Section):

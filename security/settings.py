@@ -63,13 +63,15 @@ class AuthConfig(_Section):
     """`auth_config`: who may call the coordinator and who may join it."""
 
     api_keys_file: str = Field("", description="File of SHA-256 hex digests of API keys, one per line, '#' "
-                               "comments; empty = the client APIs need no key.")
-    open_health: bool = Field(True, description="GET /health answers without an API key.")
-    open_metrics: bool = Field(True, description="GET /metrics answers without an API key.")
+                               "comments (after a digest too); empty = the client APIs need no key.")
+    open_health: bool = Field(True, description="GET /health and /health/live on the predict port answer "
+                              "without an API key.")
+    open_metrics: bool = Field(True, description="GET /metrics on the predict port answers without an API key.")
     registration_token_file: str = Field("", description="Workers must send this token to register when the "
                                          "management port has no mutual TLS; empty = registration is open.")
     worker_secret_file: str = Field("", description="Shared secret on every coordinator -> worker gRPC call "
-                                    "when worker_grpc has no mutual TLS; empty = none.")
+                                    "when worker_grpc has no mutual TLS (workers refuse calls without it); empty = "
+                                    "none.")
 
     def resolved(self, base: Path) -> AuthConfig:
         keys = ("api_keys_file", "registration_token_file", "worker_secret_file")
