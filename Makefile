@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-unit install proto clean
+.PHONY: run test test-unit install proto docs-reference docs docs-serve clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,18 @@ test-unit: $(STAMP)
 # Regenerate proto/worker_pb2*.py after editing proto/worker.proto (tests fail when they are stale).
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/worker.proto
+
+# Regenerate docs/reference/*.md from the code (config models, CLI parsers, metrics, route tables); a unit test
+# (tests/docs_gen/test_pages.py) fails when they are stale.
+docs-reference: $(STAMP)
+	$(BIN)/python -m docs_gen
+
+# The documentation site, into build/site (`make test` builds it too, in tests/docs/test_site_build.py).
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,33 @@
+"""Markdown pieces the generated pages share: table cells, tables and the generated-page banner."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+
+REGENERATE_COMMAND = "make docs-reference"
+
+
+def banner(sources: str) -> str:
+    """The first lines of a generated page: where it comes from and how to regenerate it."""
+    return (f"<!-- Generated from {sources} by `{REGENERATE_COMMAND}` (python -m docs_gen): do not edit by hand. -->\n")
+
+
+def cell(text: str) -> str:
+    """`text` safe in a table cell: pipes and angle brackets escaped outside code spans, one line."""
+    parts = re.split(r"(`[^`]*`)", " ".join(text.split()))
+    return "".join(p if p.startswith("`") else p.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+                   for p in parts)
+
+
+def code(value: object) -> str:
+    """A value as inline code, JSON-spelt (strings quoted, booleans lowercase)."""
+    text = value if isinstance(value, str) and value.startswith("--") else json.dumps(value)
+    return f"`{text}`"
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
