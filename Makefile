@@ -38,10 +38,10 @@ docs-reference: $(STAMP)
 
 # The documentation site, into build/site (`make test` builds it too, in tests/docs/test_site_build.py).
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 docs-serve: $(STAMP)
-	$(BIN)/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
 	rm -rf $(VENV) build *.egg-info

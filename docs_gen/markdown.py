@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 REGENERATE_COMMAND = "make docs-reference"
+ESCAPES = str.maketrans({"|": "\\|", "<": "&lt;", ">": "&gt;", "[": "\\[", "]": "\\]"})
 
 
 def banner(sources: str) -> str:
@@ -15,10 +16,10 @@ def banner(sources: str) -> str:
 
 
 def cell(text: str) -> str:
-    """`text` safe in a table cell: pipes and angle brackets escaped outside code spans, one line."""
+    """`text` safe in a table cell, on one line: outside code spans, pipes, angle brackets and square brackets
+    (which Markdown would read as a link reference) escaped."""
     parts = re.split(r"(`[^`]*`)", " ".join(text.split()))
-    return "".join(p if p.startswith("`") else p.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
-                   for p in parts)
+    return "".join(p if p.startswith("`") else p.translate(ESCAPES) for p in parts)
 
 
 def code(value: object) -> str:

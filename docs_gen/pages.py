@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from docs_gen import cli_reference, config_reference, metrics_reference, routes_reference
+from docs_gen import cli_reference, config_reference, life_cycles, metrics_reference, routes_reference
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -14,6 +14,7 @@ GENERATED_PAGES: dict[str, Callable[[], str]] = {
     "docs/reference/cli.md": cli_reference.render,
     "docs/reference/metrics.md": metrics_reference.render,
     "docs/reference/http-routes.md": routes_reference.render,
+    "docs/reference/life-cycles.md": life_cycles.render,
 }
 
 

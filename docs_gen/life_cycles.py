@@ -1,0 +1,42 @@
+"""The life-cycle docstrings: the numbered walk-throughs that open the modules driving a request, a worker's
+requests, a token channel and a coordinator's place in etcd, shown as written (they are laid out as text)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from docs_gen.markdown import banner
+
+REPO = Path(__file__).resolve().parent.parent
+
+# (title, module file), in the order a newcomer would follow a request.
+LIFE_CYCLES = (
+    ("A request in the coordinator", "coordinator/pipeline.py"),
+    ("Where a request's time went", "coordinator/request_trace.py"),
+    ("A request on a prefill and a decode worker", "worker/engine/__init__.py"),
+    ("A token channel", "worker/service/token_channel.py"),
+    ("A coordinator's leadership on etcd", "coordinator/cluster/leadership.py"),
+    ("A worker's registration on etcd", "coordinator/cluster/registry_sync.py"),
+)
+
+INTRO = """# Life cycles
+
+The modules that drive a request open with a numbered account of its life there. They are shown here as
+written; the code is the place to change them.
+"""
+
+
+def module_docstring(path: str) -> str:
+    tree = ast.parse((REPO / path).read_text(encoding="utf-8"))
+    docstring = ast.get_docstring(tree)
+    if not docstring:
+        raise ValueError(f"{path} has no module docstring to show")
+    return docstring
+
+
+def render() -> str:
+    parts = [banner(", ".join(path for _, path in LIFE_CYCLES)), INTRO]
+    for title, path in LIFE_CYCLES:
+        parts.append(f"## {title}\n\n`{path}`:\n\n```text\n{module_docstring(path)}\n```\n")
+    return "\n".join(parts)
