@@ -1,4 +1,5 @@
-"""Field rules every client API shares: the seed tables' ranges, and body parsing into 400s."""
+"""Field rules every client API shares: the ranges of the MindIE API's field tables (docs/compatibility.md), and
+body parsing into 400s."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from coordinator.errors import ApiError
 from guidance.token_rules import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES
 from coordinator.request import SamplingOptions
 
-# The seeds type these fields "uint32_t" yet give the range (0, 2147483647]: the int32 range.
+# The MindIE API (docs/compatibility.md) types these fields "uint32_t" yet gives the range (0, 2147483647]: the
+# int32 range.
 INT32_MAX = 2147483647
 UINT64_MAX = 18446744073709551615
 STOP_TOTAL_CHARS = 32768
@@ -150,7 +152,8 @@ def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 class VllmSamplingFields(BaseModel):
-    """The sampling fields OpenAI completions/chat and vLLM's /generate share, with the seed's ranges."""
+    """The sampling fields OpenAI completions/chat and vLLM's /generate share, with the ranges of the MindIE API
+    (docs/compatibility.md)."""
 
     max_tokens: MaxTokens | None = None
     temperature: Temperature = 1.0

@@ -1,6 +1,6 @@
 """Guided-decoding fields every API may carry, mapped onto one llguidance grammar and checked to compile.
 
-OpenAI `response_format`, seed 004's `guided_*` fields, vLLM's `structured_outputs`, chat's forced
+OpenAI `response_format`, BladeLLM's `guided_*` fields, vLLM's `structured_outputs`, chat's forced
 `tool_choice` and TGI's `parameters.grammar` each become a `Constraint`: the field that set it and the
 llguidance grammar text. `checked_grammar` compiles it off the event loop (a cached compile per
 distinct text) before any worker is used; the workers mask every token with the same text.
@@ -161,7 +161,7 @@ def _build(field: str, kind: str, value: Any, whitespace: str | None, whitespace
 
 
 class GuidedFields(BaseModel):
-    """The guided-decoding fields of OpenAI chat and completions (seed 004, OpenAI, vLLM)."""
+    """The guided-decoding fields of OpenAI chat and completions (BladeLLM, OpenAI, vLLM; docs/compatibility.md)."""
 
     response_format: ResponseFormat | None = None
     guided_json: Schema | None = None
@@ -175,7 +175,7 @@ class GuidedFields(BaseModel):
     @field_validator("response_format", mode="before")
     @classmethod
     def _bare_type(cls, value: Any) -> Any:
-        # Seed 004 sends the type alone ("json_object"); one model then validates both forms.
+        # BladeLLM sends the type alone ("json_object"); one model then validates both forms.
         return {"type": value} if isinstance(value, str) else value
 
     def _requested(self) -> list[tuple[str, str, Any]]:

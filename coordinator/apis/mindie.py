@@ -1,4 +1,5 @@
-"""MindIE native POST /infer: stream and non-stream, `prefill_time` / `decode_time` per event (seed 002)."""
+"""MindIE native POST /infer: stream and non-stream, `prefill_time` / `decode_time` per event (the MindIE
+API, docs/compatibility.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from coordinator.state import STATE
 
 
 class MindieParameters(QueuedParameters):
-    """`parameters` of a MindIE /infer request, with the seed's ranges."""
+    """`parameters` of a MindIE /infer request, with the ranges of the MindIE API (docs/compatibility.md)."""
 
 
 class MindieRequest(BaseModel):
@@ -41,7 +42,8 @@ class MindieFormatter(TextGenFormatter):
         return {**finish_details(finished), "seed": self.seed}
 
     def stream_event(self, delta: TokenDelta, transcript: Transcript, finished: Finished | None) -> dict:
-        # As in the seed, the last event's token has no text: generated_text carries all of it.
+        # As in the MindIE API (docs/compatibility.md), the last event's token has no text: generated_text carries all
+        # of it.
         text = self.streamed_text(delta, transcript) if finished is None else None
         event = {**token_timing(delta), "token": {"id": [delta.token_id], "text": text}}
         if finished is not None:

@@ -1,4 +1,5 @@
-"""List inputs of typed items (seed 002): validated as the seeds say, then refused for a text-only model.
+"""List inputs of typed items (the MindIE API, docs/compatibility.md): validated as it says, then refused for a
+text-only model.
 
 Rules: at most 20 media items per request; a local file must lie under the configured media
 folder; an http(s) URL must be listed in ALLOWED_MEDIA_URLS_ENV; sizes at most 20 MB (images,

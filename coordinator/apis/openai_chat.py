@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: OpenAI chat, stream and non-stream, in the seed's chunk format."""
+"""POST /v1/chat/completions: OpenAI chat, stream and non-stream, in the chunk format of the chat streaming page
+(docs/compatibility.md)."""
 
 from __future__ import annotations
 
@@ -119,7 +120,8 @@ class ChatCompletionRequest(OpenAIRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolSpec] | None = None
     tool_choice: NamedToolChoice | str | None = None
-    # Seed 004: the start of an interrupted assistant reply; the output continues it (and holds only the rest).
+    # BladeLLM (docs/compatibility.md): the start of an interrupted assistant reply; the output continues it (and
+    # holds only the rest).
     resume_response: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
@@ -201,7 +203,8 @@ class ChatCompletionRequest(OpenAIRequest):
 
 
 class ChatFormatter(OpenAIFormatter):
-    """Chunks as in seed 000/003: delta{role, content} per token, a final chunk with usage."""
+    """Chunks as in the chat streaming page (docs/compatibility.md): delta{role, content} per token, a final chunk with
+    usage."""
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)

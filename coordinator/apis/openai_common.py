@@ -36,7 +36,8 @@ class StreamOptions(BaseModel):
 
 
 class OpenAIRequest(GuidedFields, VllmSamplingFields):
-    """Fields common to chat and completions, each validated against the seed's range."""
+    """Fields common to chat and completions, each validated against its range in the MindIE API
+    (docs/compatibility.md)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -48,7 +49,7 @@ class OpenAIRequest(GuidedFields, VllmSamplingFields):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None  # end-user id for the operator's logs; does not affect generation
-    stop_tokens: TokenIds = None  # seed 004's name for stop_token_ids
+    stop_tokens: TokenIds = None  # BladeLLM's name for stop_token_ids (docs/compatibility.md)
 
     @model_validator(mode="before")
     @classmethod
@@ -134,7 +135,7 @@ def usage(finished: Finished) -> dict:
 
 
 def error_body(error: ApiError) -> dict:
-    """OpenAI's error body, with seed 004's `error_info` beside it."""
+    """OpenAI's error body, with BladeLLM's `error_info` beside it (docs/compatibility.md)."""
     return {"error": {"message": error.message, "type": error.error_type, "param": error.param, "code": error.status},
             "error_info": {"code": error.status, "message": error.message}}
 
@@ -173,7 +174,7 @@ class OpenAIFormatter(SseFormatter):
         return self._template.fill(text)
 
     def running_usage(self, delta: TokenDelta) -> dict:
-        """Usage so far, for `continuous_usage_stats` (seed 001 puts it on every chunk)."""
+        """Usage so far, for `continuous_usage_stats` (the chat chunk page, docs/compatibility.md: on every chunk)."""
         prompt = len(self.prompt_token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": delta.index + 1,
                 "total_tokens": prompt + delta.index + 1}

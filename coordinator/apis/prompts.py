@@ -32,7 +32,7 @@ async def tokenize_input(state: CoordinatorState, value: str | list, param: str,
 
 
 # OpenAI completions: a string, a list of strings (a batch), a list of token ids, a list of lists of
-# token ids (a batch), or (seed 002) a list of typed items, which is one prompt.
+# token ids (a batch), or (the MindIE API, docs/compatibility.md) a list of typed items, which is one prompt.
 _PROMPT_FORMS = {str: "strings", int: "token ids", list: "lists of token ids", dict: "typed items"}
 
 

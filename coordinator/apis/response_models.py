@@ -40,7 +40,7 @@ class Open(BaseModel):
 # Error bodies (error_response.ERROR_BODIES), one per ErrorStyle.
 
 class ErrorInfo(Open):
-    """Seed 004's `error_info`: null, or the failure's code and message."""
+    """BladeLLM's `error_info` (docs/compatibility.md): null, or the failure's code and message."""
 
     code: int | str | None = None
     message: str | None = None

@@ -1,7 +1,8 @@
-"""TGI text generation: POST /generate_stream (seed 002), POST / for TGI clients, and /generate's TGI half.
+"""TGI text generation: POST /generate_stream (the MindIE API, docs/compatibility.md), POST / for TGI clients, and
+/generate's TGI half.
 
 `POST /` is what `huggingface_hub.InferenceClient(base_url=...)` calls, with `stream` in the body;
-it answers in real TGI's shapes (token `id` an int). `/generate_stream` follows the seed, whose
+it answers in real TGI's shapes (token `id` an int). `/generate_stream` follows the MindIE API, whose
 stream token `id` is a one-element list.
 """
 
@@ -41,7 +42,7 @@ def _stop(v: str | list[str] | None) -> str | list[str] | None:
 
 
 class TgiParameters(TextGenParameters):
-    """`parameters` of a TGI request, with the seed's ranges."""
+    """`parameters` of a TGI request, with the ranges of the MindIE API (docs/compatibility.md)."""
 
     decoder_input_details: bool = False
     return_full_text: bool = False
@@ -78,7 +79,7 @@ class TgiRequest(BaseModel):
 
 
 class TgiFormatter(TextGenFormatter):
-    """TGI responses; `list_ids` writes stream token ids as `[id]`, as the seed does."""
+    """TGI responses; `list_ids` writes stream token ids as `[id]`, as the MindIE API (docs/compatibility.md) does."""
 
     def __init__(self, request: TgiRequest, prompt_text: str, prompt_token_ids: list[int], seed: int,
                  full_text: bool, token_text: Callable[[int], str], special_ids: frozenset[int], list_ids: bool,
@@ -130,7 +131,8 @@ class TgiFormatter(TextGenFormatter):
 
 
 async def serve_tgi(request: web.Request, body, stream: bool, native_shapes: bool) -> web.StreamResponse:
-    """Serve a TGI body; `native_shapes` answers as real TGI does, else as the seed does."""
+    """Serve a TGI body; `native_shapes` answers as real TGI does, else as the MindIE API (docs/compatibility.md)
+    does."""
     state = request.app[STATE]
     if isinstance(body, dict):
         body = {**body, "stream": stream}

@@ -55,7 +55,8 @@ FINISH_REASONS = {
 
 
 class TextGenParameters(BaseModel):
-    """`parameters` fields the TGI family shares, with the seed's ranges; unknown fields are refused."""
+    """`parameters` fields the TGI family shares, with the ranges of the MindIE API (docs/compatibility.md); unknown
+    fields are refused."""
 
     model_config = ConfigDict(extra="forbid")
 

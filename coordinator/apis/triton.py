@@ -1,4 +1,5 @@
-"""Triton: POST /v2/models/{model}/generate, /generate_stream (text) and /infer (token ids), seed 002."""
+"""Triton: POST /v2/models/{model}/generate, /generate_stream (text) and /infer (token ids), the MindIE API
+(docs/compatibility.md)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ RequestId = Annotated[str | None, AfterValidator(_request_id)]
 
 
 class TritonParameters(QueuedParameters):
-    """`parameters` of a Triton request, with the seed's ranges (Triton's top_k, top_p and typical_p differ)."""
+    """`parameters` of a Triton request, with the ranges of the MindIE API, docs/compatibility.md (Triton's top_k,
+    top_p and typical_p differ)."""
 
     top_k: Annotated[int, AfterValidator(_top_k)] | None = None
     top_p: TopP | None = None

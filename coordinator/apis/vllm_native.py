@@ -17,13 +17,14 @@ from coordinator.state import STATE
 
 
 class VllmGenerateRequest(VllmSamplingFields):
-    """The body of vLLM's /generate, with the seed's ranges."""
+    """The body of vLLM's /generate, with the ranges of the MindIE API (docs/compatibility.md)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     prompt: PromptInput
     stream: bool = False
-    model: str | None = None  # a LoRA id in the seed; only the served model (or "None") is accepted
+    model: str | None = None  # a LoRA id in the MindIE API (docs/compatibility.md); only the served model (or "None")
+                              # is accepted
 
 
 def check_lora(model: str | None, served: str) -> None:
@@ -59,7 +60,8 @@ class VllmFormatter:
         return [error_frame(error)]
 
     def response(self, transcript: Transcript) -> dict:
-        # As the seed's example shows, the answer repeats the prompt before the generated text.
+        # As the example of the MindIE API (docs/compatibility.md) shows, the answer repeats the prompt before the
+        # generated text.
         return {"text": [self.prompt + transcript.text]}
 
 

@@ -1,5 +1,6 @@
 """Completions `prompt` in every OpenAI form: a string, a batch of strings, token ids, a batch of token id
-lists (and seed 002's typed items); one choice group per prompt, indexed prompt-major with n."""
+lists (and the MindIE API's typed items, docs/compatibility.md); one choice group per prompt, indexed prompt-major
+with n."""
 
 from __future__ import annotations
 

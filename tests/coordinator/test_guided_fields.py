@@ -41,7 +41,7 @@ def _constraint(model, body):
 
 @pytest.mark.parametrize("extra,field", [
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": "json_object"}, "response_format"),  # seed 004 sends the bare type
+    ({"response_format": "json_object"}, "response_format"),  # BladeLLM sends the bare type (docs/compatibility.md)
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
      "response_format.json_schema.schema"),
     ({"guided_json": {"type": "object"}}, "guided_json"),

@@ -1,4 +1,5 @@
-"""MindIE native /infer: shapes as in seed 002, timing fields, ranges, and the per-request timeout."""
+"""MindIE native /infer: shapes as in the MindIE API (docs/compatibility.md), timing fields, ranges, and the per-request
+timeout."""
 
 from __future__ import annotations
 

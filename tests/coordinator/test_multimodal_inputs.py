@@ -1,4 +1,5 @@
-"""List inputs: validated by the seed's multimodal rules, then refused clearly for a text-only model."""
+"""List inputs: validated by the multimodal rules of the MindIE API (docs/compatibility.md), then refused clearly for a
+text-only model."""
 
 from __future__ import annotations
 

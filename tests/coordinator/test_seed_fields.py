@@ -1,5 +1,5 @@
-"""Seed 004's request fields on OpenAI chat and completions: logit_bias, stop_tokens, resume_response and
-error_info (null on success, {code, message} on failure, in bodies and a stream's last event)."""
+"""BladeLLM's request fields (docs/compatibility.md) on OpenAI chat and completions: logit_bias, stop_tokens,
+resume_response and error_info (null on success, {code, message} on failure, in bodies and a stream's last event)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SSE framing and chunk fields as in seed 000/003, for chat and completions."""
+"""SSE framing and chunk fields as in the chat streaming page (docs/compatibility.md), for chat and completions."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Triton text and token endpoints: shapes from seed 002, id rules, perf_stat, ranges."""
+"""Triton text and token endpoints: shapes from the MindIE API (docs/compatibility.md), id rules, perf_stat, ranges."""
 
 from __future__ import annotations
 
