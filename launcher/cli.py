@@ -83,6 +83,7 @@ def _worker(args: argparse.Namespace) -> int:
                             kv_budget_tokens=args.kv_budget_tokens, max_prefill_tokens=args.max_prefill_tokens,
                             max_prefill_batch_size=args.max_prefill_batch_size, max_running=args.max_running,
                             kv_data_port=args.kv_data_port, metrics_port=args.metrics_port,
+                            health_port=args.health_port,
                             token_channel_port=args.token_channel_port,
                             coordinator_url=args.coordinator, heartbeat_interval_s=args.heartbeat_interval,
                             advertise_host=args.advertise_host, drain_seconds=args.drain_seconds,
@@ -159,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, default=64, help="sequences per decode step")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port (0 picks one, -1 disables it)")
+    p.add_argument("--health-port", type=int, default=-1,
+                   help="plaintext port serving only grpc.health.v1, for probes that speak no TLS when "
+                        "tls_config.worker_grpc is on (0 picks one; default -1: none, the gRPC port answers it)")
     p.add_argument("--kv-data-port", type=int, default=0,
                    help="decode: raw-TCP KV receiver port (0 picks one, -1 disables it: KV over gRPC only)")
     p.add_argument("--token-channel-port", type=int, default=0,

@@ -4,6 +4,8 @@ Server side (`CallerCheck`): control calls (Prefill, Decode, Health) must carry 
 when one is configured, else UNAUTHENTICATED; with mutual TLS and a CRL, a caller whose certificate
 is revoked is refused per call (gRPC's TLS has no CRL setting). KV pushes are exempt from the secret:
 a decode worker admits a KV stream only with the one-time transfer token it issued for that request.
+So is the standard grpc.health.v1 service: it tells serving or not and nothing more, and Kubernetes'
+gRPC probes send no metadata.
 
 Client side: `secret_metadata` is passed on every call (call metadata, not a channel interceptor, whose
 wrapper would sit on every read of a token stream).
@@ -20,6 +22,7 @@ from security.tls import LinkTls
 
 SECRET_HEADER = "authorization"
 KV_PUSH_METHOD = "/pdserve.v1.KvReceiver/PushKv"
+STANDARD_HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
@@ -81,7 +84,7 @@ class CallerCheck(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
-        if self.secret is not None and details.method != KV_PUSH_METHOD:
+        if self.secret is not None and not self._exempt_from_secret(details.method):
             presented = next((v for k, v in details.invocation_metadata or () if k == SECRET_HEADER), None)
             if not self.secret.matches(bearer_value(presented)):
                 reason = "missing" if presented is None else "wrong"
@@ -91,6 +94,10 @@ class CallerCheck(grpc.aio.ServerInterceptor):
         if self.tls is not None:
             return _with_peer_check(handler, self.tls)
         return handler
+
+    @staticmethod
+    def _exempt_from_secret(method: str) -> bool:
+        return method == KV_PUSH_METHOD or method.startswith(STANDARD_HEALTH_PREFIX)
 
 
 def secret_metadata(secret: SecretFile | None) -> tuple[tuple[str, str], ...] | None:

@@ -2,12 +2,14 @@
 
 Nothing is exported unless OTEL_TRACES_EXPORTER names one (otlp, console) or an OTLP endpoint is set
 (OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT); OTEL_SDK_DISABLED=true turns it all off.
+OTLP goes over grpc (the default) or http/protobuf, as OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL says.
 The exporter, sampler, batching and resource read their own OTEL_* variables as the SDK defines them. While off,
 `enabled()` is False and callers skip span work entirely, so an untraced request pays nothing for it.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import time
@@ -71,8 +73,34 @@ def configure_from_env(service_name: str) -> bool:
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     install(provider)
-    logger.info("tracing on: exporting spans with %s", ", ".join(names))
+    logger.info("tracing on: exporting spans with %s", ", ".join(
+        f"otlp over {otlp_protocol()}" if name == "otlp" else name for name in names))
     return True
+
+
+# OTLP transports pdserve exports over: the value of OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL -> the SDK exporter's module.
+OTLP_EXPORTERS = {
+    "grpc": "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+    "http/protobuf": "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+}
+# With neither protocol variable set, grpc. The specification prefers http/protobuf but lets an SDK keep grpc where
+# a stable release already defaulted to it; the Python SDK did and still does (its `otlp` exporter name resolves
+# to otlp_proto_grpc when no protocol is set), and pdserve's own deployments point OTEL_EXPORTER_OTLP_ENDPOINT at
+# a gRPC port (4317) without a protocol: a switched default would send their spans to it over HTTP, and lose them.
+DEFAULT_OTLP_PROTOCOL = "grpc"
+
+
+def otlp_protocol() -> str:
+    """The OTLP transport the environment asks for (the traces-specific variable wins); TracingSetupError for one
+    pdserve lacks, since spans sent in the wrong protocol would be lost with no more than a log line."""
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = os.environ.get(variable, "").strip()
+        if protocol:
+            if protocol not in OTLP_EXPORTERS:
+                raise TracingSetupError(f"{variable}={protocol!r}: pdserve exports OTLP over "
+                                        f"{' or '.join(OTLP_EXPORTERS)}")
+            return protocol
+    return DEFAULT_OTLP_PROTOCOL
 
 
 def _exporter(name: str):
@@ -81,15 +109,11 @@ def _exporter(name: str):
         return ConsoleSpanExporter()
     if name != "otlp":
         raise TracingSetupError(f"OTEL_TRACES_EXPORTER={name!r}: pdserve exports traces with otlp, console or none")
-    for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
-        protocol = os.environ.get(variable, "").strip()
-        if protocol:
-            if protocol != "grpc":  # spans sent over gRPC to an http/protobuf port would be lost without a word
-                raise TracingSetupError(f"{variable}={protocol!r}: pdserve's OTLP exporter speaks grpc only")
-            break
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    # The exporter reads its own endpoint, headers, TLS and timeout variables; over http/protobuf it appends
+    # /v1/traces to OTEL_EXPORTER_OTLP_ENDPOINT and takes OTEL_EXPORTER_OTLP_TRACES_ENDPOINT as it is.
+    module = importlib.import_module(OTLP_EXPORTERS[otlp_protocol()])
     try:
-        return OTLPSpanExporter()
+        return module.OTLPSpanExporter()
     except ValueError as exc:  # e.g. a malformed OTEL_EXPORTER_OTLP_* value
         raise TracingSetupError(f"OTLP exporter settings: {exc}") from None
 

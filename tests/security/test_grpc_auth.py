@@ -1,9 +1,11 @@
-"""Who may call a worker's gRPC port: the worker secret on control calls, no revoked certificate, KV pushes exempt."""
+"""Who may call a worker's gRPC port: the worker secret on control calls, no revoked certificate, KV pushes and
+the standard grpc.health.v1 service exempt."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
@@ -45,6 +47,7 @@ async def serve(check: CallerCheck, tls: LinkTls | None = None):
     server = grpc.aio.server(interceptors=[check])
     pb_grpc.add_DecodeServiceServicer_to_server(Decode(), server)
     pb_grpc.add_KvReceiverServicer_to_server(Kv(), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     if tls is None:
         port = server.add_insecure_port("127.0.0.1:0")
     else:
@@ -73,6 +76,19 @@ async def test_control_calls_need_the_secret_and_kv_pushes_do_not(secret, tmp_pa
             stub, metadata = pb_grpc.DecodeServiceStub(channel), secret_metadata(secret)
             assert (await stub.Health(pb.HealthRequest(), metadata=metadata)).role == "decode"
             assert (await stub.Decode(pb.DecodeRequest(), metadata=metadata).read()).accepted.kv_transfer_token == "t"
+    finally:
+        await server.stop(None)
+
+
+async def test_the_standard_health_service_answers_without_the_secret(secret):
+    server, address = await serve(CallerCheck(secret, None))
+    try:
+        async with open_channel(address, None, []) as channel:  # as a Kubernetes gRPC probe: no metadata
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await pb_grpc.DecodeServiceStub(channel).Health(pb.HealthRequest())
+            assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
     finally:
         await server.stop(None)
 

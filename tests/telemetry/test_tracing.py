@@ -10,6 +10,8 @@ import pytest
 
 from telemetry import tracing
 from tests.helpers import REPO, pdserve_argv
+from tests.otlp_collector import OtlpCollector
+from tests.otlp_http_collector import OtlpHttpCollector
 
 OTEL_VARIABLES = ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
                   "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES",
@@ -69,12 +71,79 @@ def test_a_service_name_in_otel_resource_attributes_wins_over_the_roles_name(ote
 
 
 @pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
-def test_an_otlp_protocol_other_than_grpc_is_refused_not_silently_lost(otel_env, variable):
+@pytest.mark.parametrize("protocol", ["http/json", "thrift"])
+def test_an_otlp_protocol_pdserve_lacks_is_refused_naming_the_variable_and_the_allowed_values(otel_env, variable,
+                                                                                            protocol):
     otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
-    otel_env.setenv(variable, "http/protobuf")
-    with pytest.raises(tracing.TracingSetupError, match=f"{variable}='http/protobuf'.*grpc only"):
+    otel_env.setenv(variable, protocol)
+    with pytest.raises(tracing.TracingSetupError, match=f"{variable}='{protocol}'.*grpc or http/protobuf"):
         tracing.configure_from_env("pdserve-prefill")
     assert not tracing.enabled()
+
+
+@pytest.mark.parametrize(("general", "traces", "chosen"), [
+    ("grpc", "http/protobuf", "http/protobuf"),
+    ("http/protobuf", "grpc", "grpc"),
+    ("http/json", "http/protobuf", "http/protobuf"),  # the general one is not even read
+    ("http/protobuf", "", "http/protobuf"),
+])
+def test_the_traces_protocol_variable_wins_over_the_general_one(otel_env, general, traces, chosen):
+    otel_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", general)
+    otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", traces)
+    assert tracing.otlp_protocol() == chosen
+
+
+def test_otlp_without_a_protocol_is_grpc_as_the_python_sdks_own_otlp_exporter_is(otel_env):
+    """pdserve's default is the Python SDK's (spec: http/protobuf, unless an SDK already shipped grpc as its
+    default), so a deployment that points OTEL_EXPORTER_OTLP_ENDPOINT at a gRPC port keeps its spans."""
+    from opentelemetry.sdk._configuration import _get_exporter_entry_point
+
+    assert tracing.otlp_protocol() == "grpc"
+    # If the SDK ever switches its default, this fails and pdserve's default must be weighed again.
+    assert _get_exporter_entry_point("otlp", "traces") == "otlp_proto_grpc"
+
+
+def export_one_span(name: str) -> None:
+    """Configure tracing from the environment, end one span and flush it out (shutdown exports what is batched)."""
+    assert tracing.configure_from_env("pdserve-test") is True
+    tracing.tracer().start_span(name).end()
+    tracing.shutdown()
+
+
+def test_spans_reach_a_grpc_collector_when_no_protocol_is_named(otel_env):
+    collector = OtlpCollector()
+    try:
+        otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{collector.port}")
+        export_one_span("over-grpc")
+        assert [s.name for s in collector.spans] == ["over-grpc"]
+    finally:
+        collector.stop()
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
+def test_over_http_protobuf_spans_reach_v1_traces_under_the_base_endpoint(otel_env, variable):
+    collector = OtlpHttpCollector()
+    try:
+        otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.base_url + "/")  # a trailing slash is no second one
+        otel_env.setenv(variable, "http/protobuf")
+        export_one_span("over-http")
+        assert [s.name for s in collector.spans] == ["over-http"]
+        assert collector.paths == ["/v1/traces"]
+    finally:
+        collector.stop()
+
+
+def test_over_http_protobuf_the_traces_endpoint_is_used_as_it_is(otel_env):
+    collector = OtlpHttpCollector(path="/ingest/otlp")
+    try:
+        otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.base_url)  # would be /v1/traces: a 404 here
+        otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", collector.base_url + "/ingest/otlp")
+        otel_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        export_one_span("to-the-traces-endpoint")
+        assert [s.name for s in collector.spans] == ["to-the-traces-endpoint"]
+        assert collector.paths == ["/ingest/otlp"]
+    finally:
+        collector.stop()
 
 
 def test_an_exporter_pdserve_cannot_provide_is_named_in_the_error(otel_env):
@@ -105,10 +174,14 @@ def test_a_span_recorded_afterwards_keeps_its_measured_duration(span_exporter):
 
 
 @pytest.mark.system
-def test_a_worker_asked_for_an_unknown_exporter_exits_with_a_clear_error():
+@pytest.mark.parametrize(("variables", "named"), [
+    ({"OTEL_TRACES_EXPORTER": "jaeger"}, "OTEL_TRACES_EXPORTER='jaeger'"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+     "OTEL_EXPORTER_OTLP_PROTOCOL='http/json'"),
+], ids=["unknown-exporter", "http-json"])
+def test_a_worker_asked_for_tracing_it_cannot_do_exits_with_a_clear_error(variables, named):
     result = subprocess.run(pdserve_argv("worker", "--role", "decode", "--simulate", "--port", "0"), cwd=REPO,
                             capture_output=True, text=True, timeout=60, env={
-                                **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
-                                "OTEL_TRACES_EXPORTER": "jaeger"})
+                                **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, **variables})
     assert result.returncode == 2
-    assert "OTEL_TRACES_EXPORTER='jaeger'" in result.stderr and "Traceback" not in result.stderr
+    assert named in result.stderr and "Traceback" not in result.stderr

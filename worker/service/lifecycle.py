@@ -11,14 +11,16 @@ import grpc
 
 from security.reload import ReloadOnSighup
 from worker.service.drain import DrainGate
+from worker.service.standard_health import StandardHealth
 from worker.service.trust import WorkerTrust
 
 logger = logging.getLogger(__name__)
 
 
-async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate, metrics, closers: list,
-                              engine, trust: WorkerTrust) -> None:
-    """Run `server` until SIGTERM/SIGINT, then drain for up to `options.drain_seconds` and stop.
+async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate, health: StandardHealth, metrics,
+                              closers: list, engine, trust: WorkerTrust) -> None:
+    """Run `server` until SIGTERM/SIGINT, then drain for up to `options.drain_seconds` and stop; `health` (the
+    grpc.health.v1 state) says SERVING from start-up to the signal.
 
     `options` is the process's WorkerOptions; SIGHUP re-reads `trust`'s certificates and secrets."""
     listen = f"{options.host}:{options.port}"
@@ -33,6 +35,11 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
     if options.metrics_port >= 0:
         metrics_url = f"http://{options.public_host}:{metrics.serve(options.host, options.metrics_port)}"
         print(f"pdserve worker metrics: {metrics_url}", flush=True)
+    if options.health_port >= 0:
+        health_port = await health.start_probe_port(options.host, options.health_port)
+        closers.append(health.stop)
+        print(f"pdserve worker health: {options.public_host}:{health_port}", flush=True)
+    await health.serving()
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -60,6 +67,7 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
         await registration.start()
 
     await stop.wait()
+    await health.draining()  # probes see it at once, before deregistering (a network call) and the drain
     logger.info("draining %s worker on port %d: %d requests in flight", options.role, port, gate.in_flight)
     if registration is not None:
         await registration.stop()  # deregisters, so the coordinator routes nothing more here

@@ -49,6 +49,9 @@ class WorkerOptions:
     # frame per step; a prefill worker's their prefills); 0 picks one, -1 disables (a gRPC call per request)
     token_channel_port: int = 0
     metrics_port: int = 0  # Prometheus /metrics; 0 picks one, -1 disables
+    # grpc.health.v1 alone, in plaintext, for probes that cannot reach a TLS gRPC port; -1 (the default): none,
+    # 0 picks one. The gRPC port answers grpc.health.v1 either way.
+    health_port: int = -1
     coordinator_url: str | None = None  # the coordinator's management URL to register with; None: no registration
     advertise_host: str | None = None  # the host others reach this worker at (e.g. a pod IP); None: `host`
     heartbeat_interval_s: float = 2.0  # until the coordinator's register answer names its own interval

@@ -22,6 +22,7 @@ from worker.service.drain import DrainGate
 from worker.service.lifecycle import serve_until_stopped
 from worker.service.options import SimulatedBackend, WorkerOptions
 from worker.service.servicers import DecodeServicer, PrefillServicer
+from worker.service.standard_health import StandardHealth
 from worker.service.token_channel import TokenChannelListener
 from worker.service.trust import WorkerTrust
 
@@ -64,6 +65,9 @@ async def _serve(options: WorkerOptions) -> None:
     engine.start()
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[CallerCheck(trust.worker_secret, trust.grpc_server)])
     gate = DrainGate()
+    health = StandardHealth(options.role)
+    await health.not_serving_yet()
+    health.add_to(server)
     closers = []
     if options.role == "prefill":
         grpc_sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s,
@@ -97,4 +101,4 @@ async def _serve(options: WorkerOptions) -> None:
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(sink), server)
 
-    await serve_until_stopped(server, options, gate, metrics, closers, engine, trust)
+    await serve_until_stopped(server, options, gate, health, metrics, closers, engine, trust)
