@@ -145,11 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_coordinator)
 
     p = sub.add_parser("worker", help="run a prefill or decode worker")
-    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--role", required=True, choices=["prefill", "decode"],
+                   help="serve prefill (builds KV caches and sends them) or decode (receives them, generates tokens)")
     p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on: the gRPC, metrics, health, KV data and token channel ports "
+                        "(0.0.0.0 for all; see --advertise-host)")
     p.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and compute dtype; auto: the checkpoint's own (its config.json)")
     p.add_argument("--kv-trans-timeout", type=float, default=10.0, help="seconds a decode request waits for KV")
     p.add_argument("--kv-lease-timeout", type=float, default=30.0,
                    help="seconds a prefill worker holds a KV cache for the decode worker to confirm")
@@ -190,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start a local cluster: coordinator + prefill + decode workers")
     p.add_argument("--config", default=None, help="ms_coordinator.json to take settings from")
-    p.add_argument("--predict-port", type=int, default=None)
+    p.add_argument("--predict-port", type=int, default=None,
+                   help="the client API port (default: --config's http_config.predict_port, else 1025)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument("--model", default=None, help="model folder (default: the embedded model)")
@@ -208,12 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("build-model", help="build a tiny Llama checkpoint offline")
     p.add_argument("--out", default=None, help="output folder (default: the embedded model's cache folder)")
-    p.add_argument("--name", default="pdserve-tiny")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--intermediate", type=int, default=344)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--name", default="pdserve-tiny",
+                   help="the model's name in the build log and stamp (the folder is --out)")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size (hidden_size)")
+    p.add_argument("--intermediate", type=int, default=344, help="MLP width (intermediate_size)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (num_hidden_layers)")
+    p.add_argument("--heads", type=int, default=4,
+                   help="attention heads (num_attention_heads)")
+    p.add_argument("--kv-heads", type=int, default=2,
+                   help="key/value heads (num_key_value_heads; must divide --heads)")
     p.set_defaults(func=_build_model)
 
     from planner.commands import add_plan_flags, add_profile_flags  # argparse only: no grpc, no numpy

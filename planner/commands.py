@@ -16,7 +16,8 @@ class UsageError(ValueError):
 
 def add_profile_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", required=True, metavar="HOST:PORT", help="the worker's gRPC address")
-    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--role", required=True, choices=["prefill", "decode"],
+                   help="the worker's role: prefill times prompt lengths, decode times batch sizes")
     p.add_argument("--out", default=None, metavar="FILE", help="profile JSON to write (default: ROLE-profile.json)")
     p.add_argument("--prompt-tokens", default="16,64,128,256,512,1024", metavar="N,N,...",
                    help="prefill: prompt lengths to time")
