@@ -1,6 +1,6 @@
 """gRPC calls from the coordinator to workers; the only place coordinator types meet protobuf.
 
-Calls return domain objects (DecodeAccepted, DecodedToken, PrefillDone, HealthReport) and raise
+Calls return domain objects (DecodeAccepted, DecodedToken, PrefillResult, HealthReport) and raise
 WorkerCallError, carrying a classifiable WorkerFailure, instead of gRPC's own error.
 """
 
@@ -59,7 +59,7 @@ class DecodedToken:
 
 
 @dataclass(frozen=True)
-class PrefillDone:
+class PrefillResult:
     """A prefill that ran and handed its KV cache to the decode worker."""
 
     first_token_id: int
@@ -114,8 +114,8 @@ def token_from_pb(token: pb.TokenEvent) -> DecodedToken:
                         token.queue_wait_ms)
 
 
-def done_from_pb(reply: pb.PrefillResponse) -> PrefillDone:
-    return PrefillDone(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms,
+def prefill_result_from_pb(reply: pb.PrefillResponse) -> PrefillResult:
+    return PrefillResult(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms,
                        reply.forward_ms)
 
 
@@ -327,7 +327,7 @@ class WorkerClient:
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
         kv_data_address: str = "", kv_transfer_token: str = "", traceparent: str = "",
         sampling: pb.SamplingParams | None = None,
-    ) -> PrefillDone:
+    ) -> PrefillResult:
         """Prefill on `address` and push the KV cache to the decode worker that answered `accepted` with
         `kv_data_address` and `kv_transfer_token` (`sampling` as in open_decode)."""
         message = pb.PrefillRequest(
@@ -342,8 +342,8 @@ class WorkerClient:
         channel = self.token_channels.open_channel(address)
         if channel is not None and message.ByteSize() < MAX_REQUEST_FRAME_BYTES:
             request = pb.TokenChannelRequest(prefill=message, timeout_s=timeout)
-            return done_from_pb(await ask_on_channel(channel, message.request_id, request, "prefilled", timeout,
-                                                     "prefill"))
+            return prefill_result_from_pb(await ask_on_channel(channel, message.request_id, request, "prefilled",
+                                                               timeout, "prefill"))
         grpc_channel, stub = self._stub(pb_grpc.PrefillServiceStub, address)
         try:
             reply = await stub.Prefill(message, timeout=timeout, metadata=secret_metadata(self._secret))
@@ -352,7 +352,7 @@ class WorkerClient:
         except asyncio.CancelledError as exc:
             raise self._lost.instead(exc, grpc_channel, "prefill", address) from None
         self.token_channels.learn(address, reply.token_channel_address, "prefill")
-        return done_from_pb(reply)
+        return prefill_result_from_pb(reply)
 
     async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
         """The worker's Health answer: on its token channel when one is open (a frame each way, where a call costs

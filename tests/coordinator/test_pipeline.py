@@ -18,7 +18,7 @@ from coordinator.request import Finished, FinishReason, GenerationRequest, Sampl
 from coordinator.request_queue import RequestQueue
 from coordinator.scheduling.policies import RoundRobinPolicy
 from coordinator.scheduling.router import Router
-from coordinator.worker_client import DecodeAccepted, DecodedToken, PrefillDone
+from coordinator.worker_client import DecodeAccepted, DecodedToken, PrefillResult
 
 HANG = object()  # a stream that sends nothing more
 PROMPT = [1, 2, 3]
@@ -71,7 +71,7 @@ class ScriptedWorkers:
         self.traceparents.append(("prefill", traceparent))
         if address in self.prefill_errors:
             raise self.prefill_errors[address]
-        return PrefillDone(first_token_id=0, prefill_time_ms=1.0, kv_bytes=0, kv_transfer_ms=0.5, forward_ms=0.75)
+        return PrefillResult(first_token_id=0, prefill_time_ms=1.0, kv_bytes=0, kv_transfer_ms=0.5, forward_ms=0.75)
 
 
 class CountingMetrics(NullMetrics):

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class FinishReason(enum.Enum):
-    """Why a sequence stopped generating."""
+class StopCause(enum.Enum):
+    """Why a sequence stopped generating (the coordinator's FinishReason, on the wire as pb.FinishReason)."""
 
     EOS = "eos"
     STOP_STRING = "stop_string"
@@ -83,7 +83,7 @@ class TokenOutput:
     text: str
     time_ms: float
     index: int
-    finish_reason: FinishReason | None = None
+    finish_reason: StopCause | None = None
     matched_stop: str | None = None
     logprobs: TokenLogprobs | None = None
     batch_size: int = 1

@@ -53,7 +53,7 @@ class ChannelCallContext:
         raise ChannelAbort(code, details)
 
 
-async def serve_as_call(channel: TokenChannel, kind: str, request_id: str, timeout_s: float, work) -> None:
+async def serve_as_call(channel: CoordinatorConnection, kind: str, request_id: str, timeout_s: float, work) -> None:
     """Run a channel request's `work` (a coroutine) as its gRPC call would run, under its deadline: an abort,
     the deadline or an unexpected error end it with the `error` event carrying that call's status."""
     try:
@@ -69,7 +69,7 @@ async def serve_as_call(channel: TokenChannel, kind: str, request_id: str, timeo
         channel.send_error(request_id, grpc.StatusCode.UNKNOWN.name, f"unexpected error on the worker: {exc}")
 
 
-class TokenChannel(asyncio.Protocol):
+class CoordinatorConnection(asyncio.Protocol):
     """One coordinator's connection: its decode requests, and their events written once per loop turn."""
 
     def __init__(self, listener: TokenChannelListener):
@@ -201,13 +201,14 @@ class TokenChannelListener:
         self.kind = kind
         self.secret = secret
         self.tls = tls
-        self.channels: dict[str, TokenChannel] = {}
+        self.channels: dict[str, CoordinatorConnection] = {}
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen; returns the port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: TokenChannel(self), host, port, ssl=self._ssl_context())
+        self._server = await loop.create_server(lambda: CoordinatorConnection(self), host, port,
+                                                ssl=self._ssl_context())
         return self._server.sockets[0].getsockname()[1]
 
     def _ssl_context(self) -> ssl.SSLContext | None:
