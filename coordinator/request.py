@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from proto.sampling import SamplingRules
+
 
 @dataclass(frozen=True)
 class GuidedGrammar:
@@ -19,25 +21,11 @@ class GuidedGrammar:
 
 
 @dataclass(frozen=True)
-class SamplingOptions:
-    """Validated sampling and stopping rules, in engine terms (top_k 0 = off)."""
+class SamplingOptions(SamplingRules):
+    """Validated sampling and stopping rules, in engine terms (top_k 0 = off), with the shared defaults."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    skip_special_tokens: bool = True
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and N alternatives
     guided: GuidedGrammar | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
 
 @dataclass

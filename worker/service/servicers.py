@@ -19,6 +19,7 @@ from kv_transfer.transfer_tokens import KvTransferTokens
 from kv_transfer.wire import header, make_trailer
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.sampling import DEFAULT_SAMPLING
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
 from worker.engine.load import WorkerLoad
 from worker.engine.messages import KvLayerReady, PrefillDone, PrefillFailed
@@ -45,13 +46,13 @@ _FINISH_TO_PB = {
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
+        top_p=msg.top_p or DEFAULT_SAMPLING.top_p,
         top_k=msg.top_k,
         seed=msg.seed if msg.has_seed else None,
         max_tokens=msg.max_tokens,
         stop=tuple(msg.stop),
         skip_special_tokens=msg.skip_special_tokens,
-        repetition_penalty=msg.repetition_penalty or 1.0,
+        repetition_penalty=msg.repetition_penalty or DEFAULT_SAMPLING.repetition_penalty,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         stop_token_ids=tuple(msg.stop_token_ids),
