@@ -19,7 +19,7 @@ from coordinator.metrics import CoordinatorMetrics, NullMetrics
 from coordinator.request import Finished, GenerationEvent, GenerationRequest, TokenDelta, TokenListener
 from coordinator.request_trace import GenerationTrace
 from coordinator.scheduling.router import Placement
-from coordinator.worker_client import (DecodeAccepted, DecodeCall, DecodedToken, PrefillResult, WorkerClient,
+from coordinator.worker_client import (FINISH_FROM_PB, DecodeAccepted, DecodeCall, PrefillResult, WorkerClient,
                                        sampling_to_pb)
 from proto import worker_pb2 as pb
 from telemetry import tracing
@@ -92,8 +92,9 @@ class _Deadlines:
 
 
 class TokenRelay:
-    """An attempt's decoded tokens as the client's TokenDeltas, each counted into the request's progress, the
-    metrics and the decode instance's signs of life (whether the task or a token channel's frame relays it)."""
+    """An attempt's tokens, as the worker sent them, made the client's TokenDeltas, each counted into the request's
+    progress, the metrics and the decode instance's signs of life (whether the task or a token channel's frame
+    relays it)."""
 
     __slots__ = ("metrics", "decode", "progress", "wants_logprobs", "admission_ms", "arrived_at", "offset", "last")
 
@@ -108,25 +109,26 @@ class TokenRelay:
         self.offset = progress.count  # tokens sent by earlier attempts
         self.last = time.monotonic()
 
-    def delta(self, token: DecodedToken) -> TokenDelta:
+    def delta(self, token: pb.TokenEvent) -> TokenDelta:
         progress = self.progress
-        index = self.offset + token.index
+        own_index, time_ms, token_id = token.index, token.time_ms, token.token_id  # each protobuf field read once
+        index = self.offset + own_index
         if index == 0:
-            progress.prefill_ms = token.time_ms
+            progress.prefill_ms = time_ms
         else:
-            progress.decode_times.append(token.time_ms)
+            progress.decode_times.append(time_ms)
         now = time.monotonic()
         self.metrics.token(index, now - self.arrived_at, now - self.last)  # TTFT counts from arrival
         decode = self.decode
         self.last = decode.last_heard = now  # the silence watch's sign of life, and its step cadence below
-        if token.index:
-            decode.step_ms += (token.time_ms - decode.step_ms) * 0.1
-        progress.token_ids.append(token.token_id)
+        if own_index:
+            decode.step_ms += (time_ms - decode.step_ms) * 0.1
+        progress.token_ids.append(token_id)
+        top = token.top_logprobs
         # Positional, in TokenDelta's field order: keywords cost five times as much, once per token.
-        return TokenDelta(token.token_id, token.text, index, token.time_ms,
-                          token.logprob if self.wants_logprobs else None, token.top_logprobs,
-                          token.finish_reason is not None, token.batch_size,
-                          self.admission_ms if token.index == 0 else token.queue_wait_ms)
+        return TokenDelta(token_id, token.text, index, time_ms, token.logprob if self.wants_logprobs else None,
+                          tuple([(t.token_id, t.logprob) for t in top]) if top else (), token.finish_reason != 0,
+                          token.batch_size or 1, token.queue_wait_ms if own_index else self.admission_ms)
 
 
 class AttemptRunner:
@@ -238,7 +240,7 @@ class AttemptRunner:
             raise self._failed(placement, exc.failure, clocks) from None
 
     async def _first_token(self, stream: DecodeCall, prefill_task: asyncio.Task | None, placement: Placement,
-                           clocks: _Deadlines) -> DecodedToken | None:
+                           clocks: _Deadlines) -> pb.TokenEvent | None:
         """The first token event, racing the decode stream against the prefill and the clock."""
         if prefill_task is None or prefill_task.done():
             if prefill_task is not None:
@@ -265,12 +267,12 @@ class AttemptRunner:
         finally:
             interrupt.disarm()
 
-    async def _relay(self, stream: DecodeCall, token: DecodedToken | None, placement: Placement, prompt_len: int,
+    async def _relay(self, stream: DecodeCall, token: pb.TokenEvent | None, placement: Placement, prompt_len: int,
                      relay: TokenRelay, clocks: _Deadlines, listener: TokenListener | None):
         if listener is not None:
             # From here on the tokens but the last may go straight from their frames to the client (the
             # task sees only what the listener leaves: the last token, a failure, a token of a slow client).
-            stream.deliver_directly(listener.accepts, lambda decoded: listener.write(relay.delta(decoded)),
+            stream.deliver_directly(listener.accepts, lambda token: listener.write(relay.delta(token)),
                                     listener.flush)
         progress = relay.progress
         while True:
@@ -279,13 +281,13 @@ class AttemptRunner:
                                                 "a final token"), placement.decode, retryable=True)
             delta = relay.delta(token)
             yield delta
-            if token.finish_reason is not None:
+            if delta.final:
                 self.metrics.generation_done(prompt_len)
                 yield Finished(
-                    reason=token.finish_reason,
+                    reason=FINISH_FROM_PB[token.finish_reason],
                     prompt_tokens=prompt_len,
                     completion_tokens=delta.index + 1,
-                    matched_stop=token.matched_stop,
+                    matched_stop=token.matched_stop or None,
                     prefill_time_ms=progress.prefill_ms,
                     decode_time_ms=tuple(progress.decode_times),
                 )

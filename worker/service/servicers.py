@@ -12,13 +12,14 @@ import time
 
 import grpc
 
-from kv_transfer.base import KV_SEND_FAILED, KvTransferError
+from kv_transfer.base import KvTransferError
 from kv_transfer.grpc_transport import GrpcKvSender
 from kv_transfer.tcp_transport import TcpKvSender
 from kv_transfer.transfer_tokens import KvTransferTokens
 from kv_transfer.wire import header, make_trailer
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.failure_reason import reason_metadata
 from proto.sampling import DEFAULT_SAMPLING
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
 from worker.engine.load import WorkerLoad
@@ -221,13 +222,15 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"KV lease of request {request.request_id} expired after {self.lease_timeout_s}s before "
                 f"decode worker {request.decode_address} confirmed receipt",
+                trailing_metadata=reason_metadata(pb.FAILURE_REASON_KV_LEASE_EXPIRED),
             )
         except KvTransferError as exc:
             if stream.invalid:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, stream.error)
             self.metrics.kv_failures.inc()
             reason = stream.error or str(exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{KV_SEND_FAILED} {request.decode_address}: {reason}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"sending KV to decode worker {request.decode_address}: "
+                                f"{reason}", trailing_metadata=reason_metadata(pb.FAILURE_REASON_KV_SEND_FAILED))
         finally:
             times.forward = stream.done  # for the trace, whatever became of the transfer
         if stream.error is not None:  # the stream ended without a trailer yet the receiver did not object
@@ -360,4 +363,5 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"KV cache for request {handle.request_id} did not arrive within "
                     f"kv_trans_timeout={self.kv_trans_timeout_s}s",
+                    trailing_metadata=reason_metadata(pb.FAILURE_REASON_KV_NOT_RECEIVED),
                 )
