@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from coordinator.errors import ApiError
 from proto.sampling import SamplingRules
 
 
@@ -78,6 +79,7 @@ class TokenDelta:
     final: bool = False  # the last token; a Finished event follows at once
     batch_size: int = 1  # decode batch that produced it
     queue_wait_ms: float = 0.0  # first token: admission wait; later: wait for the decode step
+    choice: int = 0  # which of a response's generations it belongs to (n / best_of, a batch of prompts)
 
 
 @dataclass(frozen=True)
@@ -90,13 +92,23 @@ class Finished:
     matched_stop: str | None = None
     prefill_time_ms: float = 0.0
     decode_time_ms: tuple[float, ...] = ()
+    choice: int = 0  # as TokenDelta's
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
 
-GenerationEvent = TokenDelta | Finished
+@dataclass(frozen=True)
+class Failed:
+    """The end of a failed generation, as an event: how a response of several generations ends one of them while
+    the others go on (a generation alone raises its ApiError)."""
+
+    error: ApiError
+    choice: int = 0
+
+
+GenerationEvent = TokenDelta | Finished | Failed
 
 
 class TokenListener(Protocol):
