@@ -210,8 +210,9 @@ class AttemptRunner:
                 try:
                     done = await self.client.prefill(
                         placement.prefill.address, request, max_tokens, placement.decode.address,
-                        self.first_token_timeout, kv_data_address=accepted.kv_data_address, kv_transfer_token=accepted.kv_transfer_token,
-                        traceparent=tracing.traceparent_of(span), sampling=sampling)
+                        self.first_token_timeout, kv_data_address=accepted.kv_data_address,
+                        kv_transfer_token=accepted.kv_transfer_token, traceparent=tracing.traceparent_of(span),
+                        sampling=sampling)
                 finally:
                     placement.prefill.last_heard = time.monotonic()  # an answer, for the silence watch
             trace.add_time("prefill_queue", (done.prefill_time_ms - done.forward_ms) / 1000)
