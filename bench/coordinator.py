@@ -285,7 +285,7 @@ def direct_request(client: WorkerClient, prefill: list[str], decode: list[str], 
             if ttft is None:
                 ttft = time.perf_counter() - start
             tokens += 1
-            if event.finish_reason is not None:
+            if event.finish_reason:  # the worker's pb.TokenEvent: set on the last token only
                 break
         await prefill_task
         if tokens != max_tokens:

@@ -1,6 +1,6 @@
-"""One attempt at a request on one route: open the decode stream, wait until it is accepted, run
+"""One attempt at a request on one placement: open the decode stream, wait until it is accepted, run
 the prefill, relay the tokens. Any failure ends it as an AttemptFailed that says whether another
-route could do better, after the circuit breaker has counted it against the instance at fault."""
+placement could do better, after the circuit breaker has counted it against the instance at fault."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from coordinator.limits import ModelLimits
 from coordinator.metrics import CoordinatorMetrics, NullMetrics
 from coordinator.request import Finished, GenerationEvent, GenerationRequest, TokenDelta, TokenListener
 from coordinator.request_trace import GenerationTrace
-from coordinator.scheduling.router import Route
-from coordinator.worker_client import (DecodeAccepted, DecodeCall, DecodedToken, PrefillDone, WorkerClient,
+from coordinator.scheduling.router import Placement
+from coordinator.worker_client import (FINISH_FROM_PB, DecodeAccepted, DecodeCall, PrefillResult, WorkerClient,
                                        sampling_to_pb)
 from proto import worker_pb2 as pb
 from telemetry import tracing
@@ -92,8 +92,9 @@ class _Deadlines:
 
 
 class TokenRelay:
-    """An attempt's decoded tokens as the client's TokenDeltas, each counted into the request's progress, the
-    metrics and the decode instance's signs of life (whether the task or a token channel's frame relays it)."""
+    """An attempt's tokens, as the worker sent them, made the client's TokenDeltas, each counted into the request's
+    progress, the metrics and the decode instance's signs of life (whether the task or a token channel's frame
+    relays it)."""
 
     __slots__ = ("metrics", "decode", "progress", "wants_logprobs", "admission_ms", "arrived_at", "offset", "last")
 
@@ -108,25 +109,26 @@ class TokenRelay:
         self.offset = progress.count  # tokens sent by earlier attempts
         self.last = time.monotonic()
 
-    def delta(self, token: DecodedToken) -> TokenDelta:
+    def delta(self, token: pb.TokenEvent) -> TokenDelta:
         progress = self.progress
-        index = self.offset + token.index
+        own_index, time_ms, token_id = token.index, token.time_ms, token.token_id  # each protobuf field read once
+        index = self.offset + own_index
         if index == 0:
-            progress.prefill_ms = token.time_ms
+            progress.prefill_ms = time_ms
         else:
-            progress.decode_times.append(token.time_ms)
+            progress.decode_times.append(time_ms)
         now = time.monotonic()
         self.metrics.token(index, now - self.arrived_at, now - self.last)  # TTFT counts from arrival
         decode = self.decode
         self.last = decode.last_heard = now  # the silence watch's sign of life, and its step cadence below
-        if token.index:
-            decode.step_ms += (token.time_ms - decode.step_ms) * 0.1
-        progress.token_ids.append(token.token_id)
+        if own_index:
+            decode.step_ms += (time_ms - decode.step_ms) * 0.1
+        progress.token_ids.append(token_id)
+        top = token.top_logprobs
         # Positional, in TokenDelta's field order: keywords cost five times as much, once per token.
-        return TokenDelta(token.token_id, token.text, index, token.time_ms,
-                          token.logprob if self.wants_logprobs else None, token.top_logprobs,
-                          token.finish_reason is not None, token.batch_size,
-                          self.admission_ms if token.index == 0 else token.queue_wait_ms)
+        return TokenDelta(token_id, token.text, index, time_ms, token.logprob if self.wants_logprobs else None,
+                          tuple([(t.token_id, t.logprob) for t in top]) if top else (), token.finish_reason != 0,
+                          token.batch_size or 1, token.queue_wait_ms if own_index else self.admission_ms)
 
 
 class AttemptRunner:
@@ -140,8 +142,8 @@ class AttemptRunner:
         self.first_token_timeout = first_token_timeout
         self.metrics = metrics
 
-    async def run(self, request: GenerationRequest, route: Route, max_tokens: int, deadline: float, timeout: float,
-                  progress: Progress, original_prompt_len: int, trace: GenerationTrace,
+    async def run(self, request: GenerationRequest, placement: Placement, max_tokens: int, deadline: float,
+                  timeout: float, progress: Progress, original_prompt_len: int, trace: GenerationTrace,
                   listener: TokenListener | None = None) -> AsyncIterator[GenerationEvent]:
         """Yield the attempt's events, continuing `progress`, timing its phases on `trace`; raises AttemptFailed.
         With a `listener`, tokens it accepts go to it instead, as they arrive."""
@@ -150,38 +152,38 @@ class AttemptRunner:
             raise AttemptFailed(deadline_error(timeout))
         first_deadline = min(deadline, time.monotonic() + self.first_token_timeout)
         # Which limit ends the wait for the first token decides what the client is told.
-        late = deadline_error(timeout) if first_deadline == deadline else self._first_token_late(route)
+        late = deadline_error(timeout) if first_deadline == deadline else self._first_token_late(placement)
         clocks = _Deadlines(timeout, first_deadline, late)
         prefill_task: asyncio.Task | None = None
         try:
-            with self.registry.lease(route.decode):
+            with self.registry.lease(placement.decode):
                 # The Decode call's deadline ends the request everywhere: the decode worker cancels and frees it.
                 started = time.monotonic()
                 sampling = sampling_to_pb(request, max_tokens)  # once, for the decode and the prefill
-                stream = self.client.open_decode(route.decode.address, request, max_tokens, self.limits.max_seq_len,
-                                                 remaining, local_prefill=route.prefill is None,
+                stream = self.client.open_decode(placement.decode.address, request, max_tokens, self.limits.max_seq_len,
+                                                 remaining, local_prefill=placement.prefill is None,
                                                  traceparent=trace.attempt_traceparent(), sampling=sampling)
                 # The phase under way, and since when: a failure or the client leaving ends it where it stands.
                 phase, since = "decode_admission", started
                 try:
-                    accepted = await self._read_within(stream, route, clocks)
+                    accepted = await self._read_within(stream, placement, clocks)
                     if accepted is None:
-                        raise AttemptFailed(WorkerError(f"decode worker {route.decode.address} closed the stream "
-                                                        "before accepting"), route.decode, retryable=True)
+                        raise AttemptFailed(WorkerError(f"decode worker {placement.decode.address} closed the stream "
+                                                        "before accepting"), placement.decode, retryable=True)
                     accepted_at = time.monotonic()
                     trace.phase(phase, since, accepted_at)
                     phase, since = "first_token", accepted_at
                     # The decode worker now holds KV budget for this request and waits for its cache.
-                    if route.prefill is not None:
-                        prefill_task = asyncio.create_task(self._prefill(route, request, max_tokens, accepted, trace,
-                                                                         sampling))
-                    first = await self._first_token(stream, prefill_task, route, clocks)
+                    if placement.prefill is not None:
+                        prefill_task = asyncio.create_task(self._prefill(placement, request, max_tokens, accepted,
+                                                                         trace, sampling))
+                    first = await self._first_token(stream, prefill_task, placement, clocks)
                     first_at = time.monotonic()
                     trace.phase(phase, since, first_at)
                     phase, since = "decode", first_at
-                    relay = TokenRelay(self.metrics, route.decode, progress, request.sampling.logprobs is not None,
+                    relay = TokenRelay(self.metrics, placement.decode, progress, request.sampling.logprobs is not None,
                                        (accepted_at - started) * 1000, request.arrived_at)
-                    async for event in self._relay(stream, first, route, original_prompt_len, relay, clocks,
+                    async for event in self._relay(stream, first, placement, original_prompt_len, relay, clocks,
                                                    listener):
                         if event.__class__ is Finished:
                             trace.phase(phase, since, time.monotonic())
@@ -199,19 +201,20 @@ class AttemptRunner:
                 elif not prefill_task.cancelled():
                     prefill_task.exception()  # retrieved, so a failed prefill is never reported as unhandled
 
-    async def _prefill(self, route: Route, request: GenerationRequest, max_tokens: int,
-                       accepted: DecodeAccepted, trace: GenerationTrace, sampling: pb.SamplingParams) -> PrefillDone:
+    async def _prefill(self, placement: Placement, request: GenerationRequest, max_tokens: int,
+                       accepted: DecodeAccepted, trace: GenerationTrace, sampling: pb.SamplingParams) -> PrefillResult:
         span = trace.start_prefill()
         started = time.monotonic()
         try:
-            with self.registry.lease(route.prefill, prompt_tokens=len(request.prompt_token_ids)):
+            with self.registry.lease(placement.prefill, prompt_tokens=len(request.prompt_token_ids)):
                 try:
                     done = await self.client.prefill(
-                        route.prefill.address, request, max_tokens, route.decode.address, self.first_token_timeout,
-                        kv_data_address=accepted.kv_data_address, kv_transfer_token=accepted.kv_transfer_token,
-                        traceparent=tracing.traceparent_of(span), sampling=sampling)
+                        placement.prefill.address, request, max_tokens, placement.decode.address,
+                        self.first_token_timeout, kv_data_address=accepted.kv_data_address,
+                        kv_transfer_token=accepted.kv_transfer_token, traceparent=tracing.traceparent_of(span),
+                        sampling=sampling)
                 finally:
-                    route.prefill.last_heard = time.monotonic()  # an answer, for the silence watch
+                    placement.prefill.last_heard = time.monotonic()  # an answer, for the silence watch
             trace.add_time("prefill_queue", (done.prefill_time_ms - done.forward_ms) / 1000)
             trace.add_time("prefill_forward", done.forward_ms / 1000)
             trace.add_time("kv_transfer", done.kv_transfer_ms / 1000)
@@ -228,22 +231,22 @@ class AttemptRunner:
             if span is not None:
                 span.end()
 
-    async def _read_within(self, stream: DecodeCall, route: Route, clocks: _Deadlines):
+    async def _read_within(self, stream: DecodeCall, placement: Placement, clocks: _Deadlines):
         try:
             async with asyncio.timeout(clocks.left()):  # no task of its own per read, as wait_for would make
                 return await stream.read()
         except TimeoutError:
             raise AttemptFailed(clocks.late) from None
         except WorkerCallError as exc:
-            raise self._failed(route, exc.failure, clocks) from None
+            raise self._failed(placement, exc.failure, clocks) from None
 
-    async def _first_token(self, stream: DecodeCall, prefill_task: asyncio.Task | None, route: Route,
-                           clocks: _Deadlines) -> DecodedToken | None:
+    async def _first_token(self, stream: DecodeCall, prefill_task: asyncio.Task | None, placement: Placement,
+                           clocks: _Deadlines) -> pb.TokenEvent | None:
         """The first token event, racing the decode stream against the prefill and the clock."""
         if prefill_task is None or prefill_task.done():
             if prefill_task is not None:
-                self._raise_if_prefill_failed(prefill_task, route, clocks)
-            return await self._read_within(stream, route, clocks)
+                self._raise_if_prefill_failed(prefill_task, placement, clocks)
+            return await self._read_within(stream, placement, clocks)
         # Read in this task, which a failed prefill interrupts; a finished one hands over to the decode worker.
         interrupt = _PrefillInterrupt(prefill_task)
         try:
@@ -251,7 +254,7 @@ class AttemptRunner:
                 return await stream.read()
         except (asyncio.CancelledError, TimeoutError, WorkerCallError) as exc:
             if interrupt.disarm():
-                self._raise_if_prefill_failed(prefill_task, route, clocks)
+                self._raise_if_prefill_failed(prefill_task, placement, clocks)
             if isinstance(exc, TimeoutError):
                 raise AttemptFailed(clocks.late) from None
             if not isinstance(exc, WorkerCallError):
@@ -260,32 +263,32 @@ class AttemptRunner:
             # refused the request's grammar truncates the KV stream too); its answer is moments behind.
             if exc.failure.kind is FailureKind.KV_NOT_RECEIVED:
                 await asyncio.wait({prefill_task}, timeout=min(PREFILL_VERDICT_WAIT_S, clocks.left()))
-            self._raise_if_prefill_failed(prefill_task, route, clocks)
-            raise self._failed(route, exc.failure, clocks) from None
+            self._raise_if_prefill_failed(prefill_task, placement, clocks)
+            raise self._failed(placement, exc.failure, clocks) from None
         finally:
             interrupt.disarm()
 
-    async def _relay(self, stream: DecodeCall, token: DecodedToken | None, route: Route, prompt_len: int,
+    async def _relay(self, stream: DecodeCall, token: pb.TokenEvent | None, placement: Placement, prompt_len: int,
                      relay: TokenRelay, clocks: _Deadlines, listener: TokenListener | None):
         if listener is not None:
             # From here on the tokens but the last may go straight from their frames to the client (the
             # task sees only what the listener leaves: the last token, a failure, a token of a slow client).
-            stream.deliver_directly(listener.accepts, lambda decoded: listener.write(relay.delta(decoded)),
+            stream.deliver_directly(listener.accepts, lambda token: listener.write(relay.delta(token)),
                                     listener.flush)
         progress = relay.progress
         while True:
             if token is None:
-                raise AttemptFailed(WorkerError(f"decode worker {route.decode.address} ended the stream without "
-                                                "a final token"), route.decode, retryable=True)
+                raise AttemptFailed(WorkerError(f"decode worker {placement.decode.address} ended the stream without "
+                                                "a final token"), placement.decode, retryable=True)
             delta = relay.delta(token)
             yield delta
-            if token.finish_reason is not None:
+            if delta.final:
                 self.metrics.generation_done(prompt_len)
                 yield Finished(
-                    reason=token.finish_reason,
+                    reason=FINISH_FROM_PB[token.finish_reason],
                     prompt_tokens=prompt_len,
                     completion_tokens=delta.index + 1,
-                    matched_stop=token.matched_stop,
+                    matched_stop=token.matched_stop or None,
                     prefill_time_ms=progress.prefill_ms,
                     decode_time_ms=tuple(progress.decode_times),
                 )
@@ -293,28 +296,28 @@ class AttemptRunner:
             try:
                 token = await stream.read()
             except WorkerCallError as exc:
-                raise self._failed(route, exc.failure, clocks) from None
+                raise self._failed(placement, exc.failure, clocks) from None
 
-    def _first_token_late(self, route: Route) -> WorkerError:
-        where = f"prefill {route.prefill.address} / " if route.prefill is not None else ""
-        return WorkerError(f"no first token from {where}decode {route.decode.address} within "
+    def _first_token_late(self, placement: Placement) -> WorkerError:
+        where = f"prefill {placement.prefill.address} / " if placement.prefill is not None else ""
+        return WorkerError(f"no first token from {where}decode {placement.decode.address} within "
                            f"first_token_timeout={self.first_token_timeout}s", status=504)
 
-    def _raise_if_prefill_failed(self, prefill_task: asyncio.Task, route: Route, clocks: _Deadlines) -> None:
+    def _raise_if_prefill_failed(self, prefill_task: asyncio.Task, placement: Placement, clocks: _Deadlines) -> None:
         if not prefill_task.done() or prefill_task.cancelled() or prefill_task.exception() is None:
             return
         exc = prefill_task.exception()
         if not isinstance(exc, WorkerCallError):
-            raise AttemptFailed(WorkerError(f"prefill worker {route.prefill.address} failed: {exc}"))
-        raise self._failed(route, exc.failure, clocks)
+            raise AttemptFailed(WorkerError(f"prefill worker {placement.prefill.address} failed: {exc}"))
+        raise self._failed(placement, exc.failure, clocks)
 
-    def _failed(self, route: Route, failure: WorkerFailure, clocks: _Deadlines) -> AttemptFailed:
+    def _failed(self, placement: Placement, failure: WorkerFailure, clocks: _Deadlines) -> AttemptFailed:
         """Count a classified failure against the instance at fault; whether to retry follows from the blame."""
         kind = failure.kind
         if kind is FailureKind.DEADLINE:
             return AttemptFailed(deadline_error(clocks.timeout))
         role = kind.blamed_role(failure.stage)
-        blamed = route.instance(role) if role is not None else None
+        blamed = placement.instance(role) if role is not None else None
         if blamed is not None:
             self.registry.record_failure(blamed, failure.circuit_reason, gone=kind.opens_circuit)
         return AttemptFailed(failure.error(), blamed, retryable=True)

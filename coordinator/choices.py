@@ -4,23 +4,23 @@ A request is one group of generations per prompt (one prompt unless a completion
 Each generation of a group has its own seed (the request's seed + i), so choices differ when
 sampling and stay reproducible. With best_of > n, each group's n with the highest cumulative
 logprob are returned. Choice `j` of prompt `g` is choice index g * n + j, as OpenAI numbers them.
-Streams interleave the choices' chunks, each tagged with its choice index, and end with one
-usage-only chunk for the whole request when the client asked for usage.
+Streams merge the generations' events into one stream, each event tagged with its choice, written by
+serving.py's one loop as n = 1's are: the choices' chunks interleave, each tagged with its choice index,
+and end with one usage-only chunk for the whole request when the client asked for usage.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from coordinator.errors import ApiError
-from coordinator.metrics import METRICS, api_label
 from coordinator.pipeline import RequestPipeline
-from coordinator.request import GenerationRequest, TokenDelta
-from coordinator.serving import Transcript, json_dumps, record, serve_generation
-from coordinator.sse import open_stream
+from coordinator.request import Failed, Finished, GenerationEvent, GenerationRequest, TokenDelta
+from coordinator.serving import TokenWriter, Transcript, json_dumps, record, serve_generation, stream_events
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -72,8 +72,9 @@ async def serve_choices(http_request: web.Request, pipeline: RequestPipeline,
     if len(requests) == 1:
         return await serve_generation(http_request, pipeline, requests[0], flat_formatters[0], stream)
     if stream:
-        group_of = [g for g, group in enumerate(groups) for _ in group]
-        return await _stream_choices(http_request, pipeline, requests, flat_formatters, group_of)
+        usage = _RequestUsage([g for g, group in enumerate(groups) for _ in group])
+        writers = [TokenWriter(ChoiceFormatter(f, i, usage), Transcript()) for i, f in enumerate(flat_formatters)]
+        return await stream_events(http_request, merged(pipeline, requests), writers, requests[0].request_id)
     tasks = [asyncio.create_task(_collect(pipeline, r)) for r in requests]
     try:
         transcripts = await asyncio.gather(*tasks)
@@ -95,62 +96,95 @@ async def serve_choices(http_request: web.Request, pipeline: RequestPipeline,
     return web.json_response(body, dumps=json_dumps)
 
 
-def _is_usage_only(frame) -> bool:
-    return isinstance(frame, dict) and frame.get("choices") == [] and "usage" in frame
-
-
-async def _stream_choices(http_request, pipeline, requests, formatters, group_of: list[int]) -> web.StreamResponse:
+async def merged(pipeline: RequestPipeline, requests: list[GenerationRequest]) -> AsyncIterator[GenerationEvent]:
+    """The events of `requests`' generations as one stream, in the order they come, each tagged with its choice
+    (the request's index); a generation's ApiError is its Failed event, and the others go on."""
     queue: asyncio.Queue = asyncio.Queue()
-    usage_frames: dict[int, dict] = {}  # each choice's usage-only chunk, sent as one for the request
 
     async def pump(i: int, request: GenerationRequest) -> None:
         events = pipeline.generate(request)
         try:
             async for event in events:
-                await queue.put((i, event))
+                if event.__class__ is TokenDelta:
+                    event.choice = i
+                else:
+                    event = dataclasses.replace(event, choice=i)
+                await queue.put(event)
         except ApiError as error:
-            await queue.put((i, error))
+            await queue.put(Failed(error, i))
         finally:
             await events.aclose()
-            await queue.put((i, None))
+            await queue.put(None)
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
-    transcripts = [Transcript() for _ in requests]
-    response: web.StreamResponse | None = None
-    remaining = len(requests)
     try:
+        remaining = len(requests)
         while remaining:
-            i, item = await queue.get()
-            if item is None:
+            event = await queue.get()
+            if event is None:
                 remaining -= 1
-                continue
-            if isinstance(item, ApiError):
-                if response is None:
-                    raise item
-                http_request.app[METRICS].fail(api_label(http_request), item.status)
-                frames = formatters[i].error_frames(item, transcripts[i])
             else:
-                if response is None:
-                    response = await open_stream(http_request, formatters[0].stream_content_type)
-                record(transcripts[i], item)
-                frames = (formatters[i].token_frames(item, transcripts[i]) if isinstance(item, TokenDelta)
-                          else formatters[i].final_frames(item, transcripts[i]))
-            for frame in frames:
-                if _is_usage_only(frame):
-                    usage_frames[i] = frame
-                else:
-                    await response.write(formatters[i].encode(_with_index(frame, i)))
+                yield event
     finally:
-        for task in tasks:
+        for task in tasks:  # the client left, or a choice failed before the stream opened
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    if usage_frames:
-        prompts = {group_of[i]: f["usage"]["prompt_tokens"] for i, f in usage_frames.items()}
-        frame = next(iter(usage_frames.values()))
+
+
+def _is_usage_only(frame) -> bool:
+    return isinstance(frame, dict) and frame.get("choices") == [] and "usage" in frame
+
+
+class _RequestUsage:
+    """The usage-only chunks of a stream's choices, sent as one chunk for the whole request after the last choice
+    ends: each prompt counted once, every choice's tokens."""
+
+    def __init__(self, group_of: list[int]):
+        self.group_of = group_of  # each choice's prompt
+        self.frames: dict[int, dict] = {}
+        self.num_open = len(group_of)
+
+    def ended(self) -> list[dict]:
+        """One choice ended: the request's usage chunk when it was the last (and usage was asked for)."""
+        self.num_open -= 1
+        if self.num_open or not self.frames:
+            return []
+        prompts = {self.group_of[i]: f["usage"]["prompt_tokens"] for i, f in self.frames.items()}
+        frame = next(iter(self.frames.values()))
         frame["usage"] = _usage(sum(prompts.values()), sum(f["usage"]["completion_tokens"]
-                                                           for f in usage_frames.values()))
-        await response.write(formatters[0].encode(frame))
-    if formatters[0].done_marker is not None:
-        await response.write(formatters[0].encode(formatters[0].done_marker))
-    await response.write_eof()
-    return response
+                                                           for f in self.frames.values()))
+        return [frame]
+
+
+class ChoiceFormatter:
+    """One choice of a stream of several: its API formatter's frames tagged with its choice index, its usage-only
+    chunk held back for the request's one."""
+
+    def __init__(self, formatter, index: int, usage: _RequestUsage):
+        self.formatter = formatter
+        self.index = index
+        self.usage = usage
+        self.done_marker = formatter.done_marker
+        self.stream_content_type = formatter.stream_content_type
+        self.encode = formatter.encode
+
+    def _own(self, frames: list) -> list:
+        usage_only = [f for f in frames if _is_usage_only(f)]
+        if usage_only:
+            self.usage.frames[self.index] = usage_only[-1]
+        return [_with_index(f, self.index) for f in frames if not _is_usage_only(f)]
+
+    def token_bytes(self, delta: TokenDelta, transcript: Transcript) -> None:
+        return None  # the formatter's cheap path writes choice 0's chunk
+
+    def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list:
+        return self._own(self.formatter.token_frames(delta, transcript))
+
+    def final_frames(self, finished: Finished, transcript: Transcript) -> list:
+        return self._own(self.formatter.final_frames(finished, transcript)) + self.usage.ended()
+
+    def error_frames(self, error: ApiError, transcript: Transcript) -> list:
+        return self._own(self.formatter.error_frames(error, transcript)) + self.usage.ended()
+
+    def response(self, transcript: Transcript) -> dict:
+        return self.formatter.response(transcript)

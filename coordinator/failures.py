@@ -1,14 +1,22 @@
 """What a failed worker call means for the request: retry elsewhere or not, and whom to blame.
 
-  kind             when                                                  retry  blames          circuit
-  REQUEST_FAULT    RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ALREADY_EXISTS,  no     nobody          -
-                   OUT_OF_RANGE, from either worker
-  DEADLINE         the decode call's own gRPC deadline (the request's)    no     nobody          -
-  WORKER_GONE      UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL              yes    the caller      opens at once
-  KV_SEND_FAILED   prefill ran but could not hand the KV cache over       yes    decode          counts
-  KV_NOT_RECEIVED  any other decode failure: its KV cache arrived corrupt  yes    prefill         counts
-                   (DATA_LOSS) or never (its receive timeout)
-  WORKER_FAULT     any other prefill failure (its first_token_timeout)    yes    prefill         counts
+Classified from the call's status code and the FailureReason the worker gave with it (worker.proto), never from
+its message. A failure without a reason (from a worker before FailureReason, or a call whose own gRPC deadline
+passed) is classified by its status code alone.
+
+  kind             when                                                   retry  blames      circuit
+  REQUEST_FAULT    RESOURCE_EXHAUSTED, INVALID_ARGUMENT, ALREADY_EXISTS,   no     nobody      -
+                   OUT_OF_RANGE, from either worker, whatever the reason
+  DEADLINE         decode: CALL_DEADLINE (the request's own deadline), or  no     nobody      -
+                   DEADLINE_EXCEEDED without a reason
+  KV_SEND_FAILED   prefill: KV_SEND_FAILED (ran, but could not hand the    yes    decode      counts
+                   KV cache over)
+  KV_NOT_RECEIVED  decode: KV_NOT_RECEIVED, KV_CORRUPT; without a reason,  yes    prefill     counts
+                   any other code than those above and below
+  WORKER_GONE      DRAINING; without a reason, UNAVAILABLE, CANCELLED,     yes    the caller  opens at once
+                   UNKNOWN, INTERNAL
+  WORKER_FAULT     prefill: CALL_DEADLINE (its first_token_timeout),       yes    prefill     counts
+                   KV_LEASE_EXPIRED; without a reason, any other code
 """
 
 from __future__ import annotations
@@ -17,13 +25,13 @@ import enum
 from dataclasses import dataclass
 
 from coordinator.errors import WorkerError
-from kv_transfer.base import KV_SEND_FAILED
+from proto import worker_pb2 as pb
 
 # Codes that say the request itself is wrong: retrying elsewhere cannot help.
 REQUEST_FAULT_CODES = frozenset({"RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "ALREADY_EXISTS", "OUT_OF_RANGE"})
 # Codes that say the worker process is gone (killed, restarted, network cut).
 GONE_CODES = frozenset({"UNAVAILABLE", "CANCELLED", "UNKNOWN", "INTERNAL"})
-# gRPC's own text when a call's deadline passes, as opposed to a worker aborting with DEADLINE_EXCEEDED.
+# gRPC's own words for a call whose deadline passed: the coordinator's own clocks end a channel request with them.
 CALL_DEADLINE_DETAILS = "Deadline Exceeded"
 
 
@@ -53,33 +61,49 @@ class FailureKind(enum.Enum):
         return self is FailureKind.WORKER_GONE
 
 
-def classify(stage: str, code: str, details: str) -> FailureKind:
-    """The kind of failure of a `stage` call that ended with gRPC status `code` (its name) and `details`."""
+# The kind each (stage, reason) means; a reason given at another stage leaves the status code to decide.
+_KIND_OF_REASON = {
+    ("decode", pb.FAILURE_REASON_CALL_DEADLINE): FailureKind.DEADLINE,
+    ("decode", pb.FAILURE_REASON_KV_NOT_RECEIVED): FailureKind.KV_NOT_RECEIVED,
+    ("decode", pb.FAILURE_REASON_KV_CORRUPT): FailureKind.KV_NOT_RECEIVED,
+    ("decode", pb.FAILURE_REASON_DRAINING): FailureKind.WORKER_GONE,
+    ("prefill", pb.FAILURE_REASON_CALL_DEADLINE): FailureKind.WORKER_FAULT,
+    ("prefill", pb.FAILURE_REASON_KV_SEND_FAILED): FailureKind.KV_SEND_FAILED,
+    ("prefill", pb.FAILURE_REASON_KV_LEASE_EXPIRED): FailureKind.WORKER_FAULT,
+    ("prefill", pb.FAILURE_REASON_DRAINING): FailureKind.WORKER_GONE,
+}
+
+
+def classify(stage: str, code: str, reason: int = pb.FAILURE_REASON_UNSPECIFIED) -> FailureKind:
+    """The kind of failure of a `stage` call that ended with gRPC status `code` (its name) and FailureReason
+    `reason`."""
     if code in REQUEST_FAULT_CODES:
         return FailureKind.REQUEST_FAULT
+    kind = _KIND_OF_REASON.get((stage, reason))
+    if kind is not None:
+        return kind
+    if code in GONE_CODES:
+        return FailureKind.WORKER_GONE
     if stage == "decode":
-        if code == "DEADLINE_EXCEEDED" and CALL_DEADLINE_DETAILS in details:
-            return FailureKind.DEADLINE
-        # The decode worker is fine but its KV cache arrived corrupt or never arrived: the prefill
-        # side failed, so another prefill instance may do better.
-        return FailureKind.WORKER_GONE if code in GONE_CODES else FailureKind.KV_NOT_RECEIVED
-    if details.startswith(KV_SEND_FAILED):
-        return FailureKind.KV_SEND_FAILED
-    return FailureKind.WORKER_GONE if code in GONE_CODES else FailureKind.WORKER_FAULT
+        # No reason: DEADLINE_EXCEEDED is the call's own deadline (an older worker's KV timeout looks the same);
+        # any other code says the KV cache arrived corrupt or never, so another prefill instance may do better.
+        return FailureKind.DEADLINE if code == "DEADLINE_EXCEEDED" else FailureKind.KV_NOT_RECEIVED
+    return FailureKind.WORKER_FAULT
 
 
 @dataclass(frozen=True)
 class WorkerFailure:
-    """A worker call that ended in an error status: which call, where, and what the worker said."""
+    """A worker call that ended in an error status: which call, where, and what the worker said and why."""
 
     stage: str  # "prefill" or "decode"
     address: str
     code: str  # the gRPC status code's name, e.g. "UNAVAILABLE"
-    details: str
+    details: str  # for people: the client's error and /v1/instances show it
+    reason: int = pb.FAILURE_REASON_UNSPECIFIED  # the worker's FailureReason
 
     @property
     def kind(self) -> FailureKind:
-        return classify(self.stage, self.code, self.details)
+        return classify(self.stage, self.code, self.reason)
 
     @property
     def circuit_reason(self) -> str:

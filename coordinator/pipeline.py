@@ -89,10 +89,11 @@ class RequestPipeline:
             trace.start_attempt(retries + migrations, migrating)
             try:
                 started = time.monotonic()
-                route = self.router.route(request.prompt_token_ids + progress.token_ids,
-                                          exclude_decode=excluded["decode"], exclude_prefill=excluded["prefill"])
+                placement = self.router.route(request.prompt_token_ids + progress.token_ids,
+                                              exclude_decode=excluded["decode"], exclude_prefill=excluded["prefill"])
                 trace.phase("route", started, time.monotonic())
-                trace.route_chosen(route.prefill.address if route.prefill is not None else None, route.decode.address)
+                trace.route_chosen(placement.prefill.address if placement.prefill is not None else None,
+                                   placement.decode.address)
             except WorkerError as exc:
                 trace.end_attempt(exc.message)
                 if last is not None:  # no instance left to retry on: the failure itself says more
@@ -103,8 +104,9 @@ class RequestPipeline:
                 raise
             attempt = request.continued(progress.token_ids, retries + migrations)
             try:
-                async for event in self.attempts.run(attempt, route, max_tokens - progress.count, deadline, timeout,
-                                                     progress, len(request.prompt_token_ids), trace, listener):
+                async for event in self.attempts.run(attempt, placement, max_tokens - progress.count, deadline,
+                                                     timeout, progress, len(request.prompt_token_ids), trace,
+                                                     listener):
                     yield event
                 return
             except AttemptFailed as failed:

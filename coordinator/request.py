@@ -8,6 +8,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from coordinator.errors import ApiError
+from proto.sampling import SamplingRules
+
 
 @dataclass(frozen=True)
 class GuidedGrammar:
@@ -19,25 +22,11 @@ class GuidedGrammar:
 
 
 @dataclass(frozen=True)
-class SamplingOptions:
-    """Validated sampling and stopping rules, in engine terms (top_k 0 = off)."""
+class SamplingOptions(SamplingRules):
+    """Validated sampling and stopping rules, in engine terms (top_k 0 = off), with the shared defaults."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    skip_special_tokens: bool = True
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and N alternatives
     guided: GuidedGrammar | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
 
 @dataclass
@@ -90,6 +79,7 @@ class TokenDelta:
     final: bool = False  # the last token; a Finished event follows at once
     batch_size: int = 1  # decode batch that produced it
     queue_wait_ms: float = 0.0  # first token: admission wait; later: wait for the decode step
+    choice: int = 0  # which of a response's generations it belongs to (n / best_of, a batch of prompts)
 
 
 @dataclass(frozen=True)
@@ -102,13 +92,23 @@ class Finished:
     matched_stop: str | None = None
     prefill_time_ms: float = 0.0
     decode_time_ms: tuple[float, ...] = ()
+    choice: int = 0  # as TokenDelta's
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
 
-GenerationEvent = TokenDelta | Finished
+@dataclass(frozen=True)
+class Failed:
+    """The end of a failed generation, as an event: how a response of several generations ends one of them while
+    the others go on (a generation alone raises its ApiError)."""
+
+    error: ApiError
+    choice: int = 0
+
+
+GenerationEvent = TokenDelta | Finished | Failed
 
 
 class TokenListener(Protocol):

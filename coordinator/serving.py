@@ -7,6 +7,7 @@ reports late errors the same way.
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 import orjson
@@ -15,7 +16,7 @@ from aiohttp import web
 from coordinator.errors import ApiError
 from coordinator.metrics import METRICS, api_label
 from coordinator.pipeline import RequestPipeline
-from coordinator.request import Finished, GenerationRequest, TokenDelta
+from coordinator.request import Failed, Finished, GenerationEvent, GenerationRequest, TokenDelta
 from coordinator.sse import JSON_OPTIONS, encode_event, open_stream
 
 logger = logging.getLogger(__name__)
@@ -86,42 +87,66 @@ async def serve_generation(
         finally:
             await events.aclose()
         return web.json_response(formatter.response(transcript), dumps=json_dumps)
-
-    response: web.StreamResponse | None = None
-    tail: list[dict | str] = []
     writer = TokenWriter(formatter, transcript)
-    events = pipeline.generate(request, writer)
+    return await stream_events(http_request, pipeline.generate(request, writer), [writer], request.request_id)
+
+
+async def stream_events(http_request: web.Request, events: AsyncIterator[GenerationEvent], writers: list[TokenWriter],
+                        request_id: str) -> web.StreamResponse:
+    """Write a stream of events: one generation's, or several generations' merged into one (choices.py); an event's
+    `choice` is the index of the writer that formats it, and the first writer's formatter frames the stream."""
+    framing = writers[0].formatter
+    response: web.StreamResponse | None = None
+    tail: list[dict | str] = []  # the frames that end a generation: written with whatever comes next, or last
     try:
         async for event in events:
+            writer = writers[event.choice]
             writer.busy = True  # until this event is written: a token's frame must not overtake it
             writer.flush()  # tokens its frames took are always flushed before; this holds even if one was not
+            kind = event.__class__
             if response is None:
+                if kind is Failed:
+                    raise event.error
                 # Opened on the first event, so a failure before it is a plain HTTP error.
                 # The event is written right below (an empty write sends the head too).
-                response = await open_stream(http_request, formatter.stream_content_type, head_with_first_chunk=True)
-                writer.open(http_request, response)
-            record(transcript, event)
-            if isinstance(event, TokenDelta):
+                response = await open_stream(http_request, framing.stream_content_type, head_with_first_chunk=True)
+                for each in writers:
+                    each.open(http_request, response)
+            elif tail:  # another generation ended before this event
+                await response.write(b"".join(map(framing.encode, tail)))
+                tail = []
+            if kind is TokenDelta:
+                writer.transcript.add(event)
                 await response.write(writer.token_data(event))
                 writer.busy = False
-            else:  # the end: written below with the stream's last bytes
-                tail = formatter.final_frames(event, transcript)
+            elif kind is Finished:
+                writer.transcript.finished = event
+                tail = writer.formatter.final_frames(event, writer.transcript)
+            else:  # Failed: one of several generations ended with an error; the others go on
+                tail = _failed_frames(http_request, request_id, event.error, writer)
     except ApiError as error:
         if response is None:
             raise
-        logger.warning("request %s failed mid-stream: %s", request.request_id, error.message)
-        http_request.app[METRICS].fail(api_label(http_request), error.status)
-        tail = formatter.error_frames(error, transcript)
+        tail = _failed_frames(http_request, request_id, error, writers[0])
     finally:
-        writer.busy = True  # the rest of the stream is written here
+        for writer in writers:
+            writer.busy = True  # the rest of the stream is written here
         await events.aclose()
     if response is not None:
-        writer.flush()
-    if formatter.done_marker is not None:
-        tail.append(formatter.done_marker)
+        for writer in writers:
+            writer.flush()
+    if framing.done_marker is not None:
+        tail.append(framing.done_marker)
     # The last chunk, usage, the done marker and the end of the body leave in one write.
-    await response.write_eof(b"".join(map(formatter.encode, tail)))
+    await response.write_eof(b"".join(map(framing.encode, tail)))
     return response
+
+
+def _failed_frames(http_request: web.Request, request_id: str, error: ApiError, writer: TokenWriter) -> list[dict]:
+    """The frames that end a generation that failed mid-stream, counted as a failed request."""
+    logger.warning("request %s failed mid-stream: %s", request_id, error.message)
+    http_request.app[METRICS].fail(api_label(http_request), error.status)
+    return writer.formatter.error_frames(error, writer.transcript)
 
 
 class TokenWriter:

@@ -1,7 +1,8 @@
-"""gRPC calls from the coordinator to workers; the only place coordinator types meet protobuf.
+"""gRPC calls from the coordinator to workers, and requests on their token channels.
 
-Calls return domain objects (DecodeAccepted, DecodedToken, PrefillDone, HealthReport) and raise
-WorkerCallError, carrying a classifiable WorkerFailure, instead of gRPC's own error.
+Calls return domain objects (DecodeAccepted, PrefillResult, HealthReport) and raise WorkerCallError, carrying a
+classifiable WorkerFailure, instead of gRPC's own error. A decode stream's tokens are handed out as the worker's
+pb.TokenEvent: TokenRelay (attempt.py) makes each the request's TokenDelta in one step, the hot path's only one.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from coordinator.failures import CALL_DEADLINE_DETAILS, WorkerCallError, WorkerF
 from coordinator.instances import ReportedLoad
 from coordinator.request import FinishReason, GenerationRequest
 from coordinator.token_channels import TokenChannel, TokenChannels
-from proto.token_channel import MAX_FRAME_BYTES
 from kv_transfer.grpc_transport import GRPC_OPTIONS
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.failure_reason import reason_from_metadata
+from proto.token_channel import MAX_FRAME_BYTES
 from security.grpc_auth import ChannelCache, secret_metadata
 from security.secrets import SecretFile
 from security.tls import LinkTls
@@ -42,24 +44,8 @@ class DecodeAccepted:
     kv_transfer_token: str = ""  # one-time: the prefill worker must send it with the KV cache, or is refused
 
 
-@dataclass(slots=True)
-class DecodedToken:
-    """One token of a decode stream; `index` counts from 0 within this stream."""
-
-    token_id: int
-    text: str
-    index: int
-    time_ms: float  # prefill time for the first token, step latency after
-    finish_reason: FinishReason | None  # set on the last token only
-    matched_stop: str | None
-    logprob: float
-    top_logprobs: tuple[tuple[int, float], ...]
-    batch_size: int
-    queue_wait_ms: float
-
-
 @dataclass(frozen=True)
-class PrefillDone:
+class PrefillResult:
     """A prefill that ran and handed its KV cache to the decode worker."""
 
     first_token_id: int
@@ -105,17 +91,8 @@ def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingPa
     )
 
 
-def token_from_pb(token: pb.TokenEvent) -> DecodedToken:
-    # Positional, in DecodedToken's field order: keywords cost five times as much, once per token.
-    top = token.top_logprobs
-    return DecodedToken(token.token_id, token.text, token.index, token.time_ms,
-                        FINISH_FROM_PB.get(token.finish_reason), token.matched_stop or None, token.logprob,
-                        tuple((t.token_id, t.logprob) for t in top) if top else (), token.batch_size or 1,
-                        token.queue_wait_ms)
-
-
-def done_from_pb(reply: pb.PrefillResponse) -> PrefillDone:
-    return PrefillDone(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms,
+def prefill_result_from_pb(reply: pb.PrefillResponse) -> PrefillResult:
+    return PrefillResult(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms,
                        reply.forward_ms)
 
 
@@ -131,7 +108,12 @@ def accepted_from_pb(accepted: pb.Accepted) -> DecodeAccepted:
 
 
 def _call_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> WorkerCallError:
-    return WorkerCallError(WorkerFailure(stage, address, exc.code().name, exc.details() or ""))
+    return WorkerCallError(WorkerFailure(stage, address, exc.code().name, exc.details() or "",
+                                         reason_from_metadata(exc.trailing_metadata())))
+
+
+def _channel_error(stage: str, address: str, error: pb.ChannelError) -> WorkerCallError:
+    return WorkerCallError(WorkerFailure(stage, address, error.code, error.details, error.reason))
 
 
 class LostChannels:
@@ -156,7 +138,8 @@ class LostChannels:
 
 
 class DecodeStream:
-    """An open Decode call: `DecodeAccepted` first, then one `DecodedToken` per token."""
+    """An open Decode call: `DecodeAccepted` first, then one pb.TokenEvent per token (its finish_reason set on the
+    last: its `index` counts from 0 within this stream)."""
 
     def __init__(self, address: str, call, channels: TokenChannels, channel: grpc.aio.Channel, lost: LostChannels):
         self.address = address
@@ -165,7 +148,7 @@ class DecodeStream:
         self._channel = channel
         self._lost = lost
 
-    async def read(self) -> DecodeAccepted | DecodedToken | None:
+    async def read(self) -> DecodeAccepted | pb.TokenEvent | None:
         """The next event; None when the worker ended the stream."""
         try:
             msg = await self._call.read()
@@ -178,9 +161,9 @@ class DecodeStream:
         if msg.WhichOneof("event") == "accepted":
             self._channels.learn(self.address, msg.accepted.token_channel_address)
             return accepted_from_pb(msg.accepted)
-        return token_from_pb(msg.token)
+        return msg.token
 
-    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[DecodedToken], None],
+    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[pb.TokenEvent], None],
                          flush: Callable[[], None]) -> None:
         """Nothing to do: a gRPC stream's messages come only through `read`."""
 
@@ -201,20 +184,20 @@ class ChannelDecodeStream:
         # The worker ends it at its deadline too; this clock holds when the worker cannot (frozen, cut off).
         self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire) if timeout_s > 0 else None
 
-    async def read(self) -> DecodeAccepted | DecodedToken:
+    async def read(self) -> DecodeAccepted | pb.TokenEvent:
         event = await self._sink.next()
         kind = event.WhichOneof("event")
         if kind == "token":
-            token = token_from_pb(event.token)
-            if token.finish_reason is not None:
+            token = event.token
+            if token.finish_reason:
                 self._release(cancel=False)
             return token
         if kind == "accepted":
             return accepted_from_pb(event.accepted)
         self._release(cancel=False)
-        raise WorkerCallError(WorkerFailure("decode", self.address, event.error.code, event.error.details))
+        raise _channel_error("decode", self.address, event.error)
 
-    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[DecodedToken], None],
+    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[pb.TokenEvent], None],
                          flush: Callable[[], None]) -> None:
         """Hand every token but the last to `take` inside the frame's callback as it arrives, while `accepts()`,
         and call `flush` once the read that brought them is handed out; a token arriving when it does not, the
@@ -223,18 +206,19 @@ class ChannelDecodeStream:
             if event.WhichOneof("event") != "token":
                 return False
             token = event.token
-            if token.finish_reason or not accepts():  # checked first: a token left to `read` is converted there
+            if token.finish_reason or not accepts():  # the last one, or one the listener cannot take now, to `read`
                 return False
-            take(token_from_pb(token))
+            take(token)
             return True
 
         self._sink.direct = direct
         self._sink.flush = flush
 
     def _expire(self) -> None:
-        # gRPC's own words for a call whose deadline passed, as failures.py tells it apart from an abort.
+        # Read as the worker's own end of the request at its deadline would be (serve_as_call).
         self._sink.push(pb.RoutedEvent(request_id=self._request_id, error=pb.ChannelError(
-            code=grpc.StatusCode.DEADLINE_EXCEEDED.name, details=CALL_DEADLINE_DETAILS)))
+            code=grpc.StatusCode.DEADLINE_EXCEEDED.name, details=CALL_DEADLINE_DETAILS,
+            reason=pb.FAILURE_REASON_CALL_DEADLINE)))
         self.cancel()
 
     def cancel(self) -> None:
@@ -263,14 +247,14 @@ async def ask_on_channel(channel: TokenChannel, request_id: str, request: pb.Tok
             event = await sink.next()
     except TimeoutError:
         raise WorkerCallError(WorkerFailure(stage, address, grpc.StatusCode.DEADLINE_EXCEEDED.name,
-                                            CALL_DEADLINE_DETAILS)) from None
+                                            CALL_DEADLINE_DETAILS, pb.FAILURE_REASON_CALL_DEADLINE)) from None
     finally:
         channel.release(request_id, cancel=event is None)
     kind = event.WhichOneof("event")
     if kind == answer:
         return getattr(event, answer)
     if kind == "error":
-        raise WorkerCallError(WorkerFailure(stage, address, event.error.code, event.error.details))
+        raise _channel_error(stage, address, event.error)
     raise WorkerCallError(WorkerFailure(stage, address, grpc.StatusCode.UNKNOWN.name,
                                         f"a {answer} request answered with a {kind} event"))
 
@@ -327,7 +311,7 @@ class WorkerClient:
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
         kv_data_address: str = "", kv_transfer_token: str = "", traceparent: str = "",
         sampling: pb.SamplingParams | None = None,
-    ) -> PrefillDone:
+    ) -> PrefillResult:
         """Prefill on `address` and push the KV cache to the decode worker that answered `accepted` with
         `kv_data_address` and `kv_transfer_token` (`sampling` as in open_decode)."""
         message = pb.PrefillRequest(
@@ -342,8 +326,8 @@ class WorkerClient:
         channel = self.token_channels.open_channel(address)
         if channel is not None and message.ByteSize() < MAX_REQUEST_FRAME_BYTES:
             request = pb.TokenChannelRequest(prefill=message, timeout_s=timeout)
-            return done_from_pb(await ask_on_channel(channel, message.request_id, request, "prefilled", timeout,
-                                                     "prefill"))
+            return prefill_result_from_pb(await ask_on_channel(channel, message.request_id, request, "prefilled",
+                                                               timeout, "prefill"))
         grpc_channel, stub = self._stub(pb_grpc.PrefillServiceStub, address)
         try:
             reply = await stub.Prefill(message, timeout=timeout, metadata=secret_metadata(self._secret))
@@ -352,7 +336,7 @@ class WorkerClient:
         except asyncio.CancelledError as exc:
             raise self._lost.instead(exc, grpc_channel, "prefill", address) from None
         self.token_channels.learn(address, reply.token_channel_address, "prefill")
-        return done_from_pb(reply)
+        return prefill_result_from_pb(reply)
 
     async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
         """The worker's Health answer: on its token channel when one is open (a frame each way, where a call costs

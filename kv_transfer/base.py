@@ -10,11 +10,6 @@ if TYPE_CHECKING:  # annotations only: the simulated worker imports this module 
     import torch
 
 
-# Starts the prefill worker's error when it ran but could not hand the KV cache over, so the
-# coordinator can tell that apart from a prefill worker it could not reach at all.
-KV_SEND_FAILED = "sending KV to decode worker"
-
-
 class KvTransferError(Exception):
     """A KV stream that cannot be trusted: corrupt, truncated, malformed or late."""
 

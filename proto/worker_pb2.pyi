@@ -14,11 +14,28 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP_TOKEN: _ClassVar[FinishReason]
+
+class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FAILURE_REASON_UNSPECIFIED: _ClassVar[FailureReason]
+    FAILURE_REASON_CALL_DEADLINE: _ClassVar[FailureReason]
+    FAILURE_REASON_KV_SEND_FAILED: _ClassVar[FailureReason]
+    FAILURE_REASON_KV_NOT_RECEIVED: _ClassVar[FailureReason]
+    FAILURE_REASON_KV_CORRUPT: _ClassVar[FailureReason]
+    FAILURE_REASON_KV_LEASE_EXPIRED: _ClassVar[FailureReason]
+    FAILURE_REASON_DRAINING: _ClassVar[FailureReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
+FAILURE_REASON_UNSPECIFIED: FailureReason
+FAILURE_REASON_CALL_DEADLINE: FailureReason
+FAILURE_REASON_KV_SEND_FAILED: FailureReason
+FAILURE_REASON_KV_NOT_RECEIVED: FailureReason
+FAILURE_REASON_KV_CORRUPT: FailureReason
+FAILURE_REASON_KV_LEASE_EXPIRED: FailureReason
+FAILURE_REASON_DRAINING: FailureReason
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "has_seed", "max_tokens", "stop", "skip_special_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "return_logprobs", "top_logprobs", "guided", "logit_bias")
@@ -284,12 +301,14 @@ class TokenChannelRequest(_message.Message):
     def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., health: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class ChannelError(_message.Message):
-    __slots__ = ("code", "details")
+    __slots__ = ("code", "details", "reason")
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     code: str
     details: str
-    def __init__(self, code: _Optional[str] = ..., details: _Optional[str] = ...) -> None: ...
+    reason: FailureReason
+    def __init__(self, code: _Optional[str] = ..., details: _Optional[str] = ..., reason: _Optional[_Union[FailureReason, str]] = ...) -> None: ...
 
 class RoutedEvent(_message.Message):
     __slots__ = ("request_id", "accepted", "token", "error", "prefilled", "health")

@@ -10,7 +10,7 @@ from coordinator.scheduling.policies import RoundRobinPolicy
 
 
 @dataclass(frozen=True)
-class Route:
+class Placement:
     """The workers that serve one request; no prefill instance means the decode worker prefills."""
 
     prefill: Instance | None
@@ -43,14 +43,14 @@ class Router:
         return choice
 
     def route(self, prompt_token_ids: list[int], exclude_decode: set[str] = frozenset(),
-              exclude_prefill: set[str] = frozenset()) -> Route:
+              exclude_prefill: set[str] = frozenset()) -> Placement:
         decode = self.choose_decode(exclude_decode)
         if len(prompt_token_ids) < self.local_prefill_max_tokens:
-            return Route(None, decode)
+            return Placement(None, decode)
         prefill = self.choose_prefill(prompt_token_ids, exclude_prefill)
         if prefill is None:
             raise WorkerError(_none_left("prefill", self.registry, exclude_prefill))
-        return Route(prefill, decode)
+        return Placement(prefill, decode)
 
 
 def _none_left(role: str, registry: InstanceRegistry, exclude: set[str]) -> str:

@@ -18,20 +18,22 @@ from coordinator.request import Finished, FinishReason, GenerationRequest, Sampl
 from coordinator.request_queue import RequestQueue
 from coordinator.scheduling.policies import RoundRobinPolicy
 from coordinator.scheduling.router import Router
-from coordinator.worker_client import DecodeAccepted, DecodedToken, PrefillDone
+from coordinator.worker_client import DecodeAccepted, PrefillResult
+from proto import worker_pb2 as pb
 
 HANG = object()  # a stream that sends nothing more
 PROMPT = [1, 2, 3]
 
 
-def token(index: int, token_id: int, final: bool = False) -> DecodedToken:
-    return DecodedToken(token_id=token_id, text=f"<{token_id}>", index=index, time_ms=1.0,
-                        finish_reason=FinishReason.LENGTH if final else None, matched_stop=None, logprob=-0.5,
-                        top_logprobs=(), batch_size=1, queue_wait_ms=0.0)
+def token(index: int, token_id: int, final: bool = False) -> pb.TokenEvent:
+    return pb.TokenEvent(token_id=token_id, text=f"<{token_id}>", index=index, time_ms=1.0,
+                         finish_reason=pb.FINISH_REASON_LENGTH if final else pb.FINISH_REASON_UNSPECIFIED,
+                         logprob=-0.5, batch_size=1)
 
 
-def failure(stage: str, address: str, code: str, details: str = "") -> WorkerCallError:
-    return WorkerCallError(WorkerFailure(stage, address, code, details))
+def failure(stage: str, address: str, code: str, details: str = "",
+            reason: int = pb.FAILURE_REASON_UNSPECIFIED) -> WorkerCallError:
+    return WorkerCallError(WorkerFailure(stage, address, code, details, reason))
 
 
 class ScriptedStream:
@@ -71,7 +73,7 @@ class ScriptedWorkers:
         self.traceparents.append(("prefill", traceparent))
         if address in self.prefill_errors:
             raise self.prefill_errors[address]
-        return PrefillDone(first_token_id=0, prefill_time_ms=1.0, kv_bytes=0, kv_transfer_ms=0.5, forward_ms=0.75)
+        return PrefillResult(first_token_id=0, prefill_time_ms=1.0, kv_bytes=0, kv_transfer_ms=0.5, forward_ms=0.75)
 
 
 class CountingMetrics(NullMetrics):
@@ -175,7 +177,8 @@ async def test_a_decode_worker_lost_mid_stream_is_replaced_and_the_stream_contin
 
 async def test_a_kv_cache_that_never_arrived_counts_against_the_prefill_instance_and_is_retried():
     accepted = DecodeAccepted("")
-    lost = failure("decode", "d0:1", "DEADLINE_EXCEEDED", "KV cache did not arrive within 5s")
+    lost = failure("decode", "d0:1", "DEADLINE_EXCEEDED", "KV cache did not arrive within 5s",
+                   pb.FAILURE_REASON_KV_NOT_RECEIVED)
     workers = ScriptedWorkers({"d0:1": [[accepted, lost], [accepted, token(0, 7, final=True)]]})
     pipeline, registry, metrics = make_pipeline(workers, ["p0:1", "p1:1"], ["d0:1"])
     events = await run(pipeline, max_tokens=1)

@@ -10,6 +10,7 @@ import pytest
 from kv_transfer.codec import encode_kv
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.failure_reason import reason_from_metadata
 from tests.helpers import CLUSTER_KV_TIMEOUT_S, fake_prompt_kv
 
 pytestmark = pytest.mark.system
@@ -83,6 +84,7 @@ async def test_damaged_kv_stream_fails_transfer_and_decode_with_data_loss(decode
         await read_all(call)
     assert decode_err.value.code() == grpc.StatusCode.DATA_LOSS
     assert needle in decode_err.value.details()
+    assert reason_from_metadata(decode_err.value.trailing_metadata()) == pb.FAILURE_REASON_KV_CORRUPT
 
 
 async def test_kv_with_wrong_prompt_length_is_refused(decode_channel, hf_model):
@@ -111,6 +113,7 @@ async def test_decode_request_whose_kv_never_arrives_times_out(decode_channel):
         await read_all(call)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert f"kv_trans_timeout={CLUSTER_KV_TIMEOUT_S}s" in err.value.details()
+    assert reason_from_metadata(err.value.trailing_metadata()) == pb.FAILURE_REASON_KV_NOT_RECEIVED
 
 
 def test_cluster_still_serves_after_kv_faults(http):

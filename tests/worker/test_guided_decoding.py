@@ -19,7 +19,7 @@ from worker.engine.errors import InvalidRequest
 from worker.engine.messages import KvLayerReady, PrefillDone
 from worker.engine.model_runner import ModelRunner
 from worker.engine.prefill_engine import PrefillEngine
-from worker.engine.sequence import FinishReason, SamplingParams, TokenOutput
+from worker.engine.sequence import SamplingParams, StopCause, TokenOutput
 
 pytestmark = pytest.mark.system  # about a minute of decoding on two cores
 
@@ -121,7 +121,7 @@ def text(outputs: list[TokenOutput]) -> str:
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 async def test_json_schema_output_validates(engines, prompt, path, sampling):
     outputs = await PATHS[path](engines, prompt, SamplingParams(max_tokens=200, grammar=JSON, **SAMPLINGS[sampling]))
-    assert outputs[-1].finish_reason is FinishReason.EOS, text(outputs)
+    assert outputs[-1].finish_reason is StopCause.EOS, text(outputs)
     jsonschema.validate(json.loads(text(outputs)), SCHEMA)
 
 
@@ -219,14 +219,14 @@ async def test_logit_bias_plus_100_forces_a_token_and_minus_100_bans_one(engines
 async def test_min_tokens_gives_way_to_a_grammar_that_allows_only_eos(engines, prompt):
     outputs = await generate_locally(engines, prompt, SamplingParams(max_tokens=40, min_tokens=30,
                                                                      grammar=lark_grammar('start: "ok"')))
-    assert text(outputs) == "ok" and outputs[-1].finish_reason is FinishReason.EOS
+    assert text(outputs) == "ok" and outputs[-1].finish_reason is StopCause.EOS
 
 
 @pytest.mark.parametrize("path", PATHS)
 async def test_a_finished_grammar_ends_the_request_even_with_ignore_eos(engines, prompt, path):
     outputs = await PATHS[path](engines, prompt, SamplingParams(max_tokens=40, ignore_eos=True,
                                                                 grammar=lark_grammar('start: "done"')))
-    assert text(outputs) == "done" and outputs[-1].finish_reason is FinishReason.EOS
+    assert text(outputs) == "done" and outputs[-1].finish_reason is StopCause.EOS
 
 
 

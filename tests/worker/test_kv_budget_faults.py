@@ -15,6 +15,7 @@ import pytest
 
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.failure_reason import reason_from_metadata
 from tests.helpers import (fake_prompt_kv, health, open_decode_by_hand, start_coordinator, start_worker,
                            wait_for_idle, write_config)
 from kv_transfer.codec import encode_kv
@@ -160,6 +161,7 @@ async def test_decode_worker_killed_during_transfer_frees_the_prefill_workers_kv
             await prefill
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert victim.address in err.value.details()
+        assert reason_from_metadata(err.value.trailing_metadata()) == pb.FAILURE_REASON_KV_SEND_FAILED
         wait_for_idle(bc.prefill.address, "prefill")
 
 
@@ -171,6 +173,7 @@ async def test_expired_kv_lease_frees_the_prefill_workers_kv(bc, transport):
             await prefill
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "KV lease" in err.value.details() and f"{LEASE_S}s" in err.value.details()
+        assert reason_from_metadata(err.value.trailing_metadata()) == pb.FAILURE_REASON_KV_LEASE_EXPIRED
         assert time.monotonic() - started < LEASE_S + 5
         wait_for_idle(bc.prefill.address, "prefill")
 

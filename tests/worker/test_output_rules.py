@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from worker.engine.output import OutputProcessor
-from worker.engine.sequence import FinishReason, SamplingParams, Sequence
+from worker.engine.sequence import SamplingParams, Sequence, StopCause
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def run(tokenizer, ids: list[int], **params) -> list:
 def test_eos_ends_the_sequence(tokenizer):
     ids = tokenizer("Hello there")["input_ids"] + [tokenizer.eos_token_id, 50]
     outputs = run(tokenizer, ids)
-    assert outputs[-1].finish_reason is FinishReason.EOS and outputs[-1].token_id == tokenizer.eos_token_id
+    assert outputs[-1].finish_reason is StopCause.EOS and outputs[-1].token_id == tokenizer.eos_token_id
 
 
 def test_ignore_eos_keeps_going_past_eos(tokenizer):
@@ -39,7 +39,7 @@ def test_ignore_eos_keeps_going_past_eos(tokenizer):
 def test_stop_token_ends_the_sequence_without_its_text(tokenizer):
     ids = tokenizer("The coordinator sends the prompt")["input_ids"]
     outputs = run(tokenizer, ids, stop_token_ids=(ids[2],))
-    assert len(outputs) == 3 and outputs[-1].finish_reason is FinishReason.STOP_TOKEN
+    assert len(outputs) == 3 and outputs[-1].finish_reason is StopCause.STOP_TOKEN
     assert outputs[-1].matched_stop == str(ids[2])
     assert "".join(o.text for o in outputs) == tokenizer.decode(ids[:2])
 
@@ -51,7 +51,7 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tokenizer):
     kept = run(tokenizer, ids, stop=("sends",), include_stop_str_in_output=True)
     assert "".join(o.text for o in cut) == "The coordinator "
     assert "".join(o.text for o in kept) == "The coordinator sends"
-    assert kept[-1].finish_reason is FinishReason.STOP_STRING
+    assert kept[-1].finish_reason is StopCause.STOP_STRING
 
 
 @pytest.mark.parametrize("text", ["naïve café", "日本語のテキスト", "emoji 😀 ok"])
@@ -63,5 +63,5 @@ def test_an_output_ending_inside_a_character_equals_the_decode_of_all_its_ids(to
     seq = Sequence("r", 4, SamplingParams(max_tokens=cut if end == "length" else 100), max_seq_len=1000)
     processor = OutputProcessor(seq, tokenizer, frozenset({tokenizer.eos_token_id}))
     outputs = [processor.append(i, 1.0) for i in generated]
-    assert outputs[-1].finish_reason is (FinishReason.LENGTH if end == "length" else FinishReason.EOS)
+    assert outputs[-1].finish_reason is (StopCause.LENGTH if end == "length" else StopCause.EOS)
     assert "".join(o.text for o in outputs) == tokenizer.decode(generated, skip_special_tokens=True)

@@ -12,6 +12,7 @@ import pytest
 from coordinator.failures import FailureKind, WorkerCallError
 from coordinator.request import GenerationRequest, SamplingOptions
 from coordinator.worker_client import DecodeAccepted, WorkerClient
+from proto import worker_pb2 as pb
 from tests.helpers import start_sim_worker, token_channel_opens, wait_for_idle
 
 pytestmark = pytest.mark.system
@@ -51,7 +52,7 @@ async def disaggregated(client: WorkerClient, prefill: str, decode: str, seed: i
         tokens = []
         while (token := await stream.read()) is not None:
             tokens.append(token.token_id)
-            if token.finish_reason is not None:
+            if token.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 return done.first_token_id, tokens
         raise AssertionError("the stream ended without a final token")
     finally:

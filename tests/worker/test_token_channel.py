@@ -18,6 +18,7 @@ import pytest
 from coordinator.failures import FailureKind, WorkerCallError
 from coordinator.request import GenerationRequest, SamplingOptions
 from coordinator.worker_client import ChannelDecodeStream, DecodeAccepted, DecodeStream, WorkerClient
+from proto import worker_pb2 as pb
 from security.secrets import SecretFile
 from security.settings import TlsLink
 from security.tls import LinkTls
@@ -41,7 +42,7 @@ async def generate(client: WorkerClient, address: str, max_tokens: int = 12, see
         tokens = []
         while (token := await stream.read()) is not None:
             tokens.append(token)
-            if token.finish_reason is not None:
+            if token.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 return tokens
         raise AssertionError(f"the stream ended after {len(tokens)} tokens without a final one")
     finally:
@@ -77,7 +78,7 @@ async def test_requests_after_the_first_go_on_the_channel_and_get_the_tokens_a_d
         channel = await token_channel_opens(client, decode_worker.address)
         on_channel = await generate(client, decode_worker.address)
         assert summary(on_channel) == summary(on_stream)
-        assert len(on_channel) == 12 and on_channel[-1].finish_reason is not None
+        assert len(on_channel) == 12 and on_channel[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
         assert not channel.sinks, "a finished request's sink stayed attached"
     finally:
         await client.close()

@@ -11,6 +11,7 @@ import pytest
 
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.failure_reason import reason_from_metadata
 from tests.helpers import BackgroundStream, health, sse_events, start_coordinator, start_worker, write_config
 
 pytestmark = pytest.mark.system
@@ -50,6 +51,7 @@ def test_sigterm_mid_stream_finishes_the_stream_refuses_new_requests_and_exits_z
             with pytest.raises(grpc.RpcError) as err:
                 next(call)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
+        assert reason_from_metadata(err.value.trailing_metadata()) == pb.FAILURE_REASON_DRAINING
         reader.join(120)
         payloads = sse_events(reader.raw)
         assert payloads[-1] == "[DONE]"

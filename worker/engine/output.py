@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from worker.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from worker.engine.sequence import FinishReason, Sequence, TokenLogprobs, TokenOutput
+from worker.engine.sequence import Sequence, StopCause, TokenLogprobs, TokenOutput
 
 
 class OutputProcessor:
@@ -31,16 +31,16 @@ class OutputProcessor:
         finish = None
         matched = None
         if self._stops.stopped:
-            finish, matched = FinishReason.STOP_STRING, self._stops.matched
+            finish, matched = StopCause.STOP_STRING, self._stops.matched
             if params.include_stop_str_in_output:
                 text += matched
         elif stop_token:
-            finish, matched = FinishReason.STOP_TOKEN, str(token_id)
+            finish, matched = StopCause.STOP_TOKEN, str(token_id)
         elif eos:
-            finish = FinishReason.EOS
+            finish = StopCause.EOS
         elif seq.num_generated >= params.max_tokens or seq.total_len >= seq.max_seq_len:
-            finish = FinishReason.LENGTH
-        if finish is not None and finish is not FinishReason.STOP_STRING:
+            finish = StopCause.LENGTH
+        if finish is not None and finish is not StopCause.STOP_STRING:
             text += self._stops.feed(self._detok.flush()) + self._stops.flush()
         return TokenOutput(token_id, text, time_ms, seq.num_generated - 1, finish, matched, logprobs, batch_size,
                            queue_wait_ms)

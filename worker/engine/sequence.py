@@ -6,9 +6,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from proto.sampling import SamplingRules
 
-class FinishReason(enum.Enum):
-    """Why a sequence stopped generating."""
+
+class StopCause(enum.Enum):
+    """Why a sequence stopped generating (the coordinator's FinishReason, on the wire as pb.FinishReason)."""
 
     EOS = "eos"
     STOP_STRING = "stop_string"
@@ -38,28 +40,15 @@ class DecodeState(enum.Enum):
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each token and when to stop; ranges are validated by the coordinator."""
+class SamplingParams(SamplingRules):
+    """How to pick each token and when to stop (the shared rules and defaults, and the worker's own fields); ranges
+    are validated by the coordinator."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
     max_tokens: int = 16
-    stop: tuple[str, ...] = ()
-    skip_special_tokens: bool = True
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
     return_logprobs: bool = False
     top_logprobs: int = 0
     grammar: str | None = None  # llguidance grammar text every token must follow
     grammar_generated: tuple[int, ...] = ()  # tokens generated under it by earlier attempts (the prompt's tail)
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     @property
     def has_penalties(self) -> bool:
@@ -83,7 +72,7 @@ class TokenOutput:
     text: str
     time_ms: float
     index: int
-    finish_reason: FinishReason | None = None
+    finish_reason: StopCause | None = None
     matched_stop: str | None = None
     logprobs: TokenLogprobs | None = None
     batch_size: int = 1

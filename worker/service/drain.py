@@ -7,6 +7,9 @@ import contextlib
 
 import grpc
 
+from proto import worker_pb2 as pb
+from proto.failure_reason import reason_metadata
+
 
 DRAINING_MESSAGE = "worker is draining: it finishes its running requests and takes no new ones"
 
@@ -55,4 +58,5 @@ class DrainGate:
 async def refuse_if_draining(gate: DrainGate, context: grpc.aio.ServicerContext) -> None:
     """Refuse a new request at once while draining; UNAVAILABLE tells a client to go elsewhere."""
     if gate.draining:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE,
+                            trailing_metadata=reason_metadata(pb.FAILURE_REASON_DRAINING))

@@ -1,4 +1,5 @@
-"""One mapping from the engines' exceptions to gRPC status codes, for every servicer and backend."""
+"""One mapping from the engines' exceptions to gRPC status codes (and failure reasons), for every servicer and
+backend."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import contextlib
 import grpc
 
 from kv_transfer.base import KvTransferError
+from proto import worker_pb2 as pb
+from proto.failure_reason import reason_metadata
 from worker.engine.errors import DuplicateRequestError, InvalidRequest, RequestFailed
 from worker.engine.kv_budget import KvCapacityError
 
@@ -17,12 +20,17 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     KvTransferError: grpc.StatusCode.DATA_LOSS,  # the KV cache was corrupt, truncated or late
     RequestFailed: grpc.StatusCode.INTERNAL,
 }
+# What the code alone leaves open for the coordinator: DATA_LOSS from a KV stream says the prefill side is at fault.
+FAILURE_REASONS: dict[type[Exception], int] = {KvTransferError: pb.FAILURE_REASON_KV_CORRUPT}
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    """End the RPC with the status code of `exc` (INTERNAL for anything unmapped) and its message."""
+    """End the RPC with the status code of `exc` (INTERNAL for anything unmapped), its failure reason and its
+    message."""
     code = next((code for kind, code in STATUS_CODES.items() if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
-    await context.abort(code, str(exc))
+    reason = next((reason for kind, reason in FAILURE_REASONS.items() if isinstance(exc, kind)),
+                  pb.FAILURE_REASON_UNSPECIFIED)
+    await context.abort(code, str(exc), trailing_metadata=reason_metadata(reason))
 
 
 @contextlib.asynccontextmanager

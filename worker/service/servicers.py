@@ -12,46 +12,48 @@ import time
 
 import grpc
 
-from kv_transfer.base import KV_SEND_FAILED, KvTransferError
+from kv_transfer.base import KvTransferError
 from kv_transfer.grpc_transport import GrpcKvSender
 from kv_transfer.tcp_transport import TcpKvSender
 from kv_transfer.transfer_tokens import KvTransferTokens
 from kv_transfer.wire import header, make_trailer
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.failure_reason import reason_metadata
+from proto.sampling import DEFAULT_SAMPLING
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
 from worker.engine.load import WorkerLoad
 from worker.engine.messages import KvLayerReady, PrefillDone, PrefillFailed
 from worker.engine.prefill_backend import PrefillBackend, PrefillJob
-from worker.engine.sequence import FinishReason, SamplingParams, TokenOutput
+from worker.engine.sequence import SamplingParams, StopCause, TokenOutput
 from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate, refuse_if_draining
 from worker.service.errors import abort_with, engine_errors_as_status
 from worker.service.request_spans import (DecodeTimes, PrefillTimes, failure_text, record_decode, record_prefill,
                                            record_safely, traced)
-from worker.service.token_channel import ChannelCallContext, TokenChannel, serve_as_call
+from worker.service.token_channel import ChannelCallContext, CoordinatorConnection, serve_as_call
 
 logger = logging.getLogger(__name__)
 
 _FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,
-    FinishReason.EOS: pb.FINISH_REASON_EOS,
-    FinishReason.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
+    StopCause.EOS: pb.FINISH_REASON_EOS,
+    StopCause.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
+    StopCause.LENGTH: pb.FINISH_REASON_LENGTH,
+    StopCause.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
 }
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
         temperature=msg.temperature,
-        top_p=msg.top_p or 1.0,
+        top_p=msg.top_p or DEFAULT_SAMPLING.top_p,
         top_k=msg.top_k,
         seed=msg.seed if msg.has_seed else None,
         max_tokens=msg.max_tokens,
         stop=tuple(msg.stop),
         skip_special_tokens=msg.skip_special_tokens,
-        repetition_penalty=msg.repetition_penalty or 1.0,
+        repetition_penalty=msg.repetition_penalty or DEFAULT_SAMPLING.repetition_penalty,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         stop_token_ids=tuple(msg.stop_token_ids),
@@ -220,13 +222,15 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"KV lease of request {request.request_id} expired after {self.lease_timeout_s}s before "
                 f"decode worker {request.decode_address} confirmed receipt",
+                trailing_metadata=reason_metadata(pb.FAILURE_REASON_KV_LEASE_EXPIRED),
             )
         except KvTransferError as exc:
             if stream.invalid:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, stream.error)
             self.metrics.kv_failures.inc()
             reason = stream.error or str(exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{KV_SEND_FAILED} {request.decode_address}: {reason}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"sending KV to decode worker {request.decode_address}: "
+                                f"{reason}", trailing_metadata=reason_metadata(pb.FAILURE_REASON_KV_SEND_FAILED))
         finally:
             times.forward = stream.done  # for the trace, whatever became of the transfer
         if stream.error is not None:  # the stream ended without a trailer yet the receiver did not object
@@ -236,7 +240,8 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
                                   kv_bytes=sent, kv_transfer_ms=(times.send_ended - start) * 1000,
                                   forward_ms=stream.done.forward_ms, token_channel_address=self.token_channel_address)
 
-    async def serve_on_channel(self, channel: TokenChannel, request: pb.PrefillRequest, timeout_s: float) -> None:
+    async def serve_on_channel(self, channel: CoordinatorConnection, request: pb.PrefillRequest,
+                               timeout_s: float) -> None:
         """A prefill that came on a token channel: run as a Prefill call, its answer sent on the channel."""
         async def answer():
             reply = await self.Prefill(request, ChannelCallContext())
@@ -262,7 +267,8 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
         async for event in self._serve(request, context):
             yield event
 
-    async def serve_on_channel(self, channel: TokenChannel, request: pb.DecodeRequest, timeout_s: float) -> None:
+    async def serve_on_channel(self, channel: CoordinatorConnection, request: pb.DecodeRequest,
+                               timeout_s: float) -> None:
         """A decode request that came on a token channel: run as a Decode call, its events sent on the channel."""
         async def events():
             async for event in self._serve(request, ChannelCallContext(), channel):
@@ -270,7 +276,7 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
 
         await serve_as_call(channel, "decode", request.request_id, timeout_s, events())
 
-    async def _serve(self, request: pb.DecodeRequest, context, channel: TokenChannel | None = None):
+    async def _serve(self, request: pb.DecodeRequest, context, channel: CoordinatorConnection | None = None):
         await refuse_if_draining(self.gate, context)
         if request.prompt_len <= 0 or request.prompt_len >= request.max_seq_len:
             await context.abort(
@@ -289,7 +295,7 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
                 async for event in events:
                     yield event
 
-    def _decode(self, request: pb.DecodeRequest, context, channel: TokenChannel | None):
+    def _decode(self, request: pb.DecodeRequest, context, channel: CoordinatorConnection | None):
         """The request's events (an async generator), inside its trace's spans when it is traced."""
         times = DecodeTimes(time.perf_counter())
         parent = traced(request.traceparent)
@@ -311,7 +317,7 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
             record_safely(record_decode, parent, request.request_id, request.prompt_len, request.local_prefill,
                           times, error)
 
-    async def _run_decode(self, request: pb.DecodeRequest, context, channel: TokenChannel | None,
+    async def _run_decode(self, request: pb.DecodeRequest, context, channel: CoordinatorConnection | None,
                           times: DecodeTimes):
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
@@ -357,4 +363,5 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"KV cache for request {handle.request_id} did not arrive within "
                     f"kv_trans_timeout={self.kv_trans_timeout_s}s",
+                    trailing_metadata=reason_metadata(pb.FAILURE_REASON_KV_NOT_RECEIVED),
                 )

@@ -26,6 +26,7 @@ import ssl
 import grpc
 
 from proto import worker_pb2 as pb
+from proto.failure_reason import reason_from_metadata
 from proto.token_channel import (HELLO_TIMEOUT_S, MAX_FRAME_BYTES, MAX_HELLO_BYTES, ChannelState, FrameError,
                                  FrameReader, encode_frame)
 from security.secrets import SecretFile
@@ -38,38 +39,40 @@ MAX_UNREAD_BYTES = 16 << 20
 
 
 class ChannelAbort(Exception):
-    """A channel request ended with a status, as a gRPC call's abort ends it."""
+    """A channel request ended with a status and a FailureReason, as a gRPC call's abort ends it."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: int = pb.FAILURE_REASON_UNSPECIFIED):
         super().__init__(details)
         self.code = code
         self.details = details
+        self.reason = reason
 
 
 class ChannelCallContext:
     """What the Decode servicer uses of a gRPC context, for a request on a channel."""
 
-    async def abort(self, code: grpc.StatusCode, details: str = ""):
-        raise ChannelAbort(code, details)
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata=()):
+        raise ChannelAbort(code, details, reason_from_metadata(trailing_metadata))
 
 
-async def serve_as_call(channel: TokenChannel, kind: str, request_id: str, timeout_s: float, work) -> None:
+async def serve_as_call(channel: CoordinatorConnection, kind: str, request_id: str, timeout_s: float, work) -> None:
     """Run a channel request's `work` (a coroutine) as its gRPC call would run, under its deadline: an abort,
     the deadline or an unexpected error end it with the `error` event carrying that call's status."""
     try:
         async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
             await work
     except ChannelAbort as abort:
-        channel.send_error(request_id, abort.code.name, abort.details)
+        channel.send_error(request_id, abort.code.name, abort.details, abort.reason)
     except TimeoutError:
-        # gRPC's own words for a call whose deadline passed, which the coordinator tells apart from an abort.
-        channel.send_error(request_id, grpc.StatusCode.DEADLINE_EXCEEDED.name, "Deadline Exceeded")
+        # In gRPC's own words for a call whose deadline passed; the reason tells it apart from an abort.
+        channel.send_error(request_id, grpc.StatusCode.DEADLINE_EXCEEDED.name, "Deadline Exceeded",
+                           pb.FAILURE_REASON_CALL_DEADLINE)
     except Exception as exc:  # noqa: BLE001 - what a gRPC call ends with on an unexpected error: UNKNOWN
         logger.exception("%s request %s failed", kind, request_id)
         channel.send_error(request_id, grpc.StatusCode.UNKNOWN.name, f"unexpected error on the worker: {exc}")
 
 
-class TokenChannel(asyncio.Protocol):
+class CoordinatorConnection(asyncio.Protocol):
     """One coordinator's connection: its decode requests, and their events written once per loop turn."""
 
     def __init__(self, listener: TokenChannelListener):
@@ -159,8 +162,10 @@ class TokenChannel(asyncio.Protocol):
     def send_accepted(self, request_id: str, accepted: pb.Accepted) -> None:
         self.send(pb.RoutedEvent(request_id=request_id, accepted=accepted))
 
-    def send_error(self, request_id: str, code: str, details: str) -> None:
-        self.send(pb.RoutedEvent(request_id=request_id, error=pb.ChannelError(code=code, details=details)))
+    def send_error(self, request_id: str, code: str, details: str,
+                   reason: int = pb.FAILURE_REASON_UNSPECIFIED) -> None:
+        self.send(pb.RoutedEvent(request_id=request_id, error=pb.ChannelError(code=code, details=details,
+                                                                              reason=reason)))
 
     def send(self, event: pb.RoutedEvent) -> None:
         """Queue an event; the first one queued in a loop turn schedules the turn's single write."""
@@ -201,13 +206,14 @@ class TokenChannelListener:
         self.kind = kind
         self.secret = secret
         self.tls = tls
-        self.channels: dict[str, TokenChannel] = {}
+        self.channels: dict[str, CoordinatorConnection] = {}
         self._server: asyncio.Server | None = None
 
     async def start(self, host: str, port: int = 0) -> int:
         """Listen; returns the port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: TokenChannel(self), host, port, ssl=self._ssl_context())
+        self._server = await loop.create_server(lambda: CoordinatorConnection(self), host, port,
+                                                ssl=self._ssl_context())
         return self._server.sockets[0].getsockname()[1]
 
     def _ssl_context(self) -> ssl.SSLContext | None:

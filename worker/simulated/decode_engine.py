@@ -6,7 +6,7 @@ import time
 
 from worker.engine.decode_backend import DecodeBackend
 from worker.engine.messages import LocalPrefill
-from worker.engine.sequence import DecodeState, FinishReason, Sequence, TokenOutput
+from worker.engine.sequence import DecodeState, Sequence, StopCause, TokenOutput
 from worker.simulated.cost_model import SIMULATED_MODEL, CostModel
 from worker.simulated.engine_task import EngineTask, RunsOnEventLoop, sleep_until
 from worker.simulated.refusals import RefusesTokenConstraints
@@ -63,7 +63,7 @@ class SimulatedDecodeEngine(RunsOnEventLoop, RefusesTokenConstraints, DecodeBack
     def _output(self, seq: Sequence, token_id: int, time_ms: float, finished: bool, batch_size: int,
                 queue_wait_ms: float) -> TokenOutput:
         return TokenOutput(token_id, token_text(token_id), time_ms, seq.num_generated - 1,
-                           FinishReason.LENGTH if finished else None, None, None, batch_size, queue_wait_ms)
+                           StopCause.LENGTH if finished else None, None, None, batch_size, queue_wait_ms)
 
     async def _run(self) -> None:
         while True:
