@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import llguidance
-import llguidance.torch
 import torch
 
 from guidance.compiler import GrammarError, compiler_for
@@ -43,6 +42,10 @@ class GrammarMasks:
             self._bytes = torch.empty(rows, self._words * 4, dtype=torch.int32)
             self._banned = torch.empty(rows, self._words * 32, dtype=torch.bool)
         bitmask = self._bitmask[:n]
+        # Imported at the first guided step: llguidance.torch compiles a kernel at import (torch._dynamo, ~1.5 s of
+        # CPU), which would otherwise be paid by every worker start, guided requests or not.
+        import llguidance.torch
+
         if n == 1:  # nothing to share out: skip the hand-off to the pool's threads
             llguidance.torch.fill_next_token_bitmask(matchers[0], bitmask)
         else:
