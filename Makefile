@@ -20,8 +20,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/pdserve up
 
+# Tests wait on processes more than they compute: TEST_WORKERS pytest-xdist workers share this machine's cores.
+# A module whose tests share a module-scoped cluster stays on one worker (tests/conftest.py); the slowest 30 are listed.
+TEST_WORKERS ?= 3
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30
 
 # The fast subset: no test that starts a process (under a minute here).
 test-unit: $(STAMP)

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 from pathlib import Path
+
+# One compute thread per process, this one and every worker it starts: the suite runs many processes on few cores,
+# where each process's OpenMP threads would spin waiting for cores the others hold. Before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import httpx
 import pytest
@@ -11,7 +17,41 @@ import pytest
 from tests.helpers import CLUSTER_KV_TIMEOUT_S, Cluster, start_coordinator, start_worker, write_config
 
 # Fixtures that run a cluster of processes: a test using one is a system test.
-CLUSTER_FIXTURES = {"cluster", "http", "etcd"}
+CLUSTER_FIXTURES = {"cluster", "http", "etcd", "shared_coordinator"}
+
+
+def pytest_configure(config):
+    """Build the embedded model once, before any pytest-xdist worker starts, so workers never race to build it."""
+    if not hasattr(config, "workerinput"):
+        from embedded_model import ensure_default_model
+
+        ensure_default_model()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the marks into work units
+def pytest_collection_modifyitems(config, items):
+    """Work units for pytest-xdist (`--dist loadgroup`), system tests first so the long ones start early.
+
+    A module whose tests share a module-scoped fixture (a coordinator, an etcd) is one unit, so the fixture
+    starts once; any other test is a unit of its own, so a module of fault tests that each start their own
+    processes spreads over the workers."""
+    def shares_module_fixture(item) -> bool:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        return fixtures is not None and ("shared_coordinator" in fixtures.name2fixturedefs or any(
+            d.scope == "module" for defs in fixtures.name2fixturedefs.values() for d in defs))
+
+    shared_modules = {item.module.__name__ for item in items if shares_module_fixture(item)}
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(module if module in shared_modules else item.nodeid))
+    items.sort(key=lambda item: item.get_closest_marker("system") is None)
+
+
+def pytest_collection_finish(session):
+    """Fail at once where pytest-xdist did not take the work units (a pytest it does not know would split every
+    module, starting each module-scoped cluster on every worker)."""
+    if session.config.getoption("loadgroup", default=False) and any("@" not in i.nodeid for i in session.items):
+        raise pytest.UsageError("pytest-xdist's --dist loadgroup did not group the tests: check the pytest pin")
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +86,25 @@ def cluster(model_dir: Path, tmp_path_factory) -> Cluster:
     yield Cluster(coordinator.address, prefill, decode, coordinator, model_dir)
     for proc in (coordinator, prefill, decode):
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_coordinator(cluster: Cluster, tmp_path_factory):
+    """`shared_coordinator(sections=None, **model_overrides)`: a coordinator over the session cluster's workers,
+    one per distinct config, started on first use and shared by every test that only sends it requests."""
+    started: dict[str, object] = {}
+
+    def get(sections: dict | None = None, **model_overrides):
+        key = json.dumps([sections, model_overrides], sort_keys=True)
+        if key not in started:
+            config = write_config(tmp_path_factory.mktemp("shared") / "ms_coordinator.json", [cluster.prefill.address],
+                                  [cluster.decode.address], cluster.model_dir, sections, **model_overrides)
+            started[key] = start_coordinator(config)
+        return started[key]
+
+    yield get
+    for coordinator in started.values():
+        coordinator.stop()
 
 
 @pytest.fixture(scope="module")

@@ -239,7 +239,8 @@ class TgiStreamDetails(Open):
 
 
 class TgiStreamToken(Exact):
-    id: int | list[int] = Field(description="[id] on /generate_stream (as the seed has it), id on POST /")
+    id: int | list[int] = Field(
+        description="[id] on /generate_stream (as the MindIE coordinator API shows it), id on POST /")
     text: str
     logprob: float | None
     special: bool

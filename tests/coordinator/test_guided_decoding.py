@@ -42,19 +42,10 @@ def served(coordinator, role: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def coordinators(cluster, tmp_path_factory):
+def coordinators(shared_coordinator):
     """name -> coordinator over the session's workers: through the prefill worker, or prefilled on the decode worker."""
-    workers = ([cluster.prefill.address], [cluster.decode.address], cluster.model_dir)
-    root = tmp_path_factory.mktemp("guided")
-    started = {
-        "prefill_worker": start_coordinator(write_config(root / "pd.json", *workers, **LONG)),
-        "local_prefill": start_coordinator(write_config(
-            root / "local.json", *workers, sections={"digs_scheduler_config": {"local_prefill_max_tokens": 4096}},
-            **LONG)),
-    }
-    yield started
-    for coordinator in started.values():
-        coordinator.stop()
+    return {"prefill_worker": shared_coordinator(**LONG),
+            "local_prefill": shared_coordinator({"digs_scheduler_config": {"local_prefill_max_tokens": 4096}}, **LONG)}
 
 
 @pytest.fixture(params=["prefill_worker", "local_prefill"])

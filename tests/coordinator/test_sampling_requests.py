@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.helpers import sse_events, start_coordinator, write_config
+from tests.helpers import sse_events
 
 pytestmark = pytest.mark.system
 
@@ -63,12 +63,8 @@ def test_streamed_stop_string_never_leaks_even_partially(http):
 
 
 @pytest.fixture(scope="module")
-def full_text_url(cluster, tmp_path_factory):
-    config = write_config(tmp_path_factory.mktemp("fulltext") / "ms_coordinator.json", [cluster.prefill.address],
-                          [cluster.decode.address], cluster.model_dir, fullTextEnabled=True)
-    coordinator = start_coordinator(config)
-    yield coordinator.address
-    coordinator.stop()
+def full_text_url(shared_coordinator) -> str:
+    return shared_coordinator(fullTextEnabled=True).address
 
 
 def test_full_text_enabled_streams_cumulative_text_and_full_text_at_the_end(http, full_text_url):

@@ -9,8 +9,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.helpers import start_coordinator, write_config
-
 pytestmark = pytest.mark.system
 
 LONG = {"maxIterTimes": 1000, "maxSeqLen": 2048, "maxInputTokenLen": 1024}
@@ -32,12 +30,8 @@ class GetWeather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def url(cluster, tmp_path_factory):
-    coordinator = start_coordinator(write_config(tmp_path_factory.mktemp("clients") / "ms_coordinator.json",
-                                                 [cluster.prefill.address], [cluster.decode.address],
-                                                 cluster.model_dir, **LONG))
-    yield coordinator.address
-    coordinator.stop()
+def url(shared_coordinator) -> str:
+    return shared_coordinator(**LONG).address
 
 
 def test_openai_sdk_parse_returns_the_pydantic_model(url):
