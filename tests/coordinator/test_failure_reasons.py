@@ -137,9 +137,12 @@ async def test_a_call_without_a_reason_is_classified_by_its_status_code_alone():
     assert failure.reason == pb.FAILURE_REASON_UNSPECIFIED and failure.kind is FailureKind.DEADLINE
 
 
-async def test_the_coordinators_own_clock_ends_a_channel_request_as_its_call_deadline():
+@pytest.mark.parametrize("worker_deadline_s, client_timeout_s", [(0, 0.2), (0.1, 30)],
+                         ids=["the-coordinators-own-clock", "the-workers-deadline"])
+async def test_a_channel_request_past_its_deadline_ends_as_its_call_deadline(worker_deadline_s, client_timeout_s):
+    """Whichever clock runs out first, the coordinator's or the worker's, the failure is the call's deadline."""
     async def serve(channel, request, timeout_s):
-        await serve_as_call(channel, "decode", request.request_id, 0, asyncio.Event().wait())
+        await serve_as_call(channel, "decode", request.request_id, worker_deadline_s, asyncio.Event().wait())
 
     listener = TokenChannelListener(serve, pb.HealthResponse)
     port = await listener.start("127.0.0.1")
@@ -147,28 +150,8 @@ async def test_the_coordinators_own_clock_ends_a_channel_request_as_its_call_dea
     try:
         client.token_channels.learn("w:1", f"127.0.0.1:{port}")
         await token_channel_opens(client, "w:1")
-        stream = client.open_decode("w:1", GenerationRequest("r-1", [1, 2, 3], SamplingOptions(), 4), 4, 64, 0.2)
-        with pytest.raises(WorkerCallError) as failed:
-            await stream.read()
-        failure = failed.value.failure
-        assert (failure.code, failure.reason) == ("DEADLINE_EXCEEDED", pb.FAILURE_REASON_CALL_DEADLINE)
-        assert failure.kind is FailureKind.DEADLINE
-    finally:
-        await client.close()
-        await listener.stop()
-
-
-async def test_a_channel_request_past_the_workers_deadline_ends_as_its_call_deadline():
-    async def serve(channel, request, timeout_s):
-        await serve_as_call(channel, "decode", request.request_id, 0.1, asyncio.Event().wait())
-
-    listener = TokenChannelListener(serve, pb.HealthResponse)
-    port = await listener.start("127.0.0.1")
-    client = WorkerClient()
-    try:
-        client.token_channels.learn("w:1", f"127.0.0.1:{port}")
-        await token_channel_opens(client, "w:1")
-        stream = client.open_decode("w:1", GenerationRequest("r-1", [1, 2, 3], SamplingOptions(), 4), 4, 64, 30)
+        stream = client.open_decode("w:1", GenerationRequest("r-1", [1, 2, 3], SamplingOptions(), 4), 4, 64,
+                                    client_timeout_s)
         with pytest.raises(WorkerCallError) as failed:
             await stream.read()
         failure = failed.value.failure
