@@ -16,7 +16,7 @@ from coordinator.failures import FailureKind, WorkerCallError, WorkerFailure, de
 from coordinator.instances import Instance, InstanceRegistry
 from coordinator.limits import ModelLimits
 from coordinator.metrics import CoordinatorMetrics, NullMetrics
-from coordinator.request import Finished, GenerationEvent, GenerationRequest, TokenDelta, TokenListener
+from coordinator.request import Finished, FinishReason, GenerationEvent, GenerationRequest, TokenDelta, TokenListener
 from coordinator.request_trace import GenerationTrace
 from coordinator.scheduling.router import Placement
 from coordinator.worker_client import (FINISH_FROM_PB, DecodeAccepted, DecodeCall, PrefillResult, WorkerClient,
@@ -285,7 +285,8 @@ class AttemptRunner:
             if delta.final:
                 self.metrics.generation_done(prompt_len)
                 yield Finished(
-                    reason=FINISH_FROM_PB[token.finish_reason],
+                    # A reason this coordinator does not know (a newer worker's) still ends the generation.
+                    reason=FINISH_FROM_PB.get(token.finish_reason, FinishReason.EOS),
                     prompt_tokens=prompt_len,
                     completion_tokens=delta.index + 1,
                     matched_stop=token.matched_stop or None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -21,6 +22,8 @@ from coordinator.errors import ApiError
 from coordinator.pipeline import RequestPipeline
 from coordinator.request import Failed, Finished, GenerationEvent, GenerationRequest, TokenDelta
 from coordinator.serving import TokenWriter, Transcript, json_dumps, record, serve_generation, stream_events
+
+log = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -112,6 +115,9 @@ async def merged(pipeline: RequestPipeline, requests: list[GenerationRequest]) -
                 await queue.put(event)
         except ApiError as error:
             await queue.put(Failed(error, i))
+        except Exception:  # a bug, not the request's fault: the choice ends with a 500 and the others go on
+            log.exception("choice %d of a request failed", i)
+            await queue.put(Failed(ApiError(500, "internal error while generating this choice"), i))
         finally:
             await events.aclose()
             await queue.put(None)

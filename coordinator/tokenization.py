@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
-from transformers.configuration_utils import PreTrainedConfig
 
 from coordinator.request_trace import note_tokenized
 
@@ -17,23 +15,13 @@ from coordinator.request_trace import note_tokenized
 INLINE_CHARS = 2048
 
 
-def _model_config(model_dir: Path | str) -> PreTrainedConfig:
-    """The checkpoint's config.json as a generic config: its fields (model_type, which picks the tokenizer class,
-    max_position_embeddings, vocab_size) without importing the architecture's config module, which loads
-    torch.distributed and sympy (about a second of every coordinator start)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return AutoConfig.from_pretrained(model_dir)
-    return PreTrainedConfig.from_dict(json.loads(path.read_text(encoding="utf-8")))
-
-
 class PromptTokenizer:
     """Tokenizes short text inline with the Rust tokenizer, and long text off the event loop, so a 4 MB
     prompt never stalls other requests."""
 
     def __init__(self, model_dir: Path | str):
-        config = _model_config(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir, config=config)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
         self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 1 << 30))
         # The model's logits have one row per id of its embedding, which may be wider than the tokenizer.
         self.vocab_size = int(getattr(config, "vocab_size", None) or len(self.tokenizer))

@@ -54,6 +54,21 @@ async def test_a_failed_choice_is_its_failed_event_and_the_others_go_on():
     assert isinstance(events[-1], Finished) and events[-1].choice == 1
 
 
+async def test_a_choice_that_breaks_unexpectedly_is_a_500_failed_event_and_the_others_go_on():
+    class BrokenFirstChoice(ScriptedPipeline):
+        async def generate(self, request, listener=None):
+            if request.request_id == "a":
+                raise RuntimeError("a bug in the pipeline")
+                yield  # an async generator, as the real pipeline's
+            async for event in super().generate(request, listener):
+                yield event
+
+    events = [e async for e in merged(BrokenFirstChoice({"b": (2, 0.002, False)}), requests("a", "b"))]
+    failed = [e for e in events if isinstance(e, Failed)]
+    assert [(f.choice, f.error.status) for f in failed] == [(0, 500)]
+    assert isinstance(events[-1], Finished) and events[-1].choice == 1
+
+
 def stream(script: dict, stream_options: StreamOptions | None) -> list[dict]:
     async def handler(request):
         gens = requests(*script)
