@@ -20,6 +20,9 @@ pytestmark = pytest.mark.system
 LOCAL_PREFILL_BELOW = 12  # prompt tokens: shorter prompts are prefilled on the decode worker
 SIM_FLAGS = ("--simulate", "--sim-decode-base-ms", "20", "--sim-prefill-base-ms", "15")
 SERVER, CLIENT = 2, 3  # OTLP span kinds
+# A stream still running (20 ms a token) when the test, on a loaded machine, has read its first tokens and found
+# the decode worker to kill: with the default maxIterTimes (12) it could end in a quarter of a second.
+MIGRATED_TOKENS = 300
 LONG_PROMPT = "Tell me a long story about a lighthouse keeper and the ships that pass in the night."
 
 
@@ -33,7 +36,7 @@ class TracedCluster:
         self.decodes = [self._worker("decode", env) for _ in range(2)]
         config = write_config(tmp / "ms_coordinator.json", [self.prefill.address], [d.address for d in self.decodes],
                               model_dir, sections={"digs_scheduler_config": {
-                                  "local_prefill_max_tokens": LOCAL_PREFILL_BELOW}})
+                                  "local_prefill_max_tokens": LOCAL_PREFILL_BELOW}}, maxIterTimes=MIGRATED_TOKENS)
         self.coordinator = ServerProcess(pdserve_argv("coordinator", "--config", str(config)),
                                          "pdserve coordinator ready:", env=env)
         self.url = self.coordinator.address
@@ -167,7 +170,7 @@ def test_the_phase_histogram_counts_every_phase_of_a_request_once(traced):
 def test_a_migrated_request_keeps_its_trace_with_an_attempt_per_decode_worker(traced):
     """Last in the module: it kills a decode worker."""
     traceparent, trace_id, _ = client_traceparent()
-    body = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 80,
+    body = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": MIGRATED_TOKENS,
             "stream": True}
     with httpx.stream("POST", f"{traced.url}/v1/chat/completions", json=body, headers={"traceparent": traceparent},
                       timeout=60) as resp:
