@@ -34,10 +34,10 @@ import torch  # noqa: E402
 
 from embedded_model import ModelSpec, build_model, default_model_dir  # noqa: E402
 from kv_transfer.base import TransferredKv  # noqa: E402
-from worker.engine.decode_engine import DecodeEngine  # noqa: E402
+from worker.torch_engine.decode_engine import DecodeEngine  # noqa: E402
 from worker.engine.messages import KvLayerReady, PrefillDone  # noqa: E402
-from worker.engine.model_runner import ModelRunner  # noqa: E402
-from worker.engine.prefill_engine import PrefillEngine  # noqa: E402
+from worker.torch_engine.model_runner import ModelRunner  # noqa: E402
+from worker.torch_engine.prefill_engine import PrefillEngine  # noqa: E402
 from worker.engine.sequence import SamplingParams  # noqa: E402
 
 BENCH_SPEC = ModelSpec(name="pdserve-bench-512x8", hidden_size=512, intermediate_size=1376, num_hidden_layers=8,

@@ -289,13 +289,14 @@ class WorkerClient:
         """Start a decode, on the worker's token channel when one is open, else as a Decode call (with
         `local_prefill`, the decode worker prefills the prompt itself; the worker's spans join `traceparent`;
         `sampling`: the request's sampling_to_pb, when the caller made it already)."""
-        send_prompt = local_prefill or request.sampling.repetition_penalty != 1.0
+        # The prompt always goes: the decode worker hashes its blocks (prefix cache) and recomputes a preempted
+        # sequence from it.
         message = pb.DecodeRequest(
             request_id=request.request_id,
             prompt_len=len(request.prompt_token_ids),
             sampling=sampling if sampling is not None else sampling_to_pb(request, max_tokens),
             max_seq_len=max_seq_len,
-            prompt_token_ids=request.prompt_token_ids if send_prompt else [],
+            prompt_token_ids=request.prompt_token_ids,
             local_prefill=local_prefill,
             traceparent=traceparent,
         )

@@ -69,7 +69,7 @@ def _worker(args: argparse.Namespace) -> int:
             from embedded_model import ensure_default_model
 
             model = str(ensure_default_model())
-        backend = ModelBackend(model_dir=model, dtype=args.dtype)
+        backend = ModelBackend(model_dir=model, dtype=args.dtype, device=args.device)
     try:
         security = load_security_file(args.security_config) if args.security_config else SecurityFile()
     except ValueError as exc:
@@ -81,6 +81,7 @@ def _worker(args: argparse.Namespace) -> int:
     options = WorkerOptions(role=args.role, backend=backend, host=args.host, port=args.port,
                             kv_trans_timeout_s=args.kv_trans_timeout, kv_lease_timeout_s=args.kv_lease_timeout,
                             kv_budget_tokens=args.kv_budget_tokens, max_prefill_tokens=args.max_prefill_tokens,
+                            block_size=args.block_size, prefix_caching=not args.no_prefix_caching,
                             max_prefill_batch_size=args.max_prefill_batch_size, max_running=args.max_running,
                             kv_data_port=args.kv_data_port, metrics_port=args.metrics_port,
                             health_port=args.health_port,
@@ -154,13 +155,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and compute dtype; auto: the checkpoint's own (its config.json)")
-    p.add_argument("--kv-trans-timeout", type=float, default=10.0, help="seconds a decode request waits for KV")
+    p.add_argument("--kv-trans-timeout", type=float, default=10.0,
+                   help="decode: seconds a KV transfer that has started may go without a block before it fails (the "
+                        "wait before it starts is bounded by the coordinator's first_token_timeout)")
     p.add_argument("--kv-lease-timeout", type=float, default=30.0,
                    help="seconds a prefill worker holds a KV cache for the decode worker to confirm")
     p.add_argument("--kv-budget-tokens", type=int, default=None,
-                   help="KV budget in token positions (default: 40%% of the memory free at start-up)")
-    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded tokens per prefill forward")
-    p.add_argument("--max-prefill-batch-size", type=int, default=16, help="prompts per prefill forward")
+                   help="KV block pool size in token positions (default: 40%% of the memory free at start-up, at "
+                        "most 4 GiB on the CPU)")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048,
+                   help="prompt tokens per forward: longer prompts are prefilled in chunks of at most this many; on a "
+                        "decode worker a local prefill's chunk shares a step with decoding")
+    p.add_argument("--max-prefill-batch-size", type=int, default=16, help="prompts (chunks) per prefill forward")
+    p.add_argument("--block-size", type=int, default=16, help="token positions per KV block (paged KV cache)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not keep full KV blocks for later prompts that start with the same tokens")
+    p.add_argument("--device", default="auto",
+                   help="auto|cpu|cuda|cuda:N: where the model and KV pool live (auto: CUDA when present)")
     p.add_argument("--max-running", type=int, default=64, help="sequences per decode step")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port (0 picks one, -1 disables it)")

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kv_transfer.base import TransferredKv
-from worker.engine.decode_engine import DecodeEngine
+from worker.torch_engine.build import paged_pool
+from worker.torch_engine.decode_engine import DecodeEngine
 from worker.engine.errors import RequestFailed
-from worker.engine.model_runner import ModelRunner
+from worker.torch_engine.model_runner import ModelRunner
 from worker.engine.sequence import DecodeState, SamplingParams
 
 PROMPT = list(range(3, 12))
@@ -29,13 +30,13 @@ def prompt_kv(runner: ModelRunner, request_id: str) -> TransferredKv:
 
 async def test_a_failed_decode_step_fails_its_requests_as_a_worker_fault_and_the_engine_keeps_running(
         runner, monkeypatch):
-    engine = DecodeEngine(runner, budget_tokens=1000)
+    engine = DecodeEngine(runner, paged_pool(runner, 1000))
     engine.start()
     try:
-        def broken_step(batch):
+        def broken_step(rows, chunks, on_layer=None):
             raise RuntimeError("device lost")
 
-        monkeypatch.setattr(runner, "decode", broken_step)
+        monkeypatch.setattr(runner, "forward", broken_step)
         handle = engine.register("r1", len(PROMPT), SamplingParams(max_tokens=4, ignore_eos=True), 64, PROMPT)
         await engine.admit(handle)
         engine.on_kv(prompt_kv(runner, "r1"))
@@ -60,7 +61,7 @@ async def test_a_failed_decode_step_fails_its_requests_as_a_worker_fault_and_the
 
 
 async def test_each_step_hands_all_its_tokens_to_the_event_loop_in_one_call(runner, monkeypatch):
-    engine = DecodeEngine(runner, budget_tokens=1000)
+    engine = DecodeEngine(runner, paged_pool(runner, 1000))
     handoffs = []
     deliver_all = engine._deliver_all
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 
 import grpc
 import pytest
 
-from kv_transfer.codec import encode_kv
+from kv_transfer.codec import encode_kv, kv_items
+from kv_transfer.tcp_transport import TcpKvSender
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from proto.failure_reason import reason_from_metadata
@@ -107,13 +110,46 @@ async def test_kv_for_an_unknown_request_is_refused_as_it_has_no_transfer_token(
     assert "'nobody-waits' refused: missing/invalid or already used transfer token" in err.value.details()
 
 
-async def test_decode_request_whose_kv_never_arrives_times_out(decode_channel):
-    call, _ = await open_decode(decode_channel, uuid.uuid4().hex)
+async def test_a_decode_request_waits_for_a_transfer_that_never_starts_until_its_own_deadline(decode_channel):
+    # A busy prefill worker may take long to start sending: only the coordinator's deadline (the call's) bounds that.
+    deadline_s = CLUSTER_KV_TIMEOUT_S + 2
+    started = time.monotonic()
+    call = pb_grpc.DecodeServiceStub(decode_channel).Decode(pb.DecodeRequest(
+        request_id=uuid.uuid4().hex, prompt_len=PROMPT_LEN, max_seq_len=512,
+        sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=deadline_s)
+    assert (await call.read()).HasField("accepted")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await read_all(call)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert f"kv_trans_timeout={CLUSTER_KV_TIMEOUT_S}s" in err.value.details()
-    assert reason_from_metadata(err.value.trailing_metadata()) == pb.FAILURE_REASON_KV_NOT_RECEIVED
+    assert time.monotonic() - started >= deadline_s - 0.5  # not cut at kv_trans_timeout
+
+
+async def test_a_started_kv_transfer_that_stalls_fails_after_kv_trans_timeout(decode_channel, hf_model):
+    rid = uuid.uuid4().hex
+    call = pb_grpc.DecodeServiceStub(decode_channel).Decode(pb.DecodeRequest(
+        request_id=rid, prompt_len=PROMPT_LEN, max_seq_len=512,
+        sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=30)
+    accepted = (await call.read()).accepted
+    kv = fake_prompt_kv(rid, hf_model, PROMPT_LEN)
+    kv.transfer_token = accepted.kv_transfer_token
+    stalled = asyncio.Event()
+
+    async def header_then_silence():
+        yield next(kv_items(kv))  # the header: the transfer has started
+        stalled.set()
+        await asyncio.sleep(60)
+
+    sender = asyncio.create_task(TcpKvSender().send_items(accepted.kv_data_address, header_then_silence()))
+    try:
+        await stalled.wait()
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await read_all(call)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
+        assert f"nothing arrived for {CLUSTER_KV_TIMEOUT_S}s" in err.value.details()
+        assert time.monotonic() - started < CLUSTER_KV_TIMEOUT_S + 5
+    finally:
+        sender.cancel()
 
 
 def test_cluster_still_serves_after_kv_faults(http):

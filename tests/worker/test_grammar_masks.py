@@ -9,8 +9,8 @@ import llguidance
 import pytest
 import torch
 
-from worker.engine.grammar_masks import Guidance
-from worker.engine.sampling import choose, choose_batch
+from worker.torch_engine.grammar_masks import Guidance
+from worker.torch_engine.sampling import choose, choose_batch
 from worker.engine.sequence import SamplingParams
 
 VOCAB, EOS = 1224, 2

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from kv_transfer.base import TransferredKv
-from worker.engine.decode_engine import DecodeEngine
+from worker.torch_engine.build import paged_pool
+from worker.torch_engine.decode_engine import DecodeEngine
 from worker.engine.errors import InvalidRequest
 from worker.engine.messages import KvLayerReady, PrefillDone
-from worker.engine.model_runner import ModelRunner
-from worker.engine.prefill_engine import PrefillEngine
+from worker.torch_engine.model_runner import ModelRunner
+from worker.torch_engine.prefill_engine import PrefillEngine
 from worker.engine.sequence import SamplingParams, StopCause, TokenOutput
 
 pytestmark = pytest.mark.system  # about a minute of decoding on two cores
@@ -47,8 +48,9 @@ SAMPLINGS = {"greedy": {}, "seeded": {"temperature": 1.0, "seed": 11}, "top_k_p"
 
 @pytest.fixture(scope="module")
 async def engines(model_dir):
-    prefill = PrefillEngine(ModelRunner(model_dir), budget_tokens=10_000)
-    decode = DecodeEngine(ModelRunner(model_dir), budget_tokens=10_000)
+    prefill_runner, decode_runner = ModelRunner(model_dir), ModelRunner(model_dir)
+    prefill = PrefillEngine(prefill_runner, paged_pool(prefill_runner, 10_000))
+    decode = DecodeEngine(decode_runner, paged_pool(decode_runner, 10_000))
     prefill.start()
     decode.start()
     yield prefill, decode

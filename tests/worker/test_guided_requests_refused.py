@@ -14,9 +14,11 @@ from kv_transfer.tcp_transport import TcpKvSender
 from kv_transfer.transfer_tokens import KvTransferTokens
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from worker.engine.decode_engine import DecodeEngine
-from worker.engine.model_runner import ModelRunner
-from worker.engine.prefill_engine import PrefillEngine
+from worker.engine.block_pool import BlockPool
+from worker.torch_engine.build import paged_pool
+from worker.torch_engine.decode_engine import DecodeEngine
+from worker.torch_engine.model_runner import ModelRunner
+from worker.torch_engine.prefill_engine import PrefillEngine
 from worker.metrics import NULL_METRICS
 from worker.service.drain import DrainGate
 from worker.service.servicers import DecodeServicer, PrefillServicer
@@ -38,7 +40,7 @@ class InProcessWorker:
         pb_grpc.add_PrefillServiceServicer_to_server(
             PrefillServicer(prefill, GrpcKvSender(), TcpKvSender(), 5.0, NULL_METRICS, gate), self.server)
         pb_grpc.add_DecodeServiceServicer_to_server(
-            DecodeServicer(decode, 5.0, "", KvTransferTokens(), NULL_METRICS, gate), self.server)
+            DecodeServicer(decode, "", KvTransferTokens(), NULL_METRICS, gate), self.server)
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
 
     async def refusal(self, stage: str, sampling: pb.SamplingParams) -> grpc.aio.AioRpcError:
@@ -60,7 +62,7 @@ class InProcessWorker:
 @pytest.fixture(scope="module")
 async def real_worker(model_dir):
     runner = ModelRunner(model_dir)
-    worker = InProcessWorker(PrefillEngine(runner, 1000), DecodeEngine(runner, 1000))
+    worker = InProcessWorker(PrefillEngine(runner, paged_pool(runner, 1000)), DecodeEngine(runner, paged_pool(runner, 1000)))
     await worker.server.start()  # the engines never start: every request here is refused before them
     yield worker
     await worker.server.stop(0)
@@ -68,8 +70,8 @@ async def real_worker(model_dir):
 
 @pytest.fixture(scope="module")
 async def simulated_worker():
-    worker = InProcessWorker(SimulatedPrefillEngine(CostModel(), KvShape(), 1000),
-                             SimulatedDecodeEngine(CostModel(), 1000))
+    worker = InProcessWorker(SimulatedPrefillEngine(CostModel(), KvShape(), BlockPool(64, 16)),
+                             SimulatedDecodeEngine(CostModel(), BlockPool(64, 16)))
     await worker.server.start()
     yield worker
     await worker.server.stop(0)

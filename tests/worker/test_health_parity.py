@@ -12,9 +12,11 @@ import torch
 
 from kv_transfer.base import TransferredKv
 from proto import worker_pb2 as pb
-from worker.engine.decode_engine import DecodeEngine
-from worker.engine.model_runner import ModelRunner
-from worker.engine.prefill_engine import PrefillEngine
+from worker.engine.block_pool import BlockPool
+from worker.torch_engine.build import paged_pool
+from worker.torch_engine.decode_engine import DecodeEngine
+from worker.torch_engine.model_runner import ModelRunner
+from worker.torch_engine.prefill_engine import PrefillEngine
 from worker.engine.sequence import DecodeState, SamplingParams
 from worker.service.servicers import load_to_pb
 from worker.simulated.cost_model import CostModel, KvShape
@@ -23,7 +25,9 @@ from worker.simulated.kv import VerifiedKv
 from worker.simulated.prefill_engine import SimulatedPrefillEngine
 
 PROMPT_LEN, MAX_TOKENS, MAX_SEQ_LEN = 10, 10, 512
-RESERVATION = PROMPT_LEN + MAX_TOKENS
+BLOCK = 16
+RESERVATION = PROMPT_LEN + 1  # admission holds the prompt and its first token; later tokens take blocks as they come
+PROMPT_BLOCKS = BLOCK  # a prefill worker holds whole blocks of its prompt
 PROMPT = list(range(3, 3 + PROMPT_LEN))
 SAMPLING = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 EXPECTED_STATES = {
@@ -68,15 +72,15 @@ async def fill_decode_queues(engine, make_kv, step_intake) -> tuple[dict, asynci
     handles["waits-for-budget"] = engine.register("waits-for-budget", PROMPT_LEN, SAMPLING, MAX_SEQ_LEN, PROMPT)
     in_line = asyncio.ensure_future(engine.admit(handles["waits-for-budget"]))
     step_intake()
-    engine.scheduler.schedule()  # max_running=1: one sequence runs, the other waits for a seat
+    engine.scheduler.schedule(lambda seq: None)  # max_running=1: one sequence runs, the other waits for a seat
     await asyncio.sleep(0)  # lets the first tokens and the line's entry land
     return handles, in_line
 
 
 async def test_real_and_simulated_decode_workers_report_the_same_health_for_the_same_queue(runner):
-    budget = 4 * RESERVATION + RESERVATION // 2  # four requests fit; the fifth waits in line
-    real = DecodeEngine(runner, budget, max_running=1)
-    simulated = SimulatedDecodeEngine(CostModel(), budget, max_running=1)
+    budget = 3 * BLOCK  # four requests' reservations (11 positions each) fit; the fifth waits in line
+    real = DecodeEngine(runner, paged_pool(runner, budget, BLOCK), max_running=1)
+    simulated = SimulatedDecodeEngine(CostModel(), BlockPool(1 + budget // BLOCK, BLOCK), max_running=1)
 
     def real_intake():
         real._loop = asyncio.get_running_loop()  # its thread never starts: the test does its intake
@@ -102,9 +106,9 @@ async def test_real_and_simulated_decode_workers_report_the_same_health_for_the_
 
 
 async def test_real_and_simulated_prefill_workers_report_the_same_health_for_the_same_queue(runner):
-    budget = 2 * PROMPT_LEN + PROMPT_LEN // 2  # two prompts fit; the third waits in line
-    real = PrefillEngine(runner, budget)
-    simulated = SimulatedPrefillEngine(CostModel(), KvShape(), budget)
+    budget = 2 * PROMPT_BLOCKS + BLOCK // 2  # two prompts' blocks fit; the third waits in line
+    real = PrefillEngine(runner, paged_pool(runner, budget, BLOCK))
+    simulated = SimulatedPrefillEngine(CostModel(), KvShape(), BlockPool(1 + budget // BLOCK, BLOCK))
     healths, pending = [], []
     for engine in (real, simulated):
         jobs = [await engine.submit(f"p{i}", PROMPT, SAMPLING) for i in range(2)]
@@ -119,5 +123,5 @@ async def test_real_and_simulated_prefill_workers_report_the_same_health_for_the
             engine.release(job)
     real_health, sim_health = healths
     assert (real_health.num_running, real_health.num_waiting, real_health.num_kv_leases) == (0, 3, 2)
-    assert (real_health.kv_used_tokens, real_health.queued_prompt_tokens) == (2 * PROMPT_LEN, 2 * PROMPT_LEN)
+    assert (real_health.kv_used_tokens, real_health.queued_prompt_tokens) == (2 * PROMPT_BLOCKS, 2 * PROMPT_LEN)
     assert without_model(real_health) == without_model(sim_health)

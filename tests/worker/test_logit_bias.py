@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from worker.engine.errors import InvalidRequest
-from worker.engine.grammar_masks import Guidance
-from worker.engine.sampling import apply_logit_bias, choose, choose_batch, process_logits
+from worker.torch_engine.grammar_masks import Guidance
+from worker.torch_engine.sampling import apply_logit_bias, choose, choose_batch, process_logits
 from worker.engine.sequence import SamplingParams
 from worker.engine.sequence import Sequence as EngineSequence
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from worker.engine.sampling import (
+from worker.torch_engine.sampling import (
     PenaltyCounts,
     apply_penalties,
     batch_logprobs,

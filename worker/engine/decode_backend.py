@@ -18,7 +18,8 @@ from typing import Any
 
 from kv_transfer.base import KvReceipt, KvTransferError
 from worker.engine.errors import DuplicateRequestError
-from worker.engine.kv_budget import KvAdmission, KvBudget
+from worker.engine.block_pool import BlockPool
+from worker.engine.kv_budget import KvAdmission, KvBudget, KvCapacityError
 from worker.engine.load import WorkerLoad
 from worker.engine.messages import LocalPrefill
 from worker.engine.scheduler import DecodeScheduler, PrefillScheduler
@@ -60,14 +61,21 @@ class DecodeHandle:
 
     @property
     def kv_reservation(self) -> int:
-        """Positions this request may fill: the prompt plus every token it may generate."""
+        """Positions admission holds for it: the prompt and its first token (it takes blocks as it grows)."""
+        return self.seq.prompt_len + 1
+
+    @property
+    def kv_positions_at_most(self) -> int:
+        """Positions it may fill: the prompt plus every token it may generate."""
         return min(self.seq.prompt_len + self.seq.sampling.max_tokens, self.seq.max_seq_len)
 
 
 class DecodeBackend(abc.ABC):
     """A decode engine: admits requests under a KV budget, takes their caches (or prefills them), and
-    decodes them in one continuous batch.
+    decodes them in one continuous batch over the block pool.
 
+    Admission holds each request's prompt blocks only; a running sequence takes a block whenever it
+    fills one, and when the pool runs dry the youngest is preempted and recomputed later, never failed.
     Subclasses run the steps: `_decode_arrived` (a cache is here), `_queue_local_prefill`, `_cancel`.
     """
 
@@ -76,10 +84,12 @@ class DecodeBackend(abc.ABC):
     kv_assembler: Callable[..., Any] | None = None
     kv_pool: Any = None
 
-    def __init__(self, budget_tokens: int, max_running: int, max_prefill_tokens: int, max_prefill_batch_size: int):
-        self.admission = KvAdmission(KvBudget(budget_tokens))
-        self.scheduler = DecodeScheduler(max_running=max_running)
-        self.local_prefills = PrefillScheduler(max_prefill_tokens, max_prefill_batch_size)
+    def __init__(self, pool: BlockPool, max_running: int, max_prefill_tokens: int, max_prefill_batch_size: int):
+        self.pool = pool
+        self.admission = KvAdmission(KvBudget(pool.capacity_tokens))
+        self.scheduler = DecodeScheduler(pool, max_running=max_running)
+        # Local prefills and preempted sequences' recomputations, in chunks between (and with) decode steps.
+        self.local_prefills = PrefillScheduler(pool, max_prefill_tokens, max_prefill_batch_size)
         self.metrics = NULL_METRICS  # a WorkerMetrics, when the process serves them
         self._handles: dict[str, DecodeHandle] = {}
 
@@ -121,6 +131,10 @@ class DecodeBackend(abc.ABC):
     async def admit(self, handle: DecodeHandle) -> None:
         """Wait until the KV budget holds this request (raises KvCapacityError if it never can)."""
         try:
+            if handle.kv_positions_at_most > self.pool.capacity_tokens:
+                raise KvCapacityError(
+                    f"request needs up to {handle.kv_positions_at_most} tokens of KV cache but this worker's whole "
+                    f"pool holds {self.pool.capacity_tokens} tokens")
             await self.admission.acquire(handle.request_id, handle.kv_reservation)
         except Exception:
             handle.seq.status = DecodeState.FAILED
@@ -176,7 +190,7 @@ class DecodeBackend(abc.ABC):
             role="decode", model=self.model_name, num_running=self.scheduler.num_running,
             num_waiting=states[DecodeState.WAITING_FOR_BUDGET] + states[DecodeState.WAITING_FOR_KV]
             + states[DecodeState.PREFILLING_LOCALLY] + self.scheduler.num_waiting,
-            kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used,
+            kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used, pool=self.pool.stats(),
         )
 
     def _deliver_all(self, items: list[tuple[str, TokenOutput | Exception]]) -> None:

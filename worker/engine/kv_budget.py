@@ -95,23 +95,29 @@ class KvAdmission:
             future.set_result(None)
 
 
-def default_capacity_tokens(bytes_per_token: int, memory_fraction: float = 0.4) -> int:
-    """A budget from the memory free now: `memory_fraction` of it, in token positions."""
-    available = _available_memory_bytes()
-    tokens = int(available * memory_fraction) // max(1, bytes_per_token)
+# On the host, the pool is capped: several workers (and the OS) share one machine's memory, and a prefix cache
+# fills whatever it is given. vLLM's CPU build defaults to 4 GiB (VLLM_CPU_KVCACHE_SPACE) for the same reason.
+HOST_POOL_CAP_BYTES = 4 << 30
+
+
+def default_capacity_tokens(bytes_per_token: int, device_type: str = "cpu", memory_fraction: float = 0.4) -> int:
+    """A pool size from the memory free now: `memory_fraction` of it (on the host, at most 4 GiB), in token
+    positions."""
+    available = _available_memory_bytes(device_type)
+    size = int(available * memory_fraction)
+    if device_type == "cpu":
+        size = min(size, HOST_POOL_CAP_BYTES)
+    tokens = size // max(1, bytes_per_token)
     logger.info("KV budget %d tokens (%.1f GiB available, %d bytes per token)", tokens, available / 2**30,
                 bytes_per_token)
     return max(tokens, 1)
 
 
-def _available_memory_bytes() -> int:
-    try:
+def _available_memory_bytes(device_type: str) -> int:
+    if device_type == "cuda":
         import torch
 
-        if torch.cuda.is_available():
-            return torch.cuda.mem_get_info()[0]
-    except Exception:  # no usable accelerator: fall back to host memory
-        pass
+        return torch.cuda.mem_get_info()[0]
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.engine.block_pool import PoolStats
+
 
 @dataclass(frozen=True)
 class WorkerLoad:
@@ -17,3 +19,4 @@ class WorkerLoad:
     kv_used_tokens: int
     num_kv_leases: int = 0
     queued_prompt_tokens: int = 0
+    pool: PoolStats | None = None  # blocks and prefix cache figures

@@ -5,9 +5,10 @@ Plain dataclasses, dispatched with `match`; no torch here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kv_transfer.wire import LayerBytes
+from worker.engine.block_pool import BlockTable
 from worker.engine.sequence import Sequence, TokenLogprobs
 
 
@@ -29,6 +30,7 @@ class PrefillDone:
     logprobs: TokenLogprobs | None = None
     forward_ms: float = 0.0
     done_at: float = 0.0
+    cached_tokens: int = 0  # prompt positions found in the prefix cache (not computed)
 
 
 @dataclass(frozen=True)
@@ -44,15 +46,46 @@ PrefillEvent = KvLayerReady | PrefillDone | PrefillFailed
 
 @dataclass(eq=False)
 class LocalPrefill:
-    """A prompt the decode worker prefills itself (conditional disaggregation)."""
+    """A prompt the decode worker prefills itself (conditional disaggregation); a PromptWork over the sequence's
+    own blocks, whose last chunk samples the first token."""
 
     seq: Sequence
     # Its first-token time counts from here, admission wait included, as on a prefill worker.
     submitted_at: float
+    num_computed: int = 0
+    started: bool = False
+    cached_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.prompt_token_ids
+
+    @property
+    def table(self) -> BlockTable:
+        return self.seq.table
 
     @property
     def num_tokens(self) -> int:
         return self.seq.prompt_len
+
+
+@dataclass(eq=False)
+class Recompute:
+    """A preempted sequence's KV computed again (prompt and every output token but the last, which the next decode
+    step feeds), after which it rejoins the batch."""
+
+    seq: Sequence
+    token_ids: list[int] = field(init=False)
+    num_computed: int = 0
+    started: bool = False
+    cached_tokens: int = 0
+
+    def __post_init__(self):
+        self.token_ids = self.seq.token_ids[:-1]
+
+    @property
+    def table(self) -> BlockTable:
+        return self.seq.table
 
 
 # Event loop -> real decode engine thread (its inbox).

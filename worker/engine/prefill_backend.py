@@ -1,18 +1,20 @@
-"""What the prefill servicer needs of an engine, and the admission and lease bookkeeping every backend shares."""
+"""What the prefill servicer needs of an engine, and the admission, block and lease bookkeeping every backend shares."""
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.errors import DuplicateRequestError
 from worker.engine.kv_budget import KvAdmission, KvBudget
 from worker.engine.load import WorkerLoad
 from worker.engine.messages import PrefillEvent
-from worker.engine.scheduler import PrefillScheduler
+from worker.engine.scheduler import Chunk, PrefillScheduler
 from worker.engine.sequence import SamplingParams
 from worker.metrics import NULL_METRICS
 
@@ -38,27 +40,47 @@ class PrefillJob:
     cancelled: bool = False
     matcher: Any = None  # its grammar's matcher while the engine picks the first token; None: unconstrained
     output_token_ids: ClassVar[tuple[int, ...]] = ()  # a prefill picks the first token: none came before
+    # Leading positions the decode worker already holds: computed here (attention needs them) but not sent.
+    skip_tokens: int = 0
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0  # positions with KV in `table`; cached hits count
+    started: bool = False
+    cached_tokens: int = 0  # of the prompt, found in the prefix cache
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def num_sent_tokens(self) -> int:
+        return self.num_tokens - self.skip_tokens
+
 
 class PrefillBackend(abc.ABC):
-    """A prefill engine: admits prompts under a KV budget, batches them, and emits each job's KV stream.
+    """A prefill engine: admits prompts under a KV budget, prefills them in chunks over the block pool, and emits
+    each job's KV stream.
 
     Subclasses run the forwards (`start`/`shutdown`, `_enqueue`/`_dequeue`) and name the stream's
-    layout (`kv_layout`); a job's layers and its result arrive on `job.events`.
+    layout (`kv_layout`); a job's layers and its result arrive on `job.events`. A job's blocks stay
+    in use until its lease ends, then stay cached for later prompts.
     """
 
     model_name: str
 
-    def __init__(self, budget_tokens: int, max_batch_tokens: int, max_batch_size: int):
-        self.admission = KvAdmission(KvBudget(budget_tokens))
-        self.scheduler = PrefillScheduler(max_batch_tokens, max_batch_size)
+    def __init__(self, pool: BlockPool, max_batch_tokens: int, max_batch_size: int):
+        self.pool = pool
+        self.admission = KvAdmission(KvBudget(pool.capacity_tokens))
+        self.scheduler = PrefillScheduler(pool, max_batch_tokens, max_batch_size)
         self.leases: dict[str, PrefillJob] = {}
         self.num_running = 0
         self.metrics = NULL_METRICS  # a WorkerMetrics, when the process serves them
+        # A released job's blocks are given back by whoever holds it: the engine, while its forward runs.
+        self._blocks_lock = threading.Lock()
+        self._in_forward: set[PrefillJob] = set()
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -89,23 +111,60 @@ class PrefillBackend(abc.ABC):
     def num_queued_tokens(self) -> int:
         return self.scheduler.num_queued_tokens
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> PrefillJob:
-        """Wait for KV budget, then queue the prompt; the caller must `release` the job."""
+    async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                     skip_tokens: int = 0) -> PrefillJob:
+        """Wait for KV budget, then queue the prompt; the caller must `release` the job. `skip_tokens`: leading
+        positions the decode worker holds (a whole number of blocks, less than the prompt), not sent."""
         if request_id in self.leases:
             raise DuplicateRequestError(f"request {request_id!r} is already on this prefill worker")
+        if skip_tokens % self.pool.block_size or not 0 <= skip_tokens < len(prompt_token_ids):
+            raise ValueError(f"skip_tokens={skip_tokens} must be a multiple of the block size "
+                             f"{self.pool.block_size} below the prompt's {len(prompt_token_ids)} tokens")
         submitted_at = time.perf_counter()
-        await self.admission.acquire(request_id, len(prompt_token_ids))
-        job = PrefillJob(request_id, prompt_token_ids, sampling, submitted_at)
+        reserve = self.pool.blocks_for(len(prompt_token_ids)) * self.pool.block_size
+        await self.admission.acquire(request_id, reserve)
+        job = PrefillJob(request_id, prompt_token_ids, sampling, submitted_at, skip_tokens=skip_tokens)
         self.leases[request_id] = job
         self._enqueue(job)
         return job
 
     def release(self, job: PrefillJob) -> None:
-        """End the job's lease: its KV is dropped and its budget returned."""
+        """End the job's lease: its blocks go back to the pool (full ones stay cached) and its budget is returned."""
         job.cancelled = True
         self._dequeue(job)
+        with self._blocks_lock:
+            if job not in self._in_forward:
+                self.pool.release(job.table)
         if self.leases.pop(job.request_id, None) is not None:
             self.admission.release(job.request_id)
+
+    def _next_chunks(self) -> list[Chunk]:
+        """The next forward's chunks (the engine calls this with its queue guarded); marks them in flight."""
+        with self._blocks_lock:
+            chunks = [c for c in self.scheduler.next_chunks() if not c.work.cancelled]
+            for chunk in chunks:
+                self._in_forward.add(chunk.work)
+            return chunks
+
+    def _forward_done(self, chunks: list[Chunk]) -> list[PrefillJob]:
+        """Record a forward's chunks; return the jobs it completed. Jobs released meanwhile give their blocks back."""
+        with self._blocks_lock:
+            live = [c for c in chunks if not c.work.cancelled]
+            for chunk in chunks:
+                self._in_forward.discard(chunk.work)
+                if chunk.work.cancelled:
+                    self.scheduler.remove(chunk.work)
+                    self.pool.release(chunk.work.table)
+            return self.scheduler.computed(live)
+
+    def _forward_failed(self, chunks: list[Chunk]) -> None:
+        """Chunks that failed (or were refused before the forward): their jobs leave the queue and their blocks (of
+        unknown contents) are freed; the lease's release finds nothing more to free."""
+        with self._blocks_lock:
+            for chunk in chunks:
+                self._in_forward.discard(chunk.work)
+                self.scheduler.remove(chunk.work)
+                self.pool.release(chunk.work.table)
 
     def load(self) -> WorkerLoad:
         budget = self.admission.budget
@@ -113,7 +172,7 @@ class PrefillBackend(abc.ABC):
             role="prefill", model=self.model_name, num_running=self.num_running,
             num_waiting=self.admission.num_waiting + len(self.scheduler.queue),
             kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used, num_kv_leases=len(self.leases),
-            queued_prompt_tokens=self.num_queued_tokens,
+            queued_prompt_tokens=self.num_queued_tokens, pool=self.pool.stats(),
         )
 
     def _post(self, job: PrefillJob, event: PrefillEvent) -> None:

@@ -1,20 +1,130 @@
-"""Which work runs next. Pure bookkeeping: no torch, no threads."""
+"""Which work runs next, and in which KV blocks. Pure bookkeeping over the BlockPool: no torch, no threads.
+
+Shared by the real and the simulated engines (and the planner's simulation), so all of them batch,
+chunk, cache and preempt the same way.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
+from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.sequence import DecodeState, Sequence
 
 
-class DecodeScheduler:
-    """The decode batch: sequences join at the next step (up to `max_running`) and leave at once."""
+class PromptWork(Protocol):
+    """Something whose tokens are computed into KV in chunks: a prompt on a prefill worker, a local prefill or
+    a preempted sequence's recomputation on a decode worker."""
 
-    def __init__(self, max_running: int = 64):
+    token_ids: list[int]  # every position to compute
+    table: BlockTable
+    num_computed: int  # positions whose KV is in the table (cached hits count)
+    started: bool  # its blocks are taken
+    cached_tokens: int  # of them, found in the prefix cache when it started
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Positions [start, end) of `work` in one forward; `last`: its final chunk (the token after it is sampled)."""
+
+    work: PromptWork
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        return self.end == len(self.work.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+class PrefillScheduler:
+    """Prompts, oldest first, cut into chunks of at most `max_batch_tokens` tokens per forward in all.
+
+    The oldest prompt always gets the first tokens of a forward, so none is starved; younger ones
+    fill what is left, up to `max_batch_size` prompts. A prompt's leading blocks found in the prefix
+    cache are not computed again: its first chunk starts at its first uncached token (the last
+    token is always computed, for its logits).
+    """
+
+    def __init__(self, pool: BlockPool, max_batch_tokens: int = 2048, max_batch_size: int = 16):
+        if max_batch_tokens <= 0 or max_batch_size <= 0:
+            raise ValueError("max_batch_tokens and max_batch_size must be > 0")
+        self.pool = pool
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size
+        self.queue: list = []
+
+    @property
+    def num_queued_tokens(self) -> int:
+        """Tokens still to compute, cached ones not counted."""
+        return sum(len(w.token_ids) - w.num_computed for w in self.queue)
+
+    def add(self, work: PromptWork) -> None:
+        self.queue.append(work)
+
+    def remove(self, work: PromptWork) -> None:
+        if work in self.queue:
+            self.queue.remove(work)
+
+    def next_chunks(self, budget: int | None = None) -> list[Chunk]:
+        """The chunks of the next forward (within `budget` tokens, if smaller than max_batch_tokens); a prompt that
+        cannot get its blocks yet waits, and so does everyone after it."""
+        budget = self.max_batch_tokens if budget is None else min(budget, self.max_batch_tokens)
+        chunks: list[Chunk] = []
+        for work in self.queue:
+            if budget <= 0 or len(chunks) >= self.max_batch_size:
+                break
+            if not work.started and not self.start(work):
+                break
+            n = min(len(work.token_ids) - work.num_computed, budget)
+            chunks.append(Chunk(work, work.num_computed, work.num_computed + n))
+            budget -= n
+        return chunks
+
+    def start(self, work: PromptWork) -> bool:
+        """Give `work` its cached leading blocks and fresh blocks for the rest; False if the pool cannot yet."""
+        n = len(work.token_ids)
+        work.num_computed = self.pool.cached_prefix(work.token_ids, n - 1, work.table)
+        if not self.pool.grow(work.table, n):
+            self.pool.release(work.table)
+            work.num_computed = 0
+            return False
+        work.started = True
+        work.cached_tokens = work.num_computed
+        return True
+
+    def computed(self, chunks: list[Chunk]) -> list[PromptWork]:
+        """Record a forward's chunks as computed; return the work that is now complete (out of the queue)."""
+        done = []
+        for chunk in chunks:
+            work = chunk.work
+            work.num_computed = chunk.end
+            self.pool.register(work.table, work.token_ids, chunk.end)
+            if chunk.last:
+                self.remove(work)
+                done.append(work)
+        return done
+
+
+class DecodeScheduler:
+    """The decode batch over the pool: sequences join when they have blocks and a seat (up to `max_running`),
+    take a block whenever they fill one, and leave at once.
+
+    When the pool runs dry the youngest running sequence is preempted: its blocks are released (the
+    full ones stay cached) and it is handed to `on_preempt` to be recomputed and resumed later.
+    """
+
+    def __init__(self, pool: BlockPool, max_running: int = 64):
+        self.pool = pool
         self.max_running = max_running
-        self.waiting: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # its KV is here (or recomputed): joins when blocks and a seat allow
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     @property
     def num_running(self) -> int:
@@ -27,68 +137,57 @@ class DecodeScheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> tuple[list[Sequence], list[Sequence]]:
-        """Admit waiting sequences up to `max_running`; return (newly joined, whole batch)."""
+    def schedule(self, on_preempt: Callable[[Sequence], None]) -> tuple[list[Sequence], list[Sequence]]:
+        """Give every running sequence a slot for its next token (preempting the youngest when the pool is dry),
+        then let waiting ones join; return (newly joined, whole batch)."""
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if self.pool.grow(seq.table, seq.total_len):
+                i += 1
+                continue
+            victim = self._victim()
+            if victim is None:  # nothing can be preempted: this one waits a step (others may finish)
+                i += 1
+                continue
+            self._preempt(victim, on_preempt)
+            if victim is not seq:
+                continue  # retry the same sequence with the freed blocks
         joined = []
         while self.waiting and len(self.running) < self.max_running:
-            seq = self.waiting.pop(0)
+            seq = self.waiting[0]
+            if not self.pool.grow(seq.table, seq.total_len):
+                break
+            self.waiting.pop(0)
             self.running.append(seq)
             joined.append(seq)
-        return joined, list(self.running)
+        batch = [seq for seq in self.running if seq.table.num_blocks * self.pool.block_size >= seq.total_len]
+        return joined, batch
+
+    def _victim(self) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq.prompt_token_ids or seq.prompt_len == 0:  # recomputing needs the prompt's tokens
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence, on_preempt: Callable[[Sequence], None]) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.table)
+        seq.num_computed = 0
+        self.num_preemptions += 1
+        on_preempt(seq)
 
     def finish(self, seq: Sequence, status: DecodeState = DecodeState.FINISHED) -> None:
+        """End a sequence: out of the batch, its blocks released (full ones stay cached)."""
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.pool.release(seq.table)
 
     def find(self, request_id: str) -> Sequence | None:
         for seq in self.running + self.waiting:
             if seq.request_id == request_id:
                 return seq
         return None
-
-
-class PrefillItem(Protocol):
-    num_tokens: int
-
-
-class PrefillScheduler:
-    """Groups queued prompts into one forward within a padded-token and a batch-size budget.
-
-    The oldest prompt always goes first, alone if it is over the token budget, so a long prompt
-    is never starved; younger prompts that fit ride along, so short ones never wait long.
-    """
-
-    def __init__(self, max_batch_tokens: int = 8192, max_batch_size: int = 16):
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_size = max_batch_size
-        self.queue: list = []
-
-    @property
-    def num_queued_tokens(self) -> int:
-        return sum(item.num_tokens for item in self.queue)
-
-    def add(self, item: PrefillItem) -> None:
-        self.queue.append(item)
-
-    def remove(self, item: PrefillItem) -> None:
-        if item in self.queue:
-            self.queue.remove(item)
-
-    def next_batch(self) -> Seq:
-        if not self.queue:
-            return []
-        batch = [self.queue[0]]
-        width = self.queue[0].num_tokens
-        for item in self.queue[1:]:
-            if len(batch) >= self.max_batch_size:
-                break
-            new_width = max(width, item.num_tokens)
-            if new_width * (len(batch) + 1) <= self.max_batch_tokens:  # padded cost of the forward
-                batch.append(item)
-                width = new_width
-        for item in batch:
-            self.queue.remove(item)
-        return batch

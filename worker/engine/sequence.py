@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proto.sampling import SamplingRules
+from worker.engine.block_pool import BlockTable
 
 
 class StopCause(enum.Enum):
@@ -97,6 +98,9 @@ class Sequence:
     # The sampler's running penalty counts (a PenaltyCounts), made at its first penalised step; None before.
     penalties: Any = None
     last_step_at: float = 0.0
+    # Its KV blocks, and how many positions of prompt + output have KV in them.
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0
 
     @property
     def num_generated(self) -> int:
@@ -105,6 +109,11 @@ class Sequence:
     @property
     def total_len(self) -> int:
         return self.prompt_len + self.num_generated
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output so far (the prompt only when the coordinator sent it)."""
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

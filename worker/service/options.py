@@ -17,6 +17,7 @@ class ModelBackend:
 
     model_dir: str
     dtype: str = "auto"
+    device: str = "auto"  # auto: the first CUDA device when there is one, else the CPU
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,9 @@ class WorkerOptions:
     kv_lease_timeout_s: float = 30.0
     kv_chunk_bytes: int = DEFAULT_CHUNK_BYTES
     kv_budget_tokens: int | None = None  # None: the backend's default (real: a share of the memory free at start-up)
-    max_prefill_tokens: int = 8192
+    block_size: int = 16  # token positions per KV block
+    prefix_caching: bool = True  # keep full blocks cached for later prompts with the same leading tokens
+    max_prefill_tokens: int = 2048
     max_prefill_batch_size: int = 16
     max_running: int = 64
     kv_data_port: int = 0  # decode: raw-TCP KV receiver port; 0 picks one, -1 disables (gRPC PushKv only)

@@ -32,7 +32,7 @@ def build_engine(options: WorkerOptions) -> PrefillBackend | DecodeBackend:
     if isinstance(options.backend, SimulatedBackend):
         from worker.simulated.build import build_engine
     else:
-        from worker.engine.build import build_engine  # torch and the checkpoint: only for a real worker
+        from worker.torch_engine.build import build_engine  # torch and the checkpoint: only for a real worker
     return build_engine(options)
 
 
@@ -96,7 +96,7 @@ async def _serve(options: WorkerOptions) -> None:
             receiver = TcpKvReceiver(sink, timeout_s=options.kv_trans_timeout_s, tls=trust.kv_server)
             kv_data_address = f"{options.public_host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
-        servicer = DecodeServicer(engine, options.kv_trans_timeout_s, kv_data_address, tokens, metrics, gate)
+        servicer = DecodeServicer(engine, kv_data_address, tokens, metrics, gate)
         await open_token_channels(servicer, "decode", options, trust, closers)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(sink), server)

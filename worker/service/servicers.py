@@ -23,7 +23,7 @@ from proto.failure_reason import reason_metadata
 from proto.sampling import DEFAULT_SAMPLING
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
 from worker.engine.load import WorkerLoad
-from worker.engine.messages import KvLayerReady, PrefillDone, PrefillFailed
+from worker.engine.messages import KvLayerReady, PrefillDone, PrefillEvent, PrefillFailed
 from worker.engine.prefill_backend import PrefillBackend, PrefillJob
 from worker.engine.sequence import SamplingParams, StopCause, TokenOutput
 from worker.metrics import WorkerMetrics
@@ -133,11 +133,18 @@ class PrefillKvStream:
         self.done: PrefillDone | None = None
         self.error: str | None = None
         self.invalid = False  # the failure is the request's own (its grammar), not this worker's nor the link's
+        self._first: PrefillEvent | None = None
+
+    async def first_event(self) -> None:
+        """Wait until the job's KV starts coming (its prompt may wait in the queue and run chunk by chunk first):
+        the stream, and the decode worker's clock for it, start only then."""
+        self._first = await self.job.events.get()
 
     async def items(self):
         yield self.header
+        first, self._first = self._first, None
         while True:
-            match await self.job.events.get():
+            match first or await self.job.events.get():
                 case KvLayerReady(layer):
                     yield layer
                 case PrefillDone(first_token_id, prefill_ms, logprobs) as done:
@@ -148,6 +155,7 @@ class PrefillKvStream:
                     # Ending without a trailer makes the decode worker reject the stream as truncated.
                     self.error, self.invalid = message, invalid
                     return
+            first = None
 
 
 class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
@@ -205,6 +213,9 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
         except KvTransferError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"this prefill worker cannot stream its KV cache: {exc}")
         stream = PrefillKvStream(job, kv_header)
+        # Queueing and the prompt's earlier chunks are bounded by the coordinator's first-token deadline; the
+        # lease, and the transfer, start with the first layer.
+        await stream.first_event()
         if request.kv_data_address:
             send = self.tcp_sender.send_items(request.kv_data_address, stream.items())
         else:
@@ -253,11 +264,10 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
 class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
     """Register a request, wait for its KV cache (or prefill it here), stream its tokens."""
 
-    def __init__(self, engine: DecodeBackend, kv_trans_timeout_s: float, kv_data_address: str,
+    def __init__(self, engine: DecodeBackend, kv_data_address: str,
                  tokens: KvTransferTokens, metrics: WorkerMetrics, gate: DrainGate, token_channel_address: str = ""):
         self.engine = engine
         self.token_channel_address = token_channel_address
-        self.kv_trans_timeout_s = kv_trans_timeout_s
         self.kv_data_address = kv_data_address
         self.tokens = tokens  # the KV receivers' sink redeems what this issues
         self.metrics = metrics
@@ -354,14 +364,7 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
             self.engine.release(request.request_id)
 
     async def _wait_for_kv(self, handle: DecodeHandle, context: grpc.aio.ServicerContext) -> None:
-        """Wait for the request's KV cache; abort with DEADLINE_EXCEEDED if nothing came in time."""
-        try:
-            await asyncio.wait_for(handle.kv_arrived.wait(), self.kv_trans_timeout_s)
-        except asyncio.TimeoutError:
-            if handle.events.empty():
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"KV cache for request {handle.request_id} did not arrive within "
-                    f"kv_trans_timeout={self.kv_trans_timeout_s}s",
-                    trailing_metadata=reason_metadata(pb.FAILURE_REASON_KV_NOT_RECEIVED),
-                )
+        """Wait for the request's KV cache. Until its transfer starts, the prefill worker may be busy with other
+        prompts: that wait is bounded by the coordinator's first-token deadline (the call's). Once it has started,
+        the receivers bound it by kv_trans_timeout between blocks and fail the request (`fail`) on a stall."""
+        await handle.kv_arrived.wait()

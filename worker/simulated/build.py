@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from worker.engine.block_pool import BlockPool
 from worker.simulated.decode_engine import SimulatedDecodeEngine
 from worker.simulated.prefill_engine import SimulatedPrefillEngine
 
@@ -10,8 +11,9 @@ def build_engine(options) -> SimulatedPrefillEngine | SimulatedDecodeEngine:
     """`options` is a WorkerOptions whose backend is a SimulatedBackend."""
     sim = options.backend
     budget = options.kv_budget_tokens or sim.kv_budget_tokens
+    pool = BlockPool(1 + max(1, budget // options.block_size), options.block_size, options.prefix_caching)
     if options.role == "prefill":
-        return SimulatedPrefillEngine(sim.cost, sim.kv_shape, budget, options.max_prefill_tokens,
+        return SimulatedPrefillEngine(sim.cost, sim.kv_shape, pool, options.max_prefill_tokens,
                                       options.max_prefill_batch_size, sim.vocab_size)
-    return SimulatedDecodeEngine(sim.cost, budget, options.max_running, options.max_prefill_tokens,
+    return SimulatedDecodeEngine(sim.cost, pool, options.max_running, options.max_prefill_tokens,
                                  options.max_prefill_batch_size, sim.vocab_size)

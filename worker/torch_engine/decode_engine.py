@@ -1,4 +1,5 @@
-"""The real decode engine: continuous batching on its own thread, fed by KV arrivals or local prefills."""
+"""The real decode engine: continuous batching over the block pool on its own thread, fed by KV arrivals or local
+prefills; each step is one forward of every running sequence's next token plus at most one budget of prompt chunks."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from kv_transfer.buffer_pool import KvBufferPool
 from kv_transfer.codec import KvAssembler
 from worker.engine.decode_backend import DecodeBackend
 from worker.engine.errors import InvalidRequest, RequestFailed
-from worker.engine.grammar_masks import Guidance
-from worker.engine.messages import AddSequence, CancelSequence, DecodeCommand, LocalPrefill, QueueLocalPrefill, Stop
-from worker.engine.model_runner import ModelRunner
+from worker.torch_engine.grammar_masks import Guidance
+from worker.engine.block_pool import BlockPool
+from worker.engine.messages import (AddSequence, CancelSequence, DecodeCommand, LocalPrefill, QueueLocalPrefill,
+                                    Recompute, Stop)
+from worker.engine.scheduler import Chunk
+from worker.torch_engine.model_runner import DecodeRow, ModelRunner, PromptChunk
 from worker.engine.output import OutputProcessor
-from worker.engine.sampling import choose_batch
+from worker.torch_engine.sampling import choose_batch
 from worker.engine.sequence import DecodeState, SamplingParams, Sequence, TokenLogprobs, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -29,10 +33,10 @@ class DecodeEngine(DecodeBackend):
 
     kv_assembler = KvAssembler
 
-    def __init__(self, runner: ModelRunner, budget_tokens: int, max_running: int = 64,
-                 max_prefill_tokens: int = 8192, max_prefill_batch_size: int = 16):
+    def __init__(self, runner: ModelRunner, pool: BlockPool, max_running: int = 64,
+                 max_prefill_tokens: int = 2048, max_prefill_batch_size: int = 16):
         # The scheduler and the local prefill queue are touched only by the engine thread.
-        super().__init__(budget_tokens, max_running, max_prefill_tokens, max_prefill_batch_size)
+        super().__init__(pool, max_running, max_prefill_tokens, max_prefill_batch_size)
         self.runner = runner
         self.model_name = str(runner.model_dir)
         self.kv_pool = KvBufferPool()
@@ -96,7 +100,7 @@ class DecodeEngine(DecodeBackend):
                 case QueueLocalPrefill(job):
                     self.local_prefills.add(job)
                 case CancelSequence(request_id):
-                    seq = self.scheduler.find(request_id)
+                    seq = self.scheduler.find(request_id) or self._take_prompt_work(request_id)
                     if seq is not None:
                         self._retire(seq, DecodeState.CANCELLED)
                         logger.info("cancelled request %s after %d tokens", request_id, seq.num_generated)
@@ -104,23 +108,26 @@ class DecodeEngine(DecodeBackend):
                     return
 
     def _admit(self, seq: Sequence) -> None:
+        """A sequence whose KV arrived: emit the first token it carries and queue it to join the batch (its KV is
+        written into its blocks when it joins)."""
         kv = seq.pending_kv
         if seq.sampling.grammar is not None and seq.matcher is None and not self._attach_matcher(seq, kv):
             return
-        processor = OutputProcessor(seq, self.runner.tokenizer, self.runner.eos_token_ids)
         first_logprobs = None
         if seq.sampling.return_logprobs and kv.first_logprobs is not None:
             first_logprobs = TokenLogprobs(kv.first_logprobs[0], tuple(kv.first_logprobs[1]))
-        output = processor.append(kv.first_token_id, kv.prefill_time_ms, first_logprobs)
+        self._start(seq, kv.first_token_id, kv.prefill_time_ms, first_logprobs)
+
+    def _start(self, seq: Sequence, first_token_id: int, prefill_ms: float, logprobs: TokenLogprobs | None) -> None:
+        processor = OutputProcessor(seq, self.runner.tokenizer, self.runner.eos_token_ids)
+        output = processor.append(first_token_id, prefill_ms, logprobs)
         seq.last_step_at = time.perf_counter()
         if output.finish_reason is None:
             seq.status = DecodeState.DECODING  # before the batch sees it, so it is never counted twice
             self._processors[seq.request_id] = processor
             self.scheduler.add(seq)
         else:
-            seq.status = DecodeState.FINISHED
-            kv.release()
-            seq.pending_kv = None
+            self._retire(seq, DecodeState.FINISHED)
         self._emit(seq.request_id, output)
 
     def _attach_matcher(self, seq: Sequence, kv: TransferredKv) -> bool:
@@ -140,80 +147,71 @@ class DecodeEngine(DecodeBackend):
 
     def _refuse(self, seq: Sequence, message: str, error: type[Exception]) -> None:
         """End a sequence that never joined the batch."""
-        seq.status = DecodeState.FAILED
         seq.matcher = None
-        if seq.pending_kv is not None:
-            seq.pending_kv.release()
-            seq.pending_kv = None
+        self._retire(seq, DecodeState.FAILED)
         self._fail_soon(seq.request_id, message, error)
 
-    def _retire(self, seq: Sequence, status: DecodeState, leave_batch: bool = True) -> None:
+    def _retire(self, seq: Sequence, status: DecodeState) -> None:
+        """A sequence leaves for good: out of the batch, its blocks and any received cache given back."""
         self.scheduler.finish(seq, status)
-        if leave_batch:
-            self.runner.leave(seq.request_id)
         if seq.pending_kv is not None:
             seq.pending_kv.release()
             seq.pending_kv = None
         self._processors.pop(seq.request_id, None)
 
+    def _take_prompt_work(self, request_id: str) -> Sequence | None:
+        """Take a request's local prefill or recomputation out of the prompt queue (it is being cancelled)."""
+        for work in self.local_prefills.queue:
+            if work.seq.request_id == request_id:
+                self.local_prefills.remove(work)
+                return work.seq
+        return None
+
+    def _preempted(self, seq: Sequence) -> None:
+        logger.info("preempted request %s after %d tokens: recomputing it when blocks free up", seq.request_id,
+                    seq.num_generated)
+        self.local_prefills.add(Recompute(seq))
+
     def _run(self) -> None:
         while not self._stopped.is_set():
             batch: list[Sequence] = []
+            chunks: list[Chunk] = []
             try:
                 idle = not self.scheduler.running and not self.scheduler.waiting and not self.local_prefills.queue
                 self._drain_inbox(block=idle)
                 self._flush()  # the first tokens of caches that just arrived go out before the next forward
-                # One prefill forward per turn, between decode steps, so running sequences keep moving.
-                self._prefill_locally(self.local_prefills.next_batch())
-                joined, batch = self.scheduler.schedule()
-                if not batch:
-                    continue
+                joined, batch = self.scheduler.schedule(self._preempted)
                 for seq in joined:
-                    # The batch copies the rows in; the transferred buffers go back to the pool.
-                    self.runner.join(seq, seq.pending_kv.layers)
-                    seq.pending_kv.release()
-                    seq.pending_kv = None
-                self._step(batch)
-            except Exception:  # a failure must end the affected streams, never the engine thread
-                logger.exception("decode step failed; failing its %d sequences", len(batch))
-                self._fail_all(batch)
+                    if seq.pending_kv is not None:  # received: its cache goes straight into its blocks
+                        self.runner.write_kv(seq.table, 0, seq.pending_kv.layers)
+                        seq.pending_kv.release()
+                        seq.pending_kv = None
+                        seq.num_computed = seq.prompt_len
+                        self.pool.register(seq.table, seq.prompt_token_ids, seq.prompt_len)
+                # Prompt chunks share the step with decoding: no decode step waits for more than one chunk budget.
+                chunks = self._prompt_chunks()
+                if not batch and not chunks:
+                    if self.scheduler.waiting or self.local_prefills.queue:
+                        self._stopped.wait(0.01)  # waiting for blocks that only a release can free
+                    continue
+                self._step(batch, chunks)
+            except Exception as exc:  # a failure must end the affected streams, never the engine thread
+                logger.exception("decode step failed (%d sequences, %d prompt chunks)", len(batch), len(chunks))
+                self._fail_step(batch, chunks, exc)
             finally:
                 self._flush()
 
-    def _prefill_locally(self, jobs: list[LocalPrefill]) -> None:
-        # A request released while queued is not worth a forward.
-        jobs = [job for job in jobs
-                if job.seq.status is DecodeState.PREFILLING_LOCALLY and self._with_matcher(job.seq)]
-        if not jobs:
-            return
-        try:
-            started = time.perf_counter()
-            logits, rows = self.runner.prefill([job.seq.prompt_token_ids for job in jobs])
-            self.metrics.observe_step("prefill", time.perf_counter() - started, len(jobs))
-            # The first token is masked like every later one; its matcher then holds it, for `_admit`.
-            picks = choose_batch(logits, [job.seq for job in jobs], self.runner.eos_token_ids, self.guidance.masks)
-            arrived = []
-            for row, (job, pick) in enumerate(zip(jobs, picks)):
-                if pick is None:
-                    self._fail_soon(job.seq.request_id, grammar_failure(job.seq.matcher), InvalidRequest)
-                    arrived.append(None)
-                    continue
-                first, logprobs = pick
-                prefill_ms = (time.perf_counter() - job.submitted_at) * 1000
-                arrived.append(TransferredKv(job.seq.request_id, rows[row], first, prefill_ms,
-                                             (logprobs.logprob, logprobs.top) if logprobs else None))
-        except Exception as exc:  # a failed prefill fails its requests, never the engine thread
-            logger.exception("local prefill of %d prompts failed", len(jobs))
-            for job in jobs:
-                self._fail_soon(job.seq.request_id, f"local prefill failed on the worker: {exc}", RequestFailed)
-            return
-        # From here on a local prefill is a sequence whose KV has just arrived (unless released meanwhile).
-        for job, kv in zip(jobs, arrived):
-            if kv is None or job.seq.status is not DecodeState.PREFILLING_LOCALLY:
+    def _prompt_chunks(self) -> list[Chunk]:
+        chunks = []
+        for chunk in self.local_prefills.next_chunks():
+            seq = chunk.work.seq
+            if chunk.last and isinstance(chunk.work, LocalPrefill) and seq.matcher is None \
+                    and not self._with_matcher(seq):
+                self.local_prefills.remove(chunk.work)
+                self.pool.release(seq.table)
                 continue
-            job.seq.pending_kv = kv
-            self._admit(job.seq)
-        self._flush()  # the batch's first tokens in one hand-off
+            chunks.append(chunk)
+        return chunks
 
     def _with_matcher(self, seq: Sequence) -> bool:
         """Give a sequence about to be prefilled here its grammar's matcher (if it has a grammar); False: failed."""
@@ -224,20 +222,42 @@ class DecodeEngine(DecodeBackend):
             return False
         return True
 
-    def _fail_all(self, batch: list[Sequence]) -> None:
-        # The batch may be inconsistent after a failed step: drop it whole instead of row by row.
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + batch:
+    def _fail_step(self, batch: list[Sequence], chunks: list[Chunk], exc: Exception) -> None:
+        """A forward that raised. With prompt chunks in it, the prompts are blamed and fail; the decode rows sampled
+        nothing and simply run again next step (a slot rewritten is rewritten with the same KV). Without chunks, the
+        decode rows fail: this worker failed, not the KV it was sent, so the coordinator blames it and moves them."""
+        if chunks:
+            for chunk in chunks:
+                self.local_prefills.remove(chunk.work)
+                if not chunk.work.seq.is_finished:
+                    self._retire(chunk.work.seq, DecodeState.FAILED)
+                    self._fail_soon(chunk.work.seq.request_id, f"local prefill failed on the worker: {exc}",
+                                    RequestFailed)
+            return
+        for seq in batch:
             if not seq.is_finished:
-                self._retire(seq, DecodeState.FAILED, leave_batch=False)
-                # This worker failed, not the KV it was sent: the coordinator blames it and moves the request.
+                self._retire(seq, DecodeState.FAILED)
                 self._fail_soon(seq.request_id, "decode step failed on the worker", RequestFailed)
-        self.runner.reset_batch()
 
-    def _step(self, batch: list[Sequence]) -> None:
+    def _step(self, batch: list[Sequence], chunks: list[Chunk]) -> None:
         started = time.perf_counter()
-        logits = self.runner.decode(batch)
+        rows = [DecodeRow(seq.output_token_ids[-1], seq.total_len - 1, seq.table) for seq in batch]
+        logits = self.runner.forward(rows, [PromptChunk(c.work.token_ids[c.start : c.end], c.start, c.work.table,
+                                                        c.last and isinstance(c.work, LocalPrefill)) for c in chunks])
         now = time.perf_counter()
-        self.metrics.observe_step("decode", now - started, len(batch))
+        if batch:
+            self.metrics.observe_step("decode", now - started, len(batch))
+        if chunks:
+            self.metrics.observe_step("prefill", now - started, len(chunks))
+        for seq in batch:
+            seq.num_computed = seq.total_len
+        self._sample_decode(batch, logits[: len(batch)], started, now)
+        self._prompts_computed(chunks, logits[len(batch) :])
+        self._flush()
+
+    def _sample_decode(self, batch: list[Sequence], logits, started: float, now: float) -> None:
+        if not batch:
+            return
         picks = choose_batch(logits, batch, self.runner.eos_token_ids, self.guidance.masks)
         for seq, pick in zip(batch, picks):
             if pick is None:
@@ -249,8 +269,27 @@ class DecodeEngine(DecodeBackend):
                 token, (now - seq.last_step_at) * 1000, logprobs, batch_size=len(batch),
                 queue_wait_ms=max(0.0, started - seq.last_step_at) * 1000)
             seq.last_step_at = now
+            if seq.prompt_token_ids:
+                self.pool.register(seq.table, seq.token_ids, seq.num_computed)
             self._emit(seq.request_id, output)
             if output.finish_reason is not None:
                 self._retire(seq, DecodeState.FINISHED)
-        self._flush()
 
+    def _prompts_computed(self, chunks: list[Chunk], logits) -> None:
+        done = self.local_prefills.computed(chunks)
+        local = [w for w in done if isinstance(w, LocalPrefill) and w.seq.status is DecodeState.PREFILLING_LOCALLY]
+        for work in done:
+            if isinstance(work, Recompute) and not work.seq.is_finished:
+                self.scheduler.add(work.seq)  # resumes: joins the batch again with its last token
+        if not local:
+            return
+        # The first token is masked like every later one; its matcher then holds it.
+        picks = choose_batch(logits, [w.seq for w in local], self.runner.eos_token_ids, self.guidance.masks)
+        for work, pick in zip(local, picks):
+            seq = work.seq
+            if pick is None:
+                self._retire(seq, DecodeState.FAILED)
+                self._fail_soon(seq.request_id, grammar_failure(seq.matcher), InvalidRequest)
+                continue
+            first, logprobs = pick
+            self._start(seq, first, (time.perf_counter() - work.submitted_at) * 1000, logprobs)

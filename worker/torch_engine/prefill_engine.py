@@ -1,4 +1,5 @@
-"""The real prefill engine: batched forwards on a dedicated thread, each layer's KV handed out as it is made."""
+"""The real prefill engine: chunked forwards over the block pool on a dedicated thread; a prompt's KV is handed out
+layer by layer during its last chunk's forward."""
 
 from __future__ import annotations
 
@@ -7,27 +8,26 @@ import logging
 import threading
 import time
 
-import torch
-
 from guidance.compiler import grammar_failure
 from kv_transfer.codec import DTYPE_NAMES, KvLayer
 from worker.engine.errors import InvalidRequest
-from worker.engine.grammar_masks import Guidance
+from worker.torch_engine.grammar_masks import Guidance
+from worker.engine.block_pool import BlockPool
 from worker.engine.messages import KvLayerReady, PrefillDone, PrefillEvent, PrefillFailed
-from worker.engine.model_runner import ModelRunner
+from worker.torch_engine.model_runner import ModelRunner, PromptChunk
 from worker.engine.prefill_backend import KvLayout, PrefillBackend, PrefillJob
-from worker.engine.sampling import choose_batch
+from worker.engine.scheduler import Chunk
+from worker.torch_engine.sampling import choose_batch
 from worker.engine.sequence import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class PrefillEngine(PrefillBackend):
-    """Batched prefill on a dedicated thread, behind a KV budget with leases."""
+    """Chunked prefill over the block pool on a dedicated thread, behind a KV budget with leases."""
 
-    def __init__(self, runner: ModelRunner, budget_tokens: int, max_batch_tokens: int = 8192,
-                 max_batch_size: int = 16):
-        super().__init__(budget_tokens, max_batch_tokens, max_batch_size)
+    def __init__(self, runner: ModelRunner, pool: BlockPool, max_batch_tokens: int = 2048, max_batch_size: int = 16):
+        super().__init__(pool, max_batch_tokens, max_batch_size)
         self.runner = runner
         self.model_name = str(runner.model_dir)
         self.guidance = Guidance(runner.tokenizer, runner.vocab_size, runner.eos_token_ids)
@@ -53,7 +53,7 @@ class PrefillEngine(PrefillBackend):
     def kv_layout(self, job: PrefillJob) -> KvLayout:
         # An unsupported dtype keeps its torch name, which the stream header refuses.
         dtype_name = DTYPE_NAMES.get(self.runner.dtype, str(self.runner.dtype))
-        return KvLayout(dtype_name, self.runner.num_layers, tuple(self.runner.kv_shape(job.num_tokens)))
+        return KvLayout(dtype_name, self.runner.num_layers, tuple(self.runner.kv_shape(job.num_sent_tokens)))
 
     @property
     def num_queued_tokens(self) -> int:
@@ -81,40 +81,52 @@ class PrefillEngine(PrefillBackend):
                     self._cond.wait()
                 if self._stopped:
                     return
-                batch = [job for job in self.scheduler.next_batch() if not job.cancelled]
-                self.num_running = len(batch)
-            if batch:
-                self._prefill(batch)
+                chunks = self._next_chunks()
+                if not chunks:  # the head waits for blocks that a lease ending will free
+                    self._cond.wait(timeout=0.05)
+                    continue
+                self.num_running = len(chunks)
+            self._forward(chunks)
             self.num_running = 0
 
-    def _prefill(self, batch: list[PrefillJob]) -> None:
-        batch = [job for job in batch if self._with_matcher(job)]
-        if not batch:
-            return
-        lengths = [job.num_tokens for job in batch]
+    def _forward(self, chunks: list[Chunk]) -> None:
+        refused = [c for c in chunks if c.last and not self._with_matcher(c.work)]  # their failure is posted
+        if refused:
+            self._forward_failed(refused)
+            chunks = [c for c in chunks if c not in refused]
+        last = [c for c in chunks if c.last]
 
-        def on_layer(i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-            for row, (job, n) in enumerate(zip(batch, lengths)):
-                self._emit(job, KvLayerReady(KvLayer(i, keys[row : row + 1, :, :n], values[row : row + 1, :, :n])))
+        def on_layer(i: int) -> None:
+            for chunk in last:
+                job = chunk.work
+                key, value = self.runner.read_kv(job.table, job.skip_tokens, job.num_tokens, i)
+                self._emit(job, KvLayerReady(KvLayer(i, key, value)))
 
         try:
             started = time.perf_counter()
-            logits, _ = self.runner.prefill([job.prompt_token_ids for job in batch], on_layer)
-            self.metrics.observe_step("prefill", time.perf_counter() - started, len(batch))
+            logits = self.runner.forward(
+                [], [PromptChunk(c.work.token_ids[c.start : c.end], c.start, c.work.table, c.last) for c in chunks],
+                on_layer if last else None)
+            self.metrics.observe_step("prefill", time.perf_counter() - started, len(chunks))
             # The first token is masked to the grammar, from where the replayed tokens left it.
-            picks = choose_batch(logits, batch, self.runner.eos_token_ids, self.guidance.masks)
-            done_at = time.perf_counter()
-            for job, pick in zip(batch, picks):
-                if pick is None:
-                    self._emit(job, PrefillFailed(grammar_failure(job.matcher), invalid=True))
-                else:
-                    self._emit(job, PrefillDone(pick[0], (done_at - job.submitted_at) * 1000, pick[1],
-                                                forward_ms=(done_at - started) * 1000, done_at=done_at))
-                job.matcher = None
+            picks = choose_batch(logits, [c.work for c in last], self.runner.eos_token_ids, self.guidance.masks)
         except Exception as exc:  # a failed forward must fail its requests, not hang them
-            logger.exception("prefill of %d prompts failed", len(batch))
-            for job in batch:
-                self._emit(job, PrefillFailed(f"prefill failed on the worker: {exc}"))
+            logger.exception("prefill of %d chunks failed", len(chunks))
+            self._forward_failed(chunks)
+            for chunk in chunks:
+                self._emit(chunk.work, PrefillFailed(f"prefill failed on the worker: {exc}"))
+            return
+        self._forward_done(chunks)
+        done_at = time.perf_counter()
+        for chunk, pick in zip(last, picks):
+            job = chunk.work
+            if pick is None:
+                self._emit(job, PrefillFailed(grammar_failure(job.matcher), invalid=True))
+            else:
+                self._emit(job, PrefillDone(pick[0], (done_at - job.submitted_at) * 1000, pick[1],
+                                            forward_ms=(done_at - started) * 1000, done_at=done_at,
+                                            cached_tokens=job.cached_tokens))
+            job.matcher = None
 
     def _with_matcher(self, job: PrefillJob) -> bool:
         """Give a job its grammar's matcher (if it has a grammar); False: failed (checked before, so rare)."""

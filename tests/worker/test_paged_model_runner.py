@@ -1,0 +1,142 @@
+"""Packed forwards over the block pool: a sequence's greedy tokens equal `model.generate`'s whatever else shares
+the forward, however its prompt is chunked, and whether its prefix came from the cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker.engine.block_pool import BlockTable
+from worker.torch_engine.build import paged_pool
+from worker.torch_engine.model_runner import DecodeRow, ModelRunner, PromptChunk
+
+NUM_NEW = 12
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir) -> ModelRunner:
+    return ModelRunner(model_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(3, 1000) for _ in range(rng.randrange(2, 90))] for _ in range(16)]
+
+
+def generate(hf_model, prompt: list[int], n: int = NUM_NEW) -> list[int]:
+    """Greedy tokens of the checkpoint loaded as transformers loads it (its own attention and cache)."""
+    with torch.inference_mode():
+        out = hf_model[0].generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts) -> list[list[int]]:
+    return [generate(hf_model, p) for p in prompts]
+
+
+class Harness:
+    """Drives ModelRunner as the engines do: prompts in chunks, then one packed decode row per sequence."""
+
+    def __init__(self, runner: ModelRunner, tokens: int = 8192, chunk: int = 10_000):
+        self.runner = runner
+        self.pool = paged_pool(runner, tokens, BLOCK)
+        self.chunk = chunk
+        self.seqs: dict[str, tuple[list[int], BlockTable, list[int]]] = {}
+
+    def join(self, rid: str, prompt: list[int], cached: bool = False) -> int:
+        """Prefill `prompt` (from its first uncached block when `cached`); return the positions found cached."""
+        table = BlockTable()
+        start = self.pool.cached_prefix(prompt, len(prompt) - 1, table) if cached else 0
+        assert self.pool.grow(table, len(prompt))
+        hit = start
+        while start < len(prompt):
+            end = min(len(prompt), start + self.chunk)
+            logits = self.runner.forward([], [PromptChunk(prompt[start:end], start, table, end == len(prompt))])
+            self.pool.register(table, prompt, end)
+            start = end
+        self.seqs[rid] = (prompt, table, [int(logits[-1].argmax())])
+        return hit
+
+    def leave(self, rid: str) -> list[int]:
+        _, table, out = self.seqs.pop(rid)
+        self.pool.release(table)
+        return out
+
+    def step(self) -> None:
+        rows = []
+        for prompt, table, out in self.seqs.values():
+            assert self.pool.grow(table, len(prompt) + len(out))
+            rows.append(DecodeRow(out[-1], len(prompt) + len(out) - 1, table))
+        logits = self.runner.forward(rows, [])
+        for (_, _, out), row in zip(self.seqs.values(), logits):
+            out.append(int(row.argmax()))
+
+    def run_until_done(self, n: int = NUM_NEW) -> dict[str, list[int]]:
+        done = {}
+        while self.seqs:
+            self.step()
+            for rid in [rid for rid, (_, _, out) in self.seqs.items() if len(out) >= n]:
+                done[rid] = self.leave(rid)
+        return done
+
+
+def test_a_batch_of_16_mixed_lengths_matches_each_sequence_alone(runner, prompts, reference):
+    harness = Harness(runner)
+    free_at_start = harness.pool.num_free
+    for i, p in enumerate(prompts):
+        harness.join(str(i), p)
+    done = harness.run_until_done()
+    assert [done[str(i)] for i in range(len(prompts))] == reference
+    assert harness.pool.num_free == free_at_start  # every block came back (full ones as cached)
+
+
+def test_sequences_joining_and_leaving_mid_batch_do_not_change_the_others(runner, prompts, reference):
+    harness = Harness(runner)
+    done = {}
+    for i, p in enumerate(prompts[:8]):
+        harness.join(str(i), p)
+    for step in range(NUM_NEW):
+        if step == 3:
+            for i in range(8, 16):  # newcomers join a batch already 4 tokens in
+                harness.join(str(i), prompts[i])
+        harness.step()
+        for rid in [rid for rid, (_, _, out) in harness.seqs.items() if len(out) >= NUM_NEW]:
+            done[rid] = harness.leave(rid)
+    done.update(harness.run_until_done())
+    assert [done[str(i)] for i in range(16)] == reference
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 33])
+def test_a_prompt_prefilled_in_chunks_across_block_boundaries_matches_one_forward(runner, prompts, reference, chunk):
+    harness = Harness(runner, chunk=chunk)
+    for i in (1, 5, 9):
+        harness.join(str(i), prompts[i])
+    done = harness.run_until_done()
+    assert [done[str(i)] for i in (1, 5, 9)] == [reference[i] for i in (1, 5, 9)]
+
+
+def test_a_warm_prefix_cache_computes_only_the_new_blocks_and_matches_a_cold_run(runner, hf_model):
+    rng = random.Random(11)
+    system = [rng.randrange(3, 1000) for _ in range(50)]
+    first, second = system + [7, 8, 9], system + [rng.randrange(3, 1000) for _ in range(20)]
+    harness = Harness(runner)
+    assert harness.join("a", first, cached=True) == 0
+    harness.run_until_done()
+    assert harness.join("b", second, cached=True) == 48  # three full blocks of the shared 50 tokens
+    assert harness.run_until_done()["b"] == generate(hf_model, second)
+    assert harness.pool.hit_tokens == 48
+
+
+def test_long_decodes_take_blocks_as_they_grow_and_give_them_all_back(runner, prompts, hf_model):
+    harness = Harness(runner, tokens=2048)
+    free_at_start = harness.pool.num_free
+    for i in range(4):
+        harness.join(str(i), prompts[i][:5])
+    done = harness.run_until_done(n=70)  # crosses several block boundaries after the prompt
+    assert done["0"] == generate(hf_model, prompts[0][:5], 70)
+    assert harness.pool.num_free == free_at_start

@@ -1,0 +1,183 @@
+"""Paged KV bookkeeping: a pool of fixed-size blocks, per-sequence block tables, and the prefix cache (no torch).
+
+Every backend uses this one pool: the real engines place KV tensors at the slots it hands out; the
+simulated engines only count. A block is free, in use (referenced by one or more tables), or cached:
+unreferenced, but its full contents are known by their chained hash (`block_hash`), so a later
+prompt with the same leading tokens takes it instead of recomputing it. Cached blocks are evicted
+least recently released first, only when a free block is needed.
+
+Block 0 is never handed out: attention reads it (zeros) wherever a padded row has no token.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from worker.engine.block_hash import ROOT_HASH, block_hash
+
+NULL_BLOCK = 0
+
+
+@dataclass
+class BlockTable:
+    """One sequence's blocks in position order, and the chain hashes of its leading full blocks."""
+
+    block_ids: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # hash of block i, for the leading blocks known full
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    def slots(self, start: int, end: int, block_size: int) -> list[int]:
+        """The pool slots of positions [start, end)."""
+        ids = self.block_ids
+        return [ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """The pool's figures at one moment (for Health and metrics)."""
+
+    num_blocks: int
+    block_size: int
+    free_blocks: int  # free or cached: what an allocation can take
+    cached_blocks: int  # unreferenced blocks kept for their contents
+    used_blocks: int  # referenced by a live sequence
+    hit_tokens: int  # prompt tokens found cached, since start
+    queried_tokens: int  # prompt tokens looked up, since start
+
+
+class BlockPool:
+    """Fixed-size KV blocks with reference counts and a prefix cache; thread-safe (a decode worker pins prefixes
+    from its event loop while its engine thread allocates)."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is reserved)")
+        if block_size <= 0:
+            raise ValueError(f"block_size={block_size} must be > 0")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self._refs = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed blocks, oldest first
+        self._by_hash: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+
+    # figures ---------------------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def num_free(self) -> int:
+        """Blocks an allocation can take now (free, or cached and evictable)."""
+        return len(self._free) + len(self._cached)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            free = len(self._free) + len(self._cached)
+            return PoolStats(self.num_blocks - 1, self.block_size, free, len(self._cached),
+                             self.num_blocks - 1 - free, self.hit_tokens, self.queried_tokens)
+
+    # prefix cache ----------------------------------------------------------------------------
+    def cached_prefix(self, token_ids: Sequence[int], max_tokens: int, table: BlockTable) -> int:
+        """Take the cached blocks that hold `token_ids`' leading full blocks (at most `max_tokens` positions) into
+        the empty `table`; return the positions they cover (counted as hits; all of `max_tokens` as queried)."""
+        if table.block_ids:
+            raise ValueError("cached_prefix needs an empty block table")
+        bs = self.block_size
+        with self._lock:
+            self.queried_tokens += max_tokens
+            if not self.prefix_caching:
+                return 0
+            parent = ROOT_HASH
+            for b in range(min(len(token_ids), max_tokens) // bs):
+                h = block_hash(parent, token_ids[b * bs : (b + 1) * bs])
+                block = self._by_hash.get(h)
+                if block is None:
+                    break
+                self._take(block)
+                table.block_ids.append(block)
+                table.hashes.append(h)
+                parent = h
+            cached = len(table.block_ids) * bs
+            self.hit_tokens += cached
+            return cached
+
+    def register(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Record the contents of `table`'s blocks that are full and computed (positions < `num_computed`), so
+        they are found by later prompts and kept cached once released."""
+        bs = self.block_size
+        full = min(num_computed, len(token_ids)) // bs
+        if full <= len(table.hashes):
+            return
+        with self._lock:
+            parent = table.hashes[-1] if table.hashes else ROOT_HASH
+            for b in range(len(table.hashes), full):
+                parent = block_hash(parent, token_ids[b * bs : (b + 1) * bs])
+                table.hashes.append(parent)
+                if not self.prefix_caching:
+                    continue
+                block = table.block_ids[b]
+                if parent not in self._by_hash and self._hash[block] is None:
+                    self._hash[block] = parent
+                    self._by_hash[parent] = block
+                # else: the same contents were computed elsewhere too; this copy is freed, not cached
+
+    # allocation ------------------------------------------------------------------------------
+    def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - table.num_blocks <= self.num_free
+
+    def grow(self, table: BlockTable, num_tokens: int) -> bool:
+        """Give `table` blocks for `num_tokens` positions in all; False (and nothing taken) if the pool cannot."""
+        need = self.blocks_for(num_tokens) - table.num_blocks
+        if need <= 0:
+            return True
+        with self._lock:
+            if need > len(self._free) + len(self._cached):
+                return False
+            for _ in range(need):
+                table.block_ids.append(self._allocate())
+        return True
+
+    def release(self, table: BlockTable) -> None:
+        """Drop `table`'s references: blocks nobody else holds become cached (if their contents are known) or free.
+
+        Released last block first, so a sequence's tail is evicted before its head, which others share more."""
+        with self._lock:
+            for block in reversed(table.block_ids):
+                self._refs[block] -= 1
+                if self._refs[block] == 0:
+                    if self._hash[block] is not None:
+                        self._cached[block] = None
+                    else:
+                        self._free.append(block)
+        table.block_ids = []
+        table.hashes = []
+
+    def _take(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._cached.pop(block, None)
+        self._refs[block] += 1
+
+    def _allocate(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._cached.popitem(last=False)  # evict the least recently released
+            del self._by_hash[self._hash[block]]
+            self._hash[block] = None
+        self._refs[block] = 1
+        return block

@@ -1,0 +1,26 @@
+"""The real backend's engine for a worker's options: load the checkpoint, size the block pool."""
+
+from __future__ import annotations
+
+from worker.engine.block_pool import BlockPool
+from worker.engine.kv_budget import default_capacity_tokens
+from worker.torch_engine.decode_engine import DecodeEngine
+from worker.torch_engine.model_runner import ModelRunner
+from worker.torch_engine.prefill_engine import PrefillEngine
+
+
+def paged_pool(runner: ModelRunner, tokens: int, block_size: int = 16, prefix_caching: bool = True) -> BlockPool:
+    """A block pool of about `tokens` positions, its tensors allocated on the runner's device."""
+    num_blocks = 1 + max(1, tokens // block_size)  # block 0 is the pool's zero block
+    runner.allocate_cache(num_blocks, block_size)
+    return BlockPool(num_blocks, block_size, prefix_caching)
+
+
+def build_engine(options) -> PrefillEngine | DecodeEngine:
+    """`options` is a WorkerOptions whose backend is a ModelBackend."""
+    runner = ModelRunner(options.backend.model_dir, options.backend.dtype, options.backend.device)
+    tokens = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token(), runner.device.type)
+    pool = paged_pool(runner, tokens, options.block_size, options.prefix_caching)
+    if options.role == "prefill":
+        return PrefillEngine(runner, pool, options.max_prefill_tokens, options.max_prefill_batch_size)
+    return DecodeEngine(runner, pool, options.max_running, options.max_prefill_tokens, options.max_prefill_batch_size)

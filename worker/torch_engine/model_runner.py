@@ -1,0 +1,175 @@
+"""The only module that calls the model: loads a checkpoint on its device and runs packed forwards over the pool.
+
+A forward is one row of tokens: one per decoding sequence, then prompt chunks. Each token's
+position and slot come from its sequence's block table; attention (`paged_attention`) reads and
+writes the pool. Logits are computed only where a token is sampled (`logits_to_keep`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from worker.engine.block_pool import BlockTable
+from worker.torch_engine.kv_cache import KvCache
+from worker.torch_engine.paged_attention import ATTENTION_NAME, AttentionBatch, PrefillSegment, attention_batch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto`: the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available here")
+    return device
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One decoding sequence's next input: its last token at `position` (its KV goes there)."""
+
+    token_id: int
+    position: int
+    table: BlockTable
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """Positions [start, start + len(token_ids)) of a prompt; `logits`: sample after its last token."""
+
+    token_ids: Sequence[int]
+    start: int
+    table: BlockTable
+    logits: bool
+
+
+class ModelRunner:
+    """Owns the model, the tokenizer and the KV pool's tensors; called only from an engine thread."""
+
+    def __init__(self, model_dir: Path | str, dtype: str = "auto", device: str = "auto"):
+        self.model_dir = Path(model_dir)
+        self.device = resolve_device(device)
+        hf_logging.disable_progress_bar()  # keep worker logs quiet and line-structured
+        kwargs = {} if dtype == "auto" else {"dtype": DTYPES[dtype]}
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, attn_implementation=ATTENTION_NAME, **kwargs).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.config = self.model.config
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        self.cache: KvCache | None = None
+        self.block_size = 0
+        logger.info("loaded %s (%s, %s) on %s", self.model_dir, type(self.model).__name__, self.model.dtype,
+                    self.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """The width of the logits (token ids a mask or a bias may name)."""
+        return self.config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def kv_shape(self, seq_len: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's key (or value) tensor for one sequence of `seq_len` positions, as on the wire."""
+        head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
+        kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        return (1, kv_heads, seq_len, head_dim)
+
+    def kv_bytes_per_token(self) -> int:
+        _, kv_heads, _, head_dim = self.kv_shape(1)
+        return 2 * self.num_layers * kv_heads * head_dim * torch.empty(0, dtype=self.dtype).element_size()
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        """Make the pool's tensors: `num_blocks` blocks of `block_size` positions on every layer."""
+        _, kv_heads, _, head_dim = self.kv_shape(1)
+        self.cache = KvCache(self.num_layers, num_blocks, block_size, kv_heads, head_dim, self.dtype, self.device)
+        self.block_size = block_size
+
+    # slots -----------------------------------------------------------------------------------
+    def _slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        first, last = start // bs, (end - 1) // bs + 1
+        blocks = torch.tensor(table.block_ids[first:last], dtype=torch.long)
+        slots = (blocks.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)
+        return slots[start - first * bs : end - first * bs]
+
+    def write_kv(self, table: BlockTable, start: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put a transferred cache of positions [start, start + n) into `table`'s slots."""
+        n = layers[0][0].shape[2]
+        with torch.inference_mode():
+            self.cache.write(self._slots(table, start, start + n), layers)
+
+    def read_kv(self, table: BlockTable, start: int, end: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values of positions [start, end), as host tensors in the wire's layout."""
+        with torch.inference_mode():
+            return self.cache.read(layer, self._slots(table, start, end).to(self.device))
+
+    # forward ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, decode: Sequence[DecodeRow], chunks: Sequence[PromptChunk],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """One packed forward; logits [rows, V]: one per decode row, then one per chunk with `logits`."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        keep: list[int] = []
+        for row in decode:
+            ids.append(row.token_id)
+            positions.append(row.position)
+        nd = len(decode)
+        keep.extend(range(nd))
+        batch = AttentionBatch(self.cache, slots=torch.empty(0), num_decode=nd, on_layer=on_layer)
+        if nd:
+            slot_parts.append(self._decode_inputs(decode, batch))
+        for chunk in chunks:
+            start, n = chunk.start, len(chunk.token_ids)
+            seg = PrefillSegment(len(ids), len(ids) + n)
+            ids.extend(chunk.token_ids)
+            positions.extend(range(start, start + n))
+            slot_parts.append(self._slots(chunk.table, start, start + n))
+            if start:
+                seg.context_slots = self._slots(chunk.table, 0, start + n).to(self.device)
+                seg.mask = (torch.arange(start + n).unsqueeze(0)
+                            <= torch.arange(start, start + n).unsqueeze(1)).to(self.device)
+            batch.segments.append(seg)
+            if chunk.logits:
+                keep.append(len(ids) - 1)
+        batch.slots = torch.cat(slot_parts).to(self.device)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        with attention_batch(batch):
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))
+        return out.logits[0].float()
+
+    def _decode_inputs(self, decode: Sequence[DecodeRow], batch: AttentionBatch) -> torch.Tensor:
+        """Fill the batch's decode slots and mask; return the decode tokens' own slots."""
+        bs = self.block_size
+        width_blocks = max(row.position // bs + 1 for row in decode)
+        tables = torch.tensor([row.table.block_ids[: width_blocks] + [0] * (width_blocks - len(row.table.block_ids))
+                               for row in decode], dtype=torch.long)
+        slots = (tables.unsqueeze(2) * bs + torch.arange(bs)).reshape(len(decode), -1)
+        lengths = torch.tensor([row.position + 1 for row in decode])
+        mask = torch.arange(width_blocks * bs).unsqueeze(0) < lengths.unsqueeze(1)
+        batch.decode_slots = torch.where(mask, slots, 0).to(self.device)
+        batch.decode_mask = mask[:, None, None, :].to(self.device)
+        return slots[torch.arange(len(decode)), lengths - 1]

@@ -1,0 +1,106 @@
+"""Attention over the block pool, registered with transformers' attention interface as `pdserve_paged`.
+
+Every forward is one packed row of tokens from many sequences ([1, T]): first one token per decoding
+sequence, then chunks of prompts. The model computes q/k/v and rotary embeddings as it always does;
+this function writes each layer's new keys and values into the pool at their slots and attends
+each query over its own sequence's slots, so no KV is ever copied into a batch. Decode rows are
+attended together (their slots gathered, padded with the zero block, masked); each prompt chunk
+separately, causally over the positions before it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from worker.torch_engine.kv_cache import KvCache
+
+ATTENTION_NAME = "pdserve_paged"
+
+
+@dataclass
+class PrefillSegment:
+    """One prompt chunk in the packed row: its query tokens [start, end) and the context it attends."""
+
+    start: int
+    end: int
+    # Slots of every position of its sequence up to the chunk's end; None: the chunk is the whole context (no
+    # earlier positions), so it attends its own keys causally.
+    context_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # [chunk, context] bool, with context_slots
+
+
+@dataclass
+class AttentionBatch:
+    """What one forward's attention needs beyond the model's own inputs; built once, read by every layer."""
+
+    cache: KvCache
+    slots: torch.Tensor  # [T]: where each token's key and value go
+    num_decode: int = 0
+    decode_slots: torch.Tensor | None = None  # [num_decode, width]: each decode row's context, zero-padded
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, width] bool
+    segments: list[PrefillSegment] = field(default_factory=list)
+    # Called as soon as layer i's keys and values are in the pool (the prefill worker streams them out).
+    on_layer: Callable[[int], None] | None = None
+
+
+_current = threading.local()
+
+
+class attention_batch:
+    """Context manager: the forwards run inside it (on this thread) attend with `batch`."""
+
+    def __init__(self, batch: AttentionBatch):
+        self.batch = batch
+
+    def __enter__(self) -> AttentionBatch:
+        _current.batch = self.batch
+        return self.batch
+
+    def __exit__(self, *exc) -> None:
+        _current.batch = None
+
+
+def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                    scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] (rotary applied); returns ([1, T, Hq, D], None)."""
+    batch: AttentionBatch | None = getattr(_current, "batch", None)
+    if batch is None:  # a plain forward (e.g. `generate` on the loaded model): ordinary causal attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    layer = module.layer_idx
+    k_pool, v_pool = batch.cache.keys[layer], batch.cache.values[layer]  # [slots, Hkv, D]
+    k_pool.index_copy_(0, batch.slots, key[0].transpose(0, 1))
+    v_pool.index_copy_(0, batch.slots, value[0].transpose(0, 1))
+    if batch.on_layer is not None:
+        batch.on_layer(layer)
+    hq, hkv, d = query.shape[1], key.shape[1], query.shape[3]
+    out = query.new_empty(query.shape[2], hq, d)
+    nd = batch.num_decode
+    if nd:
+        # GQA with one query per row: the group's query heads become the "query length" of their kv head.
+        q = query[0, :, :nd].transpose(0, 1).reshape(nd, hkv, hq // hkv, d)
+        k = k_pool[batch.decode_slots].transpose(1, 2)  # [nd, Hkv, width, D]
+        v = v_pool[batch.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.decode_mask, scale=scaling)
+        out[:nd] = o.reshape(nd, hq, d)
+    for seg in batch.segments:
+        q = query[:, :, seg.start : seg.end]
+        if seg.context_slots is None:
+            k, v = key[:, :, seg.start : seg.end], value[:, :, seg.start : seg.end]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=hq != hkv)
+        else:
+            k = k_pool[seg.context_slots].transpose(0, 1).unsqueeze(0)
+            v = v_pool[seg.context_slots].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling, enable_gqa=hq != hkv)
+        out[seg.start : seg.end] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention)
