@@ -212,6 +212,7 @@ class AttemptRunner:
                         placement.prefill.address, request, max_tokens, placement.decode.address,
                         self.first_token_timeout, kv_data_address=accepted.kv_data_address,
                         kv_transfer_token=accepted.kv_transfer_token, traceparent=tracing.traceparent_of(span),
+                        decode_cached_tokens=accepted.cached_tokens,
                         sampling=sampling)
                 finally:
                     placement.prefill.last_heard = time.monotonic()  # an answer, for the silence watch

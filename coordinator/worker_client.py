@@ -42,6 +42,7 @@ class DecodeAccepted:
 
     kv_data_address: str  # its raw-TCP KV receiver; "" = push over gRPC
     kv_transfer_token: str = ""  # one-time: the prefill worker must send it with the KV cache, or is refused
+    cached_tokens: int = 0  # leading prompt positions the decode worker holds already: not sent again
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def report_from_pb(reply: pb.HealthResponse) -> HealthReport:
 
 
 def accepted_from_pb(accepted: pb.Accepted) -> DecodeAccepted:
-    return DecodeAccepted(accepted.kv_data_address, accepted.kv_transfer_token)
+    return DecodeAccepted(accepted.kv_data_address, accepted.kv_transfer_token, accepted.cached_tokens)
 
 
 def _call_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> WorkerCallError:
@@ -310,11 +311,12 @@ class WorkerClient:
 
     async def prefill(
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
-        kv_data_address: str = "", kv_transfer_token: str = "", traceparent: str = "",
+        kv_data_address: str = "", kv_transfer_token: str = "", traceparent: str = "", decode_cached_tokens: int = 0,
         sampling: pb.SamplingParams | None = None,
     ) -> PrefillResult:
         """Prefill on `address` and push the KV cache to the decode worker that answered `accepted` with
-        `kv_data_address` and `kv_transfer_token` (`sampling` as in open_decode)."""
+        `kv_data_address`, `kv_transfer_token` and `cached_tokens` (passed as `decode_cached_tokens`: positions it
+        holds already, not sent); `sampling` as in open_decode."""
         message = pb.PrefillRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -322,6 +324,7 @@ class WorkerClient:
             decode_address=decode_address,
             kv_data_address=kv_data_address,
             kv_transfer_token=kv_transfer_token,
+            decode_cached_tokens=decode_cached_tokens,
             traceparent=traceparent,
         )
         channel = self.token_channels.open_channel(address)

@@ -44,6 +44,7 @@ class TransferredKv:
     # Set by a receiver that lent the tensors' memory; call `release` once they have been copied.
     on_release: Callable[[], None] | None = field(default=None, repr=False)
     receipt: KvReceipt | None = None  # set by the sink that received it; None when made on this worker
+    first_position: int = 0  # the layers hold positions [first_position, first_position + seq_len)
 
     def release(self) -> None:
         """Give the tensors' memory back to whoever lent it; the tensors must not be used after."""

@@ -52,10 +52,10 @@ KvItem = pb.KvHeader | KvLayer | pb.KvTrailer
 
 
 def make_header(request_id: str, dtype: torch.dtype, num_layers: int, shape: tuple[int, ...],
-                transfer_token: str = "") -> pb.KvHeader:
+                transfer_token: str = "", first_position: int = 0) -> pb.KvHeader:
     if dtype not in DTYPE_NAMES:
         raise KvTransferError(f"unsupported KV dtype {dtype}")
-    return header(request_id, DTYPE_NAMES[dtype], num_layers, shape, transfer_token)
+    return header(request_id, DTYPE_NAMES[dtype], num_layers, shape, transfer_token, first_position)
 
 
 def kv_items(kv: TransferredKv) -> Iterator[KvItem]:
@@ -63,7 +63,8 @@ def kv_items(kv: TransferredKv) -> Iterator[KvItem]:
     if not kv.layers:
         raise KvTransferError("a KV cache needs at least one layer")
     key0 = kv.layers[0][0]
-    yield make_header(kv.request_id, key0.dtype, len(kv.layers), tuple(key0.shape), kv.transfer_token)
+    yield make_header(kv.request_id, key0.dtype, len(kv.layers), tuple(key0.shape), kv.transfer_token,
+                      kv.first_position)
     for i, (key, value) in enumerate(kv.layers):
         yield KvLayer(i, key, value)
     yield make_trailer(kv.first_token_id, kv.prefill_time_ms, kv.first_logprobs)
@@ -113,6 +114,7 @@ class KvAssembler(KvStreamVerifier):
             first_logprobs=(self.trailer.first_logprob,
                             tuple((t.token_id, t.logprob) for t in self.trailer.first_top_logprobs)),
             on_release=self.discard if self._pool else None,
+            first_position=self.header.first_position,
         )
 
     def discard(self) -> None:

@@ -47,14 +47,15 @@ class RawKvLayer:
 
 
 def header(request_id: str, dtype_name: str, num_layers: int, shape: tuple[int, ...],
-           transfer_token: str = "") -> pb.KvHeader:
-    """The header of a stream of `num_layers` key/value pairs of `shape` in `dtype_name`, carrying the
-    decode worker's one-time `transfer_token` for the request (without it the stream is refused)."""
+           transfer_token: str = "", first_position: int = 0) -> pb.KvHeader:
+    """The header of a stream of `num_layers` key/value pairs of `shape` in `dtype_name` (positions from
+    `first_position` on: the decode worker holds the ones before), carrying the decode worker's one-time
+    `transfer_token` for the request (without it the stream is refused)."""
     if dtype_name not in DTYPE_SIZES:
         raise KvTransferError(f"unsupported KV dtype {dtype_name}")
     nbytes = math.prod(shape) * DTYPE_SIZES[dtype_name]
     return pb.KvHeader(request_id=request_id, dtype=dtype_name, num_layers=num_layers, shape=list(shape),
-                       tensor_bytes=nbytes, transfer_token=transfer_token)
+                       tensor_bytes=nbytes, transfer_token=transfer_token, first_position=first_position)
 
 
 def make_trailer(first_token_id: int, prefill_time_ms: float, first_logprobs: tuple | None = None) -> pb.KvTrailer:
@@ -99,8 +100,10 @@ class KvStreamVerifier:
     def __init__(self, header: pb.KvHeader, max_bytes: int | None = None):
         if header.dtype not in DTYPE_SIZES:
             raise KvTransferError(f"KV header dtype {header.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
-        if header.num_layers <= 0 or len(header.shape) != 4 or any(d <= 0 for d in header.shape):
-            raise KvTransferError(f"KV header has a bad layout: layers={header.num_layers} shape={list(header.shape)}")
+        if header.num_layers <= 0 or len(header.shape) != 4 or any(d <= 0 for d in header.shape) \
+                or header.first_position < 0:
+            raise KvTransferError(f"KV header has a bad layout: layers={header.num_layers} shape={list(header.shape)} "
+                                  f"first_position={header.first_position}")
         self.header = header
         self.shape = tuple(header.shape)
         expected = math.prod(self.shape) * DTYPE_SIZES[header.dtype]

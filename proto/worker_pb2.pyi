@@ -103,7 +103,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address", "kv_transfer_token", "traceparent")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address", "kv_transfer_token", "traceparent", "decode_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class PrefillRequest(_message.Message):
     KV_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -118,7 +119,8 @@ class PrefillRequest(_message.Message):
     kv_data_address: str
     kv_transfer_token: str
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    decode_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "prefill_time_ms", "kv_bytes", "kv_transfer_ms", "forward_ms", "token_channel_address")
@@ -163,14 +165,16 @@ class DecodeEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("kv_data_address", "kv_transfer_token", "token_channel_address")
+    __slots__ = ("kv_data_address", "kv_transfer_token", "token_channel_address", "cached_tokens")
     KV_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_CHANNEL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     kv_data_address: str
     kv_transfer_token: str
     token_channel_address: str
-    def __init__(self, kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., token_channel_address: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., token_channel_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_id", "text", "time_ms", "finish_reason", "index", "matched_stop", "logprob", "top_logprobs", "batch_size", "queue_wait_ms")
@@ -201,7 +205,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("role", "model", "num_running", "num_waiting", "kv_capacity_tokens", "kv_used_tokens", "num_kv_leases", "queued_prompt_tokens", "draining")
+    __slots__ = ("role", "model", "num_running", "num_waiting", "kv_capacity_tokens", "kv_used_tokens", "num_kv_leases", "queued_prompt_tokens", "draining", "kv_block_size", "kv_blocks", "kv_free_blocks", "kv_cached_blocks", "prefix_hit_tokens", "prefix_queried_tokens", "num_preemptions")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +215,13 @@ class HealthResponse(_message.Message):
     NUM_KV_LEASES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_running: int
@@ -220,23 +231,32 @@ class HealthResponse(_message.Message):
     num_kv_leases: int
     queued_prompt_tokens: int
     draining: bool
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    kv_block_size: int
+    kv_blocks: int
+    kv_free_blocks: int
+    kv_cached_blocks: int
+    prefix_hit_tokens: int
+    prefix_queried_tokens: int
+    num_preemptions: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes", "transfer_token")
+    __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes", "transfer_token", "first_position")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     dtype: str
     num_layers: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     tensor_bytes: int
     transfer_token: str
-    def __init__(self, request_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., tensor_bytes: _Optional[int] = ..., transfer_token: _Optional[str] = ...) -> None: ...
+    first_position: int
+    def __init__(self, request_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., tensor_bytes: _Optional[int] = ..., transfer_token: _Optional[str] = ..., first_position: _Optional[int] = ...) -> None: ...
 
 class KvTrailer(_message.Message):
     __slots__ = ("first_token_id", "prefill_time_ms", "first_logprob", "first_top_logprobs")

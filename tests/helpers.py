@@ -202,11 +202,13 @@ def health(address: str, role: str) -> pb.HealthResponse:
 
 
 def wait_for_idle(address: str, role: str, timeout_s: float = 10.0) -> pb.HealthResponse:
-    """Poll Health until the worker holds no KV and runs nothing; fail after `timeout_s`."""
+    """Poll Health until the worker holds no KV (its budget, and every block of its pool back: free or cached) and
+    runs nothing; fail after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         h = health(address, role)
-        if h.kv_used_tokens == 0 and h.num_running == 0 and h.num_waiting == 0 and h.num_kv_leases == 0:
+        if h.kv_used_tokens == 0 and h.num_running == 0 and h.num_waiting == 0 and h.num_kv_leases == 0 \
+                and h.kv_free_blocks == h.kv_blocks:
             return h
         if time.monotonic() > deadline:
             raise AssertionError(f"{role} worker {address} still holds KV: {h}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -29,6 +30,14 @@ class WorkerMetrics:
                   registry=r).set_function(lambda: len(engine.leases))
             Gauge("pdserve_worker_queued_prompt_tokens", "Prompt tokens waiting to be prefilled.",
                   registry=r).set_function(lambda: engine.num_queued_tokens)
+        pool = engine.pool
+        blocks = Gauge("pdserve_worker_kv_pool_blocks", "KV blocks in the pool, by state: used (held by live "
+                       "requests), cached (unreferenced, kept for the prefix cache, evictable) or free.", ["state"],
+                       registry=r)
+        blocks.labels("used").set_function(lambda: pool.stats().used_blocks)
+        blocks.labels("cached").set_function(lambda: pool.stats().cached_blocks)
+        blocks.labels("free").set_function(lambda: pool.stats().free_blocks - pool.stats().cached_blocks)
+        r.register(PrefixCacheCounters(pool))
         # side: send (prefill: first byte to the decode worker's ack) or receive (decode: header to last block,
         # verified); transport: tcp (the raw-TCP data port) or grpc (the KvReceiver stream).
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV cache bytes sent (prefill) or received "
@@ -54,6 +63,20 @@ class WorkerMetrics:
         """Start the /metrics HTTP server; return the bound port."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+
+class PrefixCacheCounters:
+    """The pool's prefix cache lookups as counters, read when scraped: the hit rate is hits / queried."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        stats = self.pool.stats()
+        yield CounterMetricFamily("pdserve_worker_prefix_cache_hit_tokens", "Prompt positions found in the prefix "
+                                  "cache (not computed again).", value=stats.hit_tokens)
+        yield CounterMetricFamily("pdserve_worker_prefix_cache_queried_tokens", "Prompt positions looked up in the "
+                                  "prefix cache.", value=stats.queried_tokens)
 
 
 class _NoOp:

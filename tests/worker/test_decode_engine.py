@@ -87,3 +87,37 @@ async def test_each_step_hands_all_its_tokens_to_the_event_loop_in_one_call(runn
         for rid in "abcd":
             engine.release(rid)
         engine.shutdown()
+
+
+async def run_local(engine: DecodeEngine, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
+    handle = engine.register(rid, len(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 512, prompt)
+    await engine.admit(handle)
+    engine.prefill_locally(handle)
+    tokens = []
+    while True:
+        out = await asyncio.wait_for(handle.events.get(), 30)
+        assert not isinstance(out, Exception), out
+        tokens.append(out.token_id)
+        if out.finish_reason is not None:
+            engine.release(rid)
+            return tokens
+
+
+async def test_sequences_preempted_when_the_pool_runs_dry_resume_with_the_tokens_they_would_have_had(
+        model_dir, hf_model):
+    runner = ModelRunner(model_dir)
+    engine = DecodeEngine(runner, paged_pool(runner, 6 * 16), max_prefill_tokens=7)  # 6 blocks; chunks of 7
+    free_at_start = engine.pool.num_free
+    prompts = [[(7 * i + 3 * t) % 900 + 5 for t in range(20)] for i in range(3)]
+    engine.start()
+    try:
+        # Each ends at 20 + 60 positions: 5 blocks. Three of them outgrow the 6-block pool many times over.
+        got = await asyncio.gather(*(run_local(engine, f"r{i}", p, 60) for i, p in enumerate(prompts)))
+    finally:
+        engine.shutdown()
+    assert engine.scheduler.num_preemptions > 0
+    with torch.inference_mode():
+        want = [hf_model[0].generate(torch.tensor([p]), max_new_tokens=60, do_sample=False,
+                                     min_new_tokens=60)[0, 20:].tolist() for p in prompts]
+    assert got == want
+    assert engine.pool.num_free == free_at_start and engine.admission.budget.used == 0

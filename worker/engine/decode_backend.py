@@ -46,6 +46,7 @@ class DecodeHandle:
     # was handed over.
     kv_receipt: KvReceipt | None = None
     first_step_at: float = 0.0
+    engine_has_it: bool = False  # its sequence (and block table) was handed to the engine, which frees its blocks
 
     @property
     def request_id(self) -> str:
@@ -142,15 +143,29 @@ class DecodeBackend(abc.ABC):
         if handle.state is DecodeState.WAITING_FOR_BUDGET:
             handle.seq.status = DecodeState.WAITING_FOR_KV
 
+    def hold_cached_prefix(self, handle: DecodeHandle) -> int:
+        """Take the prompt's leading blocks that this worker's prefix cache holds into the request's table (kept
+        until it ends); return the positions they cover, which its KV stream need not carry."""
+        seq = handle.seq
+        if len(seq.prompt_token_ids) != seq.prompt_len or seq.table.block_ids:
+            return 0
+        seq.num_computed = self.pool.cached_prefix(seq.prompt_token_ids, seq.prompt_len - 1, seq.table)
+        return seq.num_computed
+
     def on_kv(self, kv) -> None:
         """Hand a verified KV cache to its waiting request; raise if nobody waits for it."""
         handle = self._handles.get(kv.request_id)
         if handle is None or handle.state is not DecodeState.WAITING_FOR_KV:
             raise KvTransferError(f"no decode request {kv.request_id!r} is waiting for a KV cache")
-        if kv.seq_len != handle.prompt_len:
-            raise KvTransferError(f"KV cache holds {kv.seq_len} positions but the prompt has {handle.prompt_len} tokens")
+        if kv.first_position != handle.seq.num_computed:
+            raise KvTransferError(f"KV cache starts at position {kv.first_position} but this worker holds the "
+                                  f"prompt's first {handle.seq.num_computed} positions")
+        if kv.first_position + kv.seq_len != handle.prompt_len:
+            raise KvTransferError(f"KV cache holds positions up to {kv.first_position + kv.seq_len} but the prompt "
+                                  f"has {handle.prompt_len} tokens")
         handle.seq.status = DecodeState.DECODING
         handle.kv_receipt = kv.receipt
+        handle.engine_has_it = True
         handle.kv_arrived.set()
         self._decode_arrived(handle.seq, kv)
 
@@ -161,6 +176,7 @@ class DecodeBackend(abc.ABC):
             raise ValueError(f"local prefill needs the whole prompt: {len(seq.prompt_token_ids)} "
                              f"prompt_token_ids for prompt_len={seq.prompt_len}")
         seq.status = DecodeState.PREFILLING_LOCALLY
+        handle.engine_has_it = True
         handle.kv_arrived.set()  # its cache is made here, so nothing is awaited from a transfer
         self._queue_local_prefill(LocalPrefill(seq, handle.registered_at))
 
@@ -179,6 +195,8 @@ class DecodeBackend(abc.ABC):
         if handle is not None:
             if handle.state in BEFORE_DECODING:
                 handle.seq.status = DecodeState.CANCELLED  # once DECODING, the engine retires it on `_cancel`
+            if not handle.engine_has_it:
+                self.pool.release(handle.seq.table)  # the cached prefix it held; the engine never saw it
             self._cancel(request_id)
         self.admission.release(request_id)
 
@@ -191,6 +209,7 @@ class DecodeBackend(abc.ABC):
             num_waiting=states[DecodeState.WAITING_FOR_BUDGET] + states[DecodeState.WAITING_FOR_KV]
             + states[DecodeState.PREFILLING_LOCALLY] + self.scheduler.num_waiting,
             kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used, pool=self.pool.stats(),
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     def _deliver_all(self, items: list[tuple[str, TokenOutput | Exception]]) -> None:

@@ -20,3 +20,4 @@ class WorkerLoad:
     num_kv_leases: int = 0
     queued_prompt_tokens: int = 0
     pool: PoolStats | None = None  # blocks and prefix cache figures
+    num_preemptions: int = 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from worker.engine.block_pool import BlockPool, BlockTable
-from worker.engine.errors import DuplicateRequestError
+from worker.engine.errors import DuplicateRequestError, InvalidRequest
 from worker.engine.kv_budget import KvAdmission, KvBudget
 from worker.engine.load import WorkerLoad
 from worker.engine.messages import PrefillEvent
@@ -114,12 +114,12 @@ class PrefillBackend(abc.ABC):
     async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      skip_tokens: int = 0) -> PrefillJob:
         """Wait for KV budget, then queue the prompt; the caller must `release` the job. `skip_tokens`: leading
-        positions the decode worker holds (a whole number of blocks, less than the prompt), not sent."""
+        positions the decode worker holds (less than the prompt), computed here but not sent."""
         if request_id in self.leases:
             raise DuplicateRequestError(f"request {request_id!r} is already on this prefill worker")
-        if skip_tokens % self.pool.block_size or not 0 <= skip_tokens < len(prompt_token_ids):
-            raise ValueError(f"skip_tokens={skip_tokens} must be a multiple of the block size "
-                             f"{self.pool.block_size} below the prompt's {len(prompt_token_ids)} tokens")
+        if not 0 <= skip_tokens < len(prompt_token_ids):
+            raise InvalidRequest(f"decode_cached_tokens={skip_tokens} must be in [0, {len(prompt_token_ids)}) for a "
+                                 f"prompt of {len(prompt_token_ids)} tokens")
         submitted_at = time.perf_counter()
         reserve = self.pool.blocks_for(len(prompt_token_ids)) * self.pool.block_size
         await self.admission.acquire(request_id, reserve)

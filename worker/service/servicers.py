@@ -105,11 +105,18 @@ def relayed(request_id: str, output: TokenOutput) -> pb.RoutedEvent:
 
 
 def load_to_pb(load: WorkerLoad, draining: bool) -> pb.HealthResponse:
-    return pb.HealthResponse(
+    health = pb.HealthResponse(
         role=load.role, model=load.model, num_running=load.num_running, num_waiting=load.num_waiting,
         kv_capacity_tokens=load.kv_capacity_tokens, kv_used_tokens=load.kv_used_tokens,
         num_kv_leases=load.num_kv_leases, queued_prompt_tokens=load.queued_prompt_tokens, draining=draining,
+        num_preemptions=load.num_preemptions,
     )
+    if load.pool is not None:
+        pool = load.pool
+        health.kv_block_size, health.kv_blocks, health.kv_free_blocks = pool.block_size, pool.num_blocks, pool.free_blocks
+        health.kv_cached_blocks = pool.cached_blocks
+        health.prefix_hit_tokens, health.prefix_queried_tokens = pool.hit_tokens, pool.queried_tokens
+    return health
 
 
 class AnswersHealth:
@@ -196,7 +203,8 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
-            job = await self.engine.submit(request.request_id, list(request.prompt_token_ids), sampling)
+            job = await self.engine.submit(request.request_id, list(request.prompt_token_ids), sampling,
+                                           skip_tokens=request.decode_cached_tokens)
         times.submitted = job.submitted_at
         self.metrics.requests.inc()
         try:
@@ -209,7 +217,7 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
         layout = self.engine.kv_layout(job)
         try:
             kv_header = header(job.request_id, layout.dtype_name, layout.num_layers, layout.shape,
-                               request.kv_transfer_token)
+                               request.kv_transfer_token, first_position=job.skip_tokens)
         except KvTransferError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"this prefill worker cannot stream its KV cache: {exc}")
         stream = PrefillKvStream(job, kv_header)
@@ -341,10 +349,13 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
             # Only the sender the coordinator hands this token to can deliver the KV cache; no stream
             # is taken for a local prefill.
             token = "" if request.local_prefill else self.tokens.issue(request.request_id)
+            # What this worker's prefix cache holds of the prompt is kept for it and not sent again.
+            cached = 0 if request.local_prefill else self.engine.hold_cached_prefix(handle)
             if channel is not None:
                 handle.relay = lambda output: channel.send(relayed(request.request_id, output))
             yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address, kv_transfer_token=token,
-                                                      token_channel_address=self.token_channel_address))
+                                                      token_channel_address=self.token_channel_address,
+                                                      cached_tokens=cached))
             if request.local_prefill:
                 self.engine.prefill_locally(handle)
             await self._wait_for_kv(handle, context)

@@ -38,6 +38,7 @@ class VerifiedKv:
     first_token_id: int
     prefill_time_ms: float
     receipt: KvReceipt | None = None  # set by the sink that received it
+    first_position: int = 0  # positions before it were already held by the decode worker
 
     def release(self) -> None:
         """Nothing to give back: the bytes were never kept."""
@@ -68,4 +69,4 @@ class VerifyOnlyKvAssembler(KvStreamVerifier):
 
     def _result(self) -> VerifiedKv:
         return VerifiedKv(self.header.request_id, self.shape[2], self.bytes_received, self.trailer.first_token_id,
-                          self.trailer.prefill_time_ms)
+                          self.trailer.prefill_time_ms, first_position=self.header.first_position)

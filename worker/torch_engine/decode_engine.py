@@ -183,7 +183,7 @@ class DecodeEngine(DecodeBackend):
                 joined, batch = self.scheduler.schedule(self._preempted)
                 for seq in joined:
                     if seq.pending_kv is not None:  # received: its cache goes straight into its blocks
-                        self.runner.write_kv(seq.table, 0, seq.pending_kv.layers)
+                        self.runner.write_kv(seq.table, seq.pending_kv.first_position, seq.pending_kv.layers)
                         seq.pending_kv.release()
                         seq.pending_kv = None
                         seq.num_computed = seq.prompt_len

@@ -23,21 +23,24 @@ class PenaltyCounts:
     """A sequence's penalty inputs, kept up to date token by token instead of recounted every step: the ids
     its prompt or output hold (repetition) and how often each came out (presence, frequency)."""
 
-    def __init__(self, prompt_ids: Sequence[int], vocab_size: int):
+    def __init__(self, prompt_ids: Sequence[int], vocab_size: int, device: torch.device | str = "cpu"):
         self._seen = set(prompt_ids)
-        self.seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
-        self.counts = torch.zeros(vocab_size, dtype=torch.float32)
+        self.seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long, device=device)
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         self.num_counted = 0  # output ids counted so far
 
     def update(self, output_ids: Sequence[int]) -> PenaltyCounts:
         """Count the output ids added since the last update."""
         new = output_ids[self.num_counted :]
         if new:
-            self.counts.index_put_((torch.tensor(new, dtype=torch.long),), torch.ones(len(new)), accumulate=True)
+            device = self.counts.device
+            self.counts.index_put_((torch.tensor(new, dtype=torch.long, device=device),),
+                                   torch.ones(len(new), device=device), accumulate=True)
             unseen = sorted(set(new) - self._seen)
             if unseen:
                 self._seen.update(unseen)
-                self.seen_ids = torch.cat([self.seen_ids, torch.tensor(unseen, dtype=torch.long)])
+                self.seen_ids = torch.cat([self.seen_ids, torch.tensor(unseen, dtype=torch.long,
+                                                                       device=self.seen_ids.device)])
             self.num_counted = len(output_ids)
         return self
 
@@ -49,7 +52,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
     if not params.has_penalties:
         return logits
     if counts is None:
-        counts = PenaltyCounts(prompt_ids, logits.numel()).update(output_ids)
+        counts = PenaltyCounts(prompt_ids, logits.numel(), logits.device).update(output_ids)
     logits = logits.clone()
     if params.repetition_penalty != 1.0 and counts.seen_ids.numel():
         seen = counts.seen_ids
@@ -73,7 +76,7 @@ def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     if not params.logit_bias:
         return logits
     ids, biases = _bias_tensors(params.logit_bias)
-    return logits.index_add(0, ids, biases.to(logits.dtype))
+    return logits.index_add(0, ids.to(logits.device), biases.to(logits.device, logits.dtype))
 
 
 def mask_early_stops(logits: torch.Tensor, params: SamplingParams, num_generated: int,
@@ -85,7 +88,7 @@ def mask_early_stops(logits: torch.Tensor, params: SamplingParams, num_generated
     if not banned:
         return logits
     logits = logits.clone()
-    logits[torch.tensor(banned, dtype=torch.long)] = float("-inf")
+    logits[torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
     return logits
 
 
@@ -108,8 +111,9 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], indices
                                 [params[i] for i in sampled])
         for row, i in enumerate(sampled):
             # One generator per row: a seeded request draws the same token whatever else is in the batch.
+            # The draw is on the host: the same seed picks the same token on a CPU or a GPU worker.
             generator = torch.Generator().manual_seed(step_seed(params[i].seed or 0, indices[i]))
-            tokens[i] = int(torch.multinomial(probs[row], 1, generator=generator))
+            tokens[i] = int(torch.multinomial(probs[row].cpu(), 1, generator=generator))
     return tokens
 
 
@@ -126,17 +130,19 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
 def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Each row's distribution after its temperature, top-k and top-p (rows without a filter skip it)."""
     # float32 parameters: exactly what dividing or comparing by the Python number did row by row.
-    scores = logits.float() / torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
+    device = logits.device
+    scores = logits.float() / torch.tensor([p.temperature for p in params], dtype=torch.float32,
+                                           device=device).unsqueeze(1)
     vocab = scores.shape[-1]
     top_k = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
     if top_k:
-        ks = torch.tensor([params[j].top_k for j in top_k])
+        ks = torch.tensor([params[j].top_k for j in top_k], device=device)
         rows = scores[top_k]
         kth = torch.topk(rows, int(ks.max())).values.gather(1, (ks - 1).unsqueeze(1))
         scores[top_k] = rows.masked_fill(rows < kth, float("-inf"))
     top_p = [j for j, p in enumerate(params) if p.top_p < 1.0]
     if top_p:
-        ps = torch.tensor([params[j].top_p for j in top_p], dtype=torch.float32).unsqueeze(1)
+        ps = torch.tensor([params[j].top_p for j in top_p], dtype=torch.float32, device=device).unsqueeze(1)
         sorted_scores, order = torch.sort(scores[top_p], dim=-1, descending=True)
         probs = torch.softmax(sorted_scores, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
@@ -154,7 +160,7 @@ def token_logprobs(raw_logits: torch.Tensor, token: int, top: int) -> TokenLogpr
 def batch_logprobs(raw: torch.Tensor, tokens: Sequence[int], tops: Sequence[int]) -> list[TokenLogprobs]:
     """`token_logprobs` of each row of `raw` [B, V]: one log-softmax and one gather for all rows."""
     logprobs = torch.log_softmax(raw.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
     out = []
     for row, (logprob, top) in enumerate(zip(chosen, tops)):
         alternatives = ()
@@ -229,16 +235,16 @@ def _processed(raw: torch.Tensor, rows: Sequence, eos_ids: Iterable[int], copy: 
     for i in changed:
         row = rows[i]
         logits[i] = process_logits(raw[i], row.sampling, row.prompt_token_ids, row.output_token_ids, eos_ids,
-                                   counts=_penalty_counts(row, raw.shape[-1]))
+                                   counts=_penalty_counts(row, raw.shape[-1], raw.device))
     return logits
 
 
-def _penalty_counts(row, vocab_size: int) -> PenaltyCounts | None:
+def _penalty_counts(row, vocab_size: int, device: torch.device) -> PenaltyCounts | None:
     """The row's PenaltyCounts brought up to date, if it keeps one (a Sequence does); None: recount."""
     if not row.sampling.has_penalties or not hasattr(row, "penalties"):
         return None
     if row.penalties is None:
-        row.penalties = PenaltyCounts(row.prompt_token_ids, vocab_size)
+        row.penalties = PenaltyCounts(row.prompt_token_ids, vocab_size, device)
     return row.penalties.update(row.output_token_ids)
 
 
@@ -258,7 +264,7 @@ def _mask_guided(raw: torch.Tensor, rows: Sequence, guided: list[int], logits: t
                  eos_ids: Iterable[int], masks) -> set[int]:
     """Mask the guided rows of `logits` (a copy of `raw`) in place; return the rows whose matcher failed."""
     matchers = [rows[i].matcher for i in guided]
-    banned = masks.banned(matchers)
+    banned = masks.banned(matchers).to(logits.device)
     stacked = logits[guided]
     stacked.masked_fill_(banned, float("-inf"))
     failed = set()
@@ -270,7 +276,7 @@ def _mask_guided(raw: torch.Tensor, rows: Sequence, guided: list[int], logits: t
         if len(row.output_token_ids) < row.sampling.min_tokens and bool(torch.isneginf(stacked[j]).all()):
             # min_tokens banned all the grammar allows (say, only EOS): the grammar wins, never an empty row.
             redo = process_logits(raw[i], row.sampling, row.prompt_token_ids, row.output_token_ids, eos_ids,
-                                  ban_early_stops=False, counts=_penalty_counts(row, raw.shape[-1]))
+                                  ban_early_stops=False, counts=_penalty_counts(row, raw.shape[-1], raw.device))
             stacked[j] = redo.masked_fill(banned[j], float("-inf"))
     logits[guided] = stacked
     return failed
