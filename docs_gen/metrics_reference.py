@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from coordinator.instances import InstanceRegistry
 from coordinator.metrics import CoordinatorMetrics
 from docs_gen.markdown import banner, cell, table
+from worker.engine.block_pool import BlockPool
 from worker.metrics import WorkerMetrics
 
 INTRO = """# Metrics
@@ -53,7 +54,7 @@ def coordinator_rows() -> list[list[str]]:
 
 def worker_rows() -> list[list[str]]:
     """Both roles' metrics; a metric only one role registers says so."""
-    engine = SimpleNamespace(admission=SimpleNamespace(budget=None))  # read only when scraped
+    engine = SimpleNamespace(admission=SimpleNamespace(budget=None), pool=BlockPool(2, 16))  # read when scraped
     by_role = {role: metric_rows(WorkerMetrics(role, engine).registry) for role in ("prefill", "decode")}
     rows = []
     for name in sorted(by_role["prefill"].keys() | by_role["decode"].keys()):

@@ -69,7 +69,7 @@ def _worker(args: argparse.Namespace) -> int:
             from embedded_model import ensure_default_model
 
             model = str(ensure_default_model())
-        backend = ModelBackend(model_dir=model, dtype=args.dtype, device=args.device)
+        backend = ModelBackend(model_dir=model, dtype=args.dtype, device=args.device, threads=args.threads)
     try:
         security = load_security_file(args.security_config) if args.security_config else SecurityFile()
     except ValueError as exc:
@@ -108,7 +108,8 @@ def _up(args: argparse.Namespace) -> int:
                                             num_prefill=args.prefill, num_decode=args.decode, model=args.model,
                                             log_level=args.log_level, tls_dir=args.tls, api_keys_file=args.api_keys,
                                             restart_backoff_s=args.restart_backoff,
-                                            max_start_failures=args.max_start_failures))
+                                            max_start_failures=args.max_start_failures,
+                                            worker_threads=args.worker_threads))
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -170,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="token positions per KV block (paged KV cache)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not keep full KV blocks for later prompts that start with the same tokens")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads of this worker (default: torch's own, one per core)")
     p.add_argument("--device", default="auto",
                    help="auto|cpu|cuda|cuda:N: where the model and KV pool live (auto: CUDA when present)")
     p.add_argument("--max-running", type=int, default=64, help="sequences per decode step")
@@ -220,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(back to this once it stayed up 30 s)")
     p.add_argument("--max-start-failures", type=int, default=5, metavar="N",
                    help="stop the cluster (exit 1) when a child fails to start N times in a row")
+    p.add_argument("--worker-threads", type=int, default=None, metavar="N",
+                   help="each worker's torch threads (default: the machine's cores shared among the workers, at "
+                        "least 1 each, so workers on one machine do not oversubscribe its cores)")
     p.set_defaults(func=_up)
 
     p = sub.add_parser("build-model", help="build a tiny Llama checkpoint offline")

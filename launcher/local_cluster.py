@@ -45,6 +45,13 @@ class ClusterOptions:
     api_keys_file: str | None = None  # --api-keys FILE: SHA-256 digests of the accepted API keys
     restart_backoff_s: float = 0.5  # --restart-backoff: the first restart's delay, doubling up to 10 s
     max_start_failures: int = 5  # --max-start-failures: failed restarts in a row before giving up
+    worker_threads: int | None = None  # --worker-threads; None: the cores shared among the workers
+
+    def threads_per_worker(self) -> int:
+        """Each worker's torch threads: workers sharing a machine's cores, rather than each taking them all."""
+        if self.worker_threads:
+            return self.worker_threads
+        return max(1, (os.cpu_count() or 1) // (self.num_prefill + self.num_decode))
 
 
 def pdserve_command() -> list[str]:
@@ -119,7 +126,8 @@ def run_local_cluster(options: ClusterOptions) -> int:
         security = ClusterSecurity.prepare(Path(run_dir.name), options.tls_dir, options.api_keys_file)
         workers = [Child(f"{role} worker {i}", base + ["worker", "--role", role, "--model", model_dir, "--host", HOST,
                                                        "--port", "0", "--security-config",
-                                                       str(security.worker_security_file)],
+                                                       str(security.worker_security_file),
+                                                       "--threads", str(options.threads_per_worker())],
                          WORKER_READY, on_ready=_pin_worker_port)
                    for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode))
                    for i in range(count)]

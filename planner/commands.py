@@ -46,9 +46,13 @@ def add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="load_balance", choices=["load_balance", "round_robin"],
                    help="the coordinator's digs_scheduler_config.algorithm_type to model")
     p.add_argument("--max-running", type=int, default=64, help="the decode workers' --max-running")
-    p.add_argument("--max-prefill-tokens", type=int, default=8192, help="the prefill workers' --max-prefill-tokens")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048,
+                   help="the workers' --max-prefill-tokens (prompt tokens per forward; on a decode worker, of its "
+                        "preempted sequences' recomputations)")
     p.add_argument("--max-prefill-batch-size", type=int, default=16,
-                   help="the prefill workers' --max-prefill-batch-size")
+                   help="the workers' --max-prefill-batch-size")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="the decode workers' --block-size (their KV capacity is counted in blocks of it)")
     p.add_argument("--max-instances", type=int, default=64, help="most instances of a role to consider")
     p.add_argument("--json", action="store_true", help="print the recommendation as JSON")
 
@@ -133,7 +137,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from planner.plan import NoPlanError, Planner
     from planner.profile import ProfileError, WorkerProfile
-    from planner.simulation import SimulationError, WorkerSettings
+    from planner.simulation import SimulationError, SimulationStalled, WorkerSettings
     from planner.slo import Slo
     from planner.workload import SyntheticWorkload, WorkloadError, describe, load_trace
 
@@ -146,7 +150,8 @@ def run_plan(args: argparse.Namespace) -> int:
         settings = WorkerSettings(max_running=_at_least("--max-running", args.max_running, 1),
                                   max_prefill_tokens=_at_least("--max-prefill-tokens", args.max_prefill_tokens, 1),
                                   max_prefill_batch_size=_at_least("--max-prefill-batch-size",
-                                                                   args.max_prefill_batch_size, 1))
+                                                                   args.max_prefill_batch_size, 1),
+                                  block_size=_at_least("--block-size", args.block_size, 1))
         max_instances = _at_least("--max-instances", args.max_instances, 1, 1024)
         try:
             workload = load_trace(Path(args.workload)) if args.workload else \
@@ -164,7 +169,7 @@ def run_plan(args: argparse.Namespace) -> int:
     except (UsageError, SimulationError) as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 2
-    except NoPlanError as exc:
+    except (NoPlanError, SimulationStalled) as exc:
         print(f"pdserve plan: {exc}", file=sys.stderr)
         return 1
     if args.json:

@@ -6,11 +6,16 @@
 - Decode: B local-prefill Decode calls at once per (batch size, context length); each token's time_ms after
   the first is the step that made it, and batch_size says how many sequences that step ran. The median of the
   steps that ran all B is the point.
+
+Every call's prompt is its own (`prompt_ids`), so the worker's prefix cache finds none of it: a prefill is
+timed at all its tokens, and a decode batch holds a block per position as distinct requests would.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import random
 import statistics
 import uuid
 from collections.abc import Callable
@@ -52,9 +57,20 @@ class ProfileSettings:
     kv_host: str = "127.0.0.1"  # where the prefill worker can reach this process's KV receiver
 
 
-def prompt_ids(length: int) -> list[int]:
-    """Token ids any vocabulary holds (small, not 0, which is often padding)."""
-    return [1 + i % 100 for i in range(length)]
+SALT_DIGITS = 4  # a prompt's leading tokens that spell its salt, base 100
+
+
+def prompt_ids(length: int, salt: int = 0) -> list[int]:
+    """Token ids any vocabulary holds (small, not 0, which is often padding). The first SALT_DIGITS spell `salt`,
+    so prompts of different salts share no KV block: a worker's prefix cache finds nothing of one in another."""
+    head = [1 + salt // 100**k % 100 for k in range(SALT_DIGITS)]
+    return (head + [1 + i % 100 for i in range(length)])[:length]
+
+
+def new_salts() -> itertools.count:
+    """Salts for one measurement's prompts, from a random start: a worker profiled before keeps its earlier
+    prompts cached, and must not find them again."""
+    return itertools.count(random.randrange(100**SALT_DIGITS))
 
 
 async def profile_worker(address: str, role: str, settings: ProfileSettings, progress: Progress,
@@ -79,6 +95,7 @@ async def profile_worker(address: str, role: str, settings: ProfileSettings, pro
 
 async def _profile_prefill(stub, settings: ProfileSettings, progress: Progress, metadata) -> PrefillCosts:
     tokens = KvTransferTokens()
+    salts = new_salts()
     failures: list[str] = []
     sink = KvSink(on_kv=lambda kv: None, on_failure=lambda request_id, message: failures.append(message),
                   tokens=tokens, assembler=VerifyOnlyKvAssembler)
@@ -91,7 +108,7 @@ async def _profile_prefill(stub, settings: ProfileSettings, progress: Progress, 
             loop = asyncio.get_running_loop()
             started = loop.time()
             reply = await stub.Prefill(pb.PrefillRequest(
-                request_id=request_id, prompt_token_ids=prompt_ids(length),
+                request_id=request_id, prompt_token_ids=prompt_ids(length, next(salts)),
                 sampling=pb.SamplingParams(max_tokens=1, top_p=1), decode_address=kv_address,
                 kv_data_address=kv_address, kv_transfer_token=tokens.issue(request_id)), timeout=120, metadata=metadata)
             call_ms = (loop.time() - started) * 1000
@@ -116,13 +133,14 @@ async def _profile_decode(stub, health: pb.HealthResponse, settings: ProfileSett
                           metadata) -> DecodeCosts:
     grid = [(b, c) for c in settings.context_tokens for b in settings.batch_sizes]
     points = []
+    salts = new_salts()
     for done, (batch_size, context) in enumerate(grid, 1):
         needed = batch_size * (context + settings.decode_steps)
         if health.kv_capacity_tokens and needed > health.kv_capacity_tokens:
             progress(done, len(grid), f"skipped batch {batch_size} x {context} tokens: over the KV budget "
                                       f"({needed} > {health.kv_capacity_tokens})")
             continue
-        steps = await _batch_steps(stub, batch_size, context, settings.decode_steps, metadata)
+        steps = await _batch_steps(stub, batch_size, context, settings.decode_steps, metadata, salts)
         if not steps:
             raise ProfileFailed(f"no decode step ran all {batch_size} sequences together (is --max-running "
                                 f"below {batch_size}? profile with --batch-sizes up to it)")
@@ -137,10 +155,12 @@ async def _profile_decode(stub, health: pb.HealthResponse, settings: ProfileSett
     return DecodeCosts.fit(points)
 
 
-async def _batch_steps(stub, batch_size: int, context: int, steps: int, metadata) -> list[float]:
-    """time_ms of every token made by a step of the whole batch, past the first STEPS_SKIPPED."""
+async def _batch_steps(stub, batch_size: int, context: int, steps: int, metadata,
+                       salts: itertools.count) -> list[float]:
+    """time_ms of every token made by a step of the whole batch, past the first STEPS_SKIPPED (the sequences share
+    no prompt block, as distinct requests would not)."""
     calls = [stub.Decode(pb.DecodeRequest(
-        request_id=f"profile-{uuid.uuid4().hex}", prompt_len=context, prompt_token_ids=prompt_ids(context),
+        request_id=f"profile-{uuid.uuid4().hex}", prompt_len=context, prompt_token_ids=prompt_ids(context, next(salts)),
         local_prefill=True, max_seq_len=context + steps + 1,
         sampling=pb.SamplingParams(max_tokens=steps + 1, top_p=1, ignore_eos=True)), timeout=300, metadata=metadata)
         for _ in range(batch_size)]

@@ -58,6 +58,7 @@ def with_flags(argv: list[str], flags: list[str]) -> list[str]:
     (["--percentile", "0"], r"--percentile: .*\(allowed: \(0, 100\], got 0.0\)"),
     (["--ttft-ms", "-5"], r"--ttft-ms: .*greater than 0"),
     (["--max-running", "0"], r"--max-running: must be in \[1, 1000000\], got 0"),
+    (["--block-size", "0"], r"--block-size: must be in \[1, 1000000\], got 0"),
     (["--synthetic", "rate=1,count=0,prompt=8,output=2"], r"--synthetic: count: .*\(allowed: \[1, 1000000\]"),
     (["--synthetic", "rate=1,duration=inf,prompt=8,output=2"], r"--synthetic: duration needs a finite number"),
 ])

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from planner.profile import WorkerProfile
+from planner.profiler import new_salts, prompt_ids
 from planner.slo import RequestTiming, Slo, SloReport, evaluate, tpot_ms
 from planner.workload import SyntheticWorkload, Workload, load_trace, write_trace
 from tests.helpers import (
@@ -43,12 +44,12 @@ def pdserve(*args: str, timeout_s: float = 60) -> str:
     return done.stdout
 
 
-async def run_request(session: aiohttp.ClientSession, url: str, start: float, request) -> RequestTiming:
+async def run_request(session: aiohttp.ClientSession, url: str, start: float, request,
+                      prompt: list[int]) -> RequestTiming:
     """One streamed completion sent at its arrival time; TTFT and TPOT as its client sees them."""
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
     sent = time.monotonic()
-    body = {"model": "pdserve-tiny", "prompt": [1 + i % 100 for i in range(request.prompt_tokens)],
-            "max_tokens": request.output_tokens, "stream": True}
+    body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": request.output_tokens, "stream": True}
     token_times = []
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
@@ -63,11 +64,14 @@ async def run_request(session: aiohttp.ClientSession, url: str, start: float, re
 
 
 async def run_workload(url: str, workload: Workload) -> list[RequestTiming]:
-    """Open loop: every request at its trace time, whether or not earlier ones have finished."""
+    """Open loop: every request at its trace time, whether or not earlier ones have finished. Every prompt is its
+    own, as the planner models a trace (none of it found in a worker's prefix cache, this run's or an earlier's)."""
     connector = aiohttp.TCPConnector(limit=0)
+    salts = new_salts()
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
         start = time.monotonic() + 0.2
-        return await asyncio.gather(*(run_request(session, url, start, r) for r in workload.requests))
+        return await asyncio.gather(*(run_request(session, url, start, r, prompt_ids(r.prompt_tokens, next(salts)))
+                                      for r in workload.requests))
 
 
 def measure(prefill: list[str], decode: list[str], workload: Workload, model_dir, path) -> SloReport:

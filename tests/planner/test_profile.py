@@ -13,7 +13,9 @@ from planner.profile import (
     WorkerProfile,
     fit_nonnegative,
 )
+from planner.profiler import new_salts, prompt_ids
 from tests.planner.helpers import profiles
+from worker.engine.block_pool import BlockPool, BlockTable
 
 
 def test_prefill_fit_recovers_a_linear_cost_and_the_kv_size_per_token():
@@ -54,3 +56,18 @@ def test_a_profile_without_its_roles_costs_is_refused(tmp_path):
     path.write_text('{"role": "prefill", "worker": "a:1", "model": "m", "kv_capacity_tokens": 0}')
     with pytest.raises(ProfileError, match=r"p.json: not a worker profile: a prefill profile holds exactly"):
         WorkerProfile.load(path, "prefill")
+
+
+def test_profile_prompts_of_different_salts_share_no_block_of_a_workers_prefix_cache():
+    pool = BlockPool(64, block_size=16)
+    salts = new_salts()
+    first = prompt_ids(256, next(salts))
+    table = BlockTable()
+    pool.grow(table, len(first))
+    pool.register(table, first, len(first))
+    pool.release(table)  # cached now, for any prompt that starts with the same tokens
+    assert pool.cached_prefix(first, len(first) - 1, BlockTable()) == 240  # a prompt again: found
+    for salt in (next(salts), next(salts) + 100, next(salts) + 100**3):
+        again = prompt_ids(256, salt)
+        assert len(again) == 256 and 1 <= min(again) and max(again) <= 100  # any vocabulary holds them
+        assert pool.cached_prefix(again, 255, BlockTable()) == 0

@@ -26,7 +26,7 @@ from worker.simulated.prefill_engine import SimulatedPrefillEngine
 
 PROMPT_LEN, MAX_TOKENS, MAX_SEQ_LEN = 10, 10, 512
 BLOCK = 16
-RESERVATION = PROMPT_LEN + 1  # admission holds the prompt and its first token; later tokens take blocks as they come
+RESERVATION = BLOCK  # admission holds the prompt and its first token, in whole blocks; later tokens take blocks
 PROMPT_BLOCKS = BLOCK  # a prefill worker holds whole blocks of its prompt
 PROMPT = list(range(3, 3 + PROMPT_LEN))
 SAMPLING = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -78,7 +78,7 @@ async def fill_decode_queues(engine, make_kv, step_intake) -> tuple[dict, asynci
 
 
 async def test_real_and_simulated_decode_workers_report_the_same_health_for_the_same_queue(runner):
-    budget = 3 * BLOCK  # four requests' reservations (11 positions each) fit; the fifth waits in line
+    budget = 4 * BLOCK  # four requests' reservations (a block each) fit; the fifth waits in line
     real = DecodeEngine(runner, paged_pool(runner, budget, BLOCK), max_running=1)
     simulated = SimulatedDecodeEngine(CostModel(), BlockPool(1 + budget // BLOCK, BLOCK), max_running=1)
 

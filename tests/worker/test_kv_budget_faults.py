@@ -109,7 +109,7 @@ async def test_checksum_failure_frees_the_decode_workers_budget(bc, hf_model):
         call = open_decode_by_hand(channel, rid)
         accepted = await call.read()
         assert accepted.HasField("accepted")
-        assert health(bc.decode.address, "decode").kv_used_tokens == 10  # the prompt and its first token
+        assert health(bc.decode.address, "decode").kv_used_tokens == 16  # the prompt and its first token: a block
         kv = fake_prompt_kv(rid, hf_model, prompt_len=9)
         kv.transfer_token = accepted.accepted.kv_transfer_token
         messages = list(encode_kv(kv, chunk_bytes=512))

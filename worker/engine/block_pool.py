@@ -121,15 +121,13 @@ class BlockPool:
         they are found by later prompts and kept cached once released."""
         bs = self.block_size
         full = min(num_computed, len(token_ids)) // bs
-        if full <= len(table.hashes):
+        if full <= len(table.hashes) or not self.prefix_caching:
             return
         with self._lock:
             parent = table.hashes[-1] if table.hashes else ROOT_HASH
             for b in range(len(table.hashes), full):
                 parent = block_hash(parent, token_ids[b * bs : (b + 1) * bs])
                 table.hashes.append(parent)
-                if not self.prefix_caching:
-                    continue
                 block = table.block_ids[b]
                 if parent not in self._by_hash and self._hash[block] is None:
                     self._hash[block] = parent

@@ -62,7 +62,8 @@ class DecodeHandle:
 
     @property
     def kv_reservation(self) -> int:
-        """Positions admission holds for it: the prompt and its first token (it takes blocks as it grows)."""
+        """Positions admission holds for it (in whole blocks): the prompt and its first token; it takes blocks as it
+        grows."""
         return self.seq.prompt_len + 1
 
     @property
@@ -136,7 +137,8 @@ class DecodeBackend(abc.ABC):
                 raise KvCapacityError(
                     f"request needs up to {handle.kv_positions_at_most} tokens of KV cache but this worker's whole "
                     f"pool holds {self.pool.capacity_tokens} tokens")
-            await self.admission.acquire(handle.request_id, handle.kv_reservation)
+            await self.admission.acquire(handle.request_id, self.pool.blocks_for(handle.kv_reservation)
+                                         * self.pool.block_size)
         except Exception:
             handle.seq.status = DecodeState.FAILED
             raise

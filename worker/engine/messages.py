@@ -53,6 +53,7 @@ class LocalPrefill:
     # Its first-token time counts from here, admission wait included, as on a prefill worker.
     submitted_at: float
     num_computed: int = 0
+    extra_positions: int = 1  # the first token's, held from the start: it joins the batch without waiting
     started: bool = False
     cached_tokens: int = 0
 
@@ -77,6 +78,7 @@ class Recompute:
     seq: Sequence
     token_ids: list[int] = field(init=False)
     num_computed: int = 0
+    extra_positions: int = 1  # its last token's, held from the start: it rejoins the batch without waiting
     started: bool = False
     cached_tokens: int = 0
 

@@ -46,6 +46,7 @@ class PrefillJob:
     num_computed: int = 0  # positions with KV in `table`; cached hits count
     started: bool = False
     cached_tokens: int = 0  # of the prompt, found in the prefix cache
+    extra_positions: ClassVar[int] = 0  # its KV leaves with the stream: nothing grows here
 
     @property
     def token_ids(self) -> list[int]:

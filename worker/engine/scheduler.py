@@ -20,6 +20,7 @@ class PromptWork(Protocol):
 
     token_ids: list[int]  # every position to compute
     table: BlockTable
+    extra_positions: int  # positions to hold beyond them once computed (a decode worker's next token)
     num_computed: int  # positions whose KV is in the table (cached hits count)
     started: bool  # its blocks are taken
     cached_tokens: int  # of them, found in the prefix cache when it started
@@ -67,30 +68,37 @@ class PrefillScheduler:
     def add(self, work: PromptWork) -> None:
         self.queue.append(work)
 
+    def add_first(self, work: PromptWork) -> None:
+        """Queue `work` ahead of everything (a preempted sequence: it was running before anything queued here)."""
+        self.queue.insert(0, work)
+
     def remove(self, work: PromptWork) -> None:
         if work in self.queue:
             self.queue.remove(work)
 
     def next_chunks(self, budget: int | None = None) -> list[Chunk]:
-        """The chunks of the next forward (within `budget` tokens, if smaller than max_batch_tokens); a prompt that
-        cannot get its blocks yet waits, and so does everyone after it."""
+        """The chunks of the next forward (within `budget` tokens, if smaller than max_batch_tokens). A prompt that
+        cannot get its blocks yet waits, and no younger one starts before it; those already started go on."""
         budget = self.max_batch_tokens if budget is None else min(budget, self.max_batch_tokens)
         chunks: list[Chunk] = []
+        blocked = False
         for work in self.queue:
             if budget <= 0 or len(chunks) >= self.max_batch_size:
                 break
-            if not work.started and not self.start(work):
-                break
+            if not work.started and (blocked or not self.start(work)):
+                blocked = True
+                continue
             n = min(len(work.token_ids) - work.num_computed, budget)
             chunks.append(Chunk(work, work.num_computed, work.num_computed + n))
             budget -= n
         return chunks
 
     def start(self, work: PromptWork) -> bool:
-        """Give `work` its cached leading blocks and fresh blocks for the rest; False if the pool cannot yet."""
+        """Give `work` its cached leading blocks and fresh blocks for the rest (and for what it needs next, so a
+        finished one never waits for a block to go on); False if the pool cannot yet."""
         n = len(work.token_ids)
         work.num_computed = self.pool.cached_prefix(work.token_ids, n - 1, work.table)
-        if not self.pool.grow(work.table, n):
+        if not self.pool.grow(work.table, n + getattr(work, "extra_positions", 0)):
             self.pool.release(work.table)
             work.num_computed = 0
             return False
@@ -139,7 +147,9 @@ class DecodeScheduler:
 
     def schedule(self, on_preempt: Callable[[Sequence], None]) -> tuple[list[Sequence], list[Sequence]]:
         """Give every running sequence a slot for its next token (preempting the youngest when the pool is dry),
-        then let waiting ones join; return (newly joined, whole batch)."""
+        then let waiting ones join (none in a step that preempted: the freed blocks are for those running);
+        return (newly joined, whole batch)."""
+        preempted = self.num_preemptions
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -154,15 +164,27 @@ class DecodeScheduler:
             if victim is not seq:
                 continue  # retry the same sequence with the freed blocks
         joined = []
-        while self.waiting and len(self.running) < self.max_running:
+        while self.waiting and len(self.running) < self.max_running and self.num_preemptions == preempted:
             seq = self.waiting[0]
             if not self.pool.grow(seq.table, seq.total_len):
+                if not self.running:
+                    self._unblock(seq, on_preempt)
                 break
             self.waiting.pop(0)
             self.running.append(seq)
             joined.append(seq)
         batch = [seq for seq in self.running if seq.table.num_blocks * self.pool.block_size >= seq.total_len]
         return joined, batch
+
+    def _unblock(self, head: Sequence, on_preempt: Callable[[Sequence], None]) -> None:
+        """Nothing runs and the head of the line cannot join: younger waiting sequences that hold blocks give them
+        up (and are recomputed later), or nothing would ever free one."""
+        for seq in reversed(self.waiting[1:]):
+            if self.pool.can_grow(head.table, head.total_len):
+                return
+            if seq.table.block_ids and (seq.prompt_token_ids or seq.prompt_len == 0):
+                self.waiting.remove(seq)
+                self._preempt_blocks(seq, on_preempt)
 
     def _victim(self) -> Sequence | None:
         for seq in reversed(self.running):
@@ -172,6 +194,9 @@ class DecodeScheduler:
 
     def _preempt(self, seq: Sequence, on_preempt: Callable[[Sequence], None]) -> None:
         self.running.remove(seq)
+        self._preempt_blocks(seq, on_preempt)
+
+    def _preempt_blocks(self, seq: Sequence, on_preempt: Callable[[Sequence], None]) -> None:
         self.pool.release(seq.table)
         seq.num_computed = 0
         self.num_preemptions += 1

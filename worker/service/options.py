@@ -18,6 +18,7 @@ class ModelBackend:
     model_dir: str
     dtype: str = "auto"
     device: str = "auto"  # auto: the first CUDA device when there is one, else the CPU
+    threads: int | None = None  # torch intra-op threads; None: torch's default (one per core)
 
 
 @dataclass(frozen=True)

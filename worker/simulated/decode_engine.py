@@ -76,7 +76,7 @@ class SimulatedDecodeEngine(RunsOnEventLoop, RefusesTokenConstraints, DecodeBack
                            StopCause.LENGTH if finished else None, None, None, batch_size, queue_wait_ms)
 
     def _preempted(self, seq: Sequence) -> None:
-        self.local_prefills.add(Recompute(seq))
+        self.local_prefills.add_first(Recompute(seq))
 
     async def _run(self) -> None:
         while True:

@@ -18,6 +18,10 @@ def paged_pool(runner: ModelRunner, tokens: int, block_size: int = 16, prefix_ca
 
 def build_engine(options) -> PrefillEngine | DecodeEngine:
     """`options` is a WorkerOptions whose backend is a ModelBackend."""
+    if options.backend.threads:
+        import torch
+
+        torch.set_num_threads(options.backend.threads)
     runner = ModelRunner(options.backend.model_dir, options.backend.dtype, options.backend.device)
     tokens = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token(), runner.device.type)
     pool = paged_pool(runner, tokens, options.block_size, options.prefix_caching)

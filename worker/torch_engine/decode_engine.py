@@ -170,7 +170,7 @@ class DecodeEngine(DecodeBackend):
     def _preempted(self, seq: Sequence) -> None:
         logger.info("preempted request %s after %d tokens: recomputing it when blocks free up", seq.request_id,
                     seq.num_generated)
-        self.local_prefills.add(Recompute(seq))
+        self.local_prefills.add_first(Recompute(seq))
 
     def _run(self) -> None:
         while not self._stopped.is_set():

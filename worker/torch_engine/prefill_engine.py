@@ -92,7 +92,8 @@ class PrefillEngine(PrefillBackend):
     def _forward(self, chunks: list[Chunk]) -> None:
         refused = [c for c in chunks if c.last and not self._with_matcher(c.work)]  # their failure is posted
         if refused:
-            self._forward_failed(refused)
+            with self._cond:
+                self._forward_failed(refused)
             chunks = [c for c in chunks if c not in refused]
         last = [c for c in chunks if c.last]
 
@@ -112,11 +113,13 @@ class PrefillEngine(PrefillBackend):
             picks = choose_batch(logits, [c.work for c in last], self.runner.eos_token_ids, self.guidance.masks)
         except Exception as exc:  # a failed forward must fail its requests, not hang them
             logger.exception("prefill of %d chunks failed", len(chunks))
-            self._forward_failed(chunks)
+            with self._cond:
+                self._forward_failed(chunks)
             for chunk in chunks:
                 self._emit(chunk.work, PrefillFailed(f"prefill failed on the worker: {exc}"))
             return
-        self._forward_done(chunks)
+        with self._cond:  # the scheduler's queue is shared with the event loop
+            self._forward_done(chunks)
         done_at = time.perf_counter()
         for chunk, pick in zip(last, picks):
             job = chunk.work
