@@ -27,7 +27,7 @@ pytestmark = pytest.mark.system
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 3, 4, 16, 4
 KV_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * DTYPE_BYTES
 DECODE_BASE_MS, DECODE_PER_SEQ_MS, PREFILL_BASE_MS, PREFILL_PER_TOKEN_MS = 5.0, 0.5, 2.0, 0.05
-DECODE_BUDGET = 600
+DECODE_BUDGET = 592  # 37 blocks of 16
 MAX_ITER_TIMES = 300
 SIM_FLAGS = ("--simulate", "--sim-layers", str(LAYERS), "--sim-kv-heads", str(KV_HEADS), "--sim-head-dim",
              str(HEAD_DIM), "--dtype", "float32", "--sim-decode-base-ms", str(DECODE_BASE_MS),
@@ -110,13 +110,16 @@ def test_tokens_follow_the_seed(sim):
 def test_kv_bytes_are_the_configured_models(sim):
     p_url, d_url = metrics_url(sim.prefill), metrics_url(sim.decode)
     p0, d0 = scrape(p_url), scrape(d_url)
+    hits = health(sim.decode.address, "decode").prefix_hit_tokens
     resp = chat(sim.url, max_tokens=3)
     assert resp.status_code == 200
     prompt_tokens = resp.json()["usage"]["prompt_tokens"]
+    held = health(sim.decode.address, "decode").prefix_hit_tokens - hits  # the decode worker's cache had these
     p1, d1 = scrape(p_url), scrape(d_url)
     sent = ("pdserve_kv_transfer_bytes_total", (("side", "send"), ("transport", "tcp")))
     received = ("pdserve_kv_transfer_bytes_total", (("side", "receive"), ("transport", "tcp")))
-    assert p1[sent] - p0.get(sent, 0) == d1[received] - d0.get(received, 0) == KV_BYTES_PER_TOKEN * prompt_tokens
+    assert p1[sent] - p0.get(sent, 0) == d1[received] - d0.get(received, 0) \
+        == KV_BYTES_PER_TOKEN * (prompt_tokens - held)
     requests = ("pdserve_worker_requests_total", ())
     assert p1[requests] - p0[requests] == d1[requests] - d0[requests] == 1
     assert d1[("pdserve_worker_step_duration_seconds_count", (("kind", "decode"),))] \
@@ -135,8 +138,7 @@ def test_cancelled_stream_leaves_the_batch_and_frees_its_budget(sim):
                 seen += next(lines).startswith("data: ")
             h = health(sim.decode.address, "decode")
             assert h.num_running == 1 and h.kv_capacity_tokens == DECODE_BUDGET
-            prompt_tokens = h.kv_used_tokens - max_tokens
-            assert prompt_tokens > 0  # the reservation is prompt + max_tokens
+            assert 0 < h.kv_used_tokens < max_tokens  # admission holds the prompt's blocks, not max_tokens
             closed_at = time.monotonic()
     wait_for_idle(sim.decode.address, "decode", timeout_s=1.0)
     wait_for_idle(sim.prefill.address, "prefill", timeout_s=1.0)
@@ -182,18 +184,18 @@ async def test_decode_batch_steps_every_sequence_together_with_local_prefill(sim
 async def test_kv_budget_admits_first_come_first_served_and_refuses_what_never_fits(sim):
     async with grpc.aio.insecure_channel(sim.decode.address) as channel:
         stub = pb_grpc.DecodeServiceStub(channel)
-        big = await open_decode(stub, f"big-{uuid.uuid4().hex}", 20, 300)  # holds 320 of 600 tokens
+        big = await open_decode(stub, f"big-{uuid.uuid4().hex}", 300, 20)  # holds 19 blocks (304) of 592 tokens
         assert (await big.read()).HasField("accepted")
-        small = await open_decode(stub, f"small-{uuid.uuid4().hex}", 20, 300)  # needs 320 more: waits
+        small = await open_decode(stub, f"small-{uuid.uuid4().hex}", 300, 20)  # needs 304 more: waits
         waiting = asyncio.ensure_future(small.read())
         await asyncio.sleep(0.3)
         assert not waiting.done()
         h = health(sim.decode.address, "decode")
-        assert h.kv_used_tokens == 320 and h.num_waiting == 2  # small in line, big waiting for its KV
+        assert h.kv_used_tokens == 304 and h.num_waiting == 2  # small in line, big waiting for its KV
         big.cancel()
         assert (await asyncio.wait_for(waiting, 5)).HasField("accepted")
         small.cancel()
-        never = await open_decode(stub, f"never-{uuid.uuid4().hex}", 20, 600)
+        never = await open_decode(stub, f"never-{uuid.uuid4().hex}", 20, DECODE_BUDGET)  # 20 + 592 > 592
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await never.read()
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and str(DECODE_BUDGET) in err.value.details()
@@ -228,7 +230,7 @@ async def test_kv_stream_of_the_wrong_size_is_refused(sim):
                 yield synthetic_layer(i, KV_HEADS * 9 * HEAD_DIM * DTYPE_BYTES)
             yield make_trailer(5, 1.0)
 
-        with pytest.raises(KvTransferError, match="holds 9 positions but the prompt has 10"):
+        with pytest.raises(KvTransferError, match="holds positions up to 9 but the prompt has 10 tokens"):
             await TcpKvSender().send_items(accepted.accepted.kv_data_address, items())
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await decode.read()
