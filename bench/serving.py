@@ -38,14 +38,15 @@ tokenizer's, so "350 tokens" holds for the model under test):
 
 Every request: temperature 0, `--max-tokens` (64) new tokens, `stream_options.include_usage`, and
 `ignore_eos` (every request generates exactly max_tokens on every target; `--no-ignore-eos` drops it).
-`pdserve up` without --config allows 2,048 tokens of prompt + output (maxSeqLen): the longest request here (a
-6-turn conversation with 64-token answers) stays under 1,000.
+`pdserve up` without --config allows 2,048 tokens of prompt + output (maxSeqLen): the longest requests here
+(shared-prefix's 1,030 prompt tokens; a 6-turn conversation with 64-token answers, about 1,000 with the chat
+template) leave room for up to ~900 new tokens.
 Per (target, workload, concurrency): output tokens/s = completion tokens (from `usage`) of the successful
 requests / wall time of the whole load; TTFT p50 / p99 over successful requests (time to the first event that
 carries text or a finish reason); errors (a non-200 answer, an `error` event or non-null `error_info` in the
 stream, a stream without `[DONE]` or `usage`, a client timeout or connection error; the first few messages
-are printed, counted by kind); mean prompt tokens the server reported; and for pdserve the KV bytes its prefill workers sent:
-the `pdserve_kv_transfer_bytes_total{side="send"}` counters of the worker metrics URLs that `pdserve up`
+are printed, counted by kind); mean prompt tokens the server reported; and for pdserve the KV bytes its prefill
+workers sent: the `pdserve_kv_transfer_bytes_total{side="send"}` counters of the worker metrics URLs that `pdserve up`
 prints (`pdserve worker metrics: URL`), read before and after each load, divided by the requests (turns) sent.
 The worker adds a transfer's bytes when its send completes, so transfers that failed or timed out count nothing.
 A pdserve that prints no metrics URL gets "not exposed"; one whose worker restarted during the load (its URL
@@ -567,12 +568,13 @@ def make_workloads(args, prompts: PromptMaker) -> dict[str, Workload]:
         return out
 
     return {
-        "distinct": Workload("distinct", f"{n} streamed /v1/completions, each a distinct {DISTINCT_PROMPT_TOKENS}-token "
-                             f"prompt, {args.max_tokens} new tokens", "request", levels(n),
-                             distinct_texts, completions),
-        "shared-prefix": Workload("shared-prefix", f"{n} streamed /v1/completions: a shared {SHARED_PREFIX_TOKENS}-token "
-                                  f"system prompt + a distinct ~{SHARED_QUESTION_TOKENS}-token question, "
-                                  f"{args.max_tokens} new tokens", "request", levels(n), shared_texts, completions),
+        "distinct": Workload("distinct", f"{n} streamed /v1/completions, each a distinct "
+                             f"{DISTINCT_PROMPT_TOKENS}-token prompt, {args.max_tokens} new tokens",
+                             "request", levels(n), distinct_texts, completions),
+        "shared-prefix": Workload("shared-prefix", f"{n} streamed /v1/completions: a shared "
+                                  f"{SHARED_PREFIX_TOKENS}-token system prompt + a distinct "
+                                  f"~{SHARED_QUESTION_TOKENS}-token question, {args.max_tokens} new tokens",
+                                  "request", levels(n), shared_texts, completions),
         "multiturn": Workload("multiturn", f"{args.sessions} sessions x {args.turns} turns of streamed "
                               f"/v1/chat/completions (first user message {MULTITURN_FIRST_TOKENS} tokens, then "
                               f"{MULTITURN_FOLLOWUP_TOKENS}-token ones; each turn carries the whole conversation), "
@@ -658,8 +660,8 @@ def table(workload: Workload, runs: list[Run], targets: list[str], baseline: str
             if r is None:
                 continue
             if r.skipped:
-                lines.append(f"| {t} | {c} | – | {'did not start' if r.skipped.startswith('did not start') else 'not run: it exited'} "
-                             f"| – | – | – | – | – | – | – |")
+                why = "did not start" if r.skipped.startswith("did not start") else "not run: it exited"
+                lines.append(f"| {t} | {c} | – | {why} | – | – | – | – | – | – | – |")
                 continue
             kv = r.kv_note if r.kv_bytes is None and r.kv_note else (
                 "–" if r.kv_bytes is None else fmt_bytes(r.kv_bytes / max(r.sent, 1))
@@ -692,10 +694,12 @@ def parse_args(argv=None):
     p.add_argument("--ratio-against", default=None, help="the target the ratio columns divide by (default: the first)")
     p.add_argument("--pdserve-repo", type=Path, default=REPO, help="checkout the `pdserve` target runs (default: this)")
     p.add_argument("--baseline-repo", type=Path, default=None,
-                   help="checkout the `baseline` target runs (another pdserve, e.g. a worktree of main before a change)")
+                   help="checkout the `baseline` target runs (another pdserve, e.g. a worktree of main before a "
+                        "change)")
     p.add_argument("--vllm-venv", type=Path, default=REPO / ".vllm-venv", help="venv made by bench/vllm_env.sh")
-    p.add_argument("--pdserve-args", default="", help="extra arguments for `pdserve up` (both pdserve targets)")
-    p.add_argument("--vllm-args", default="", help="extra arguments for `vllm serve`")
+    p.add_argument("--pdserve-args", default="",
+                   help="extra arguments for `pdserve up` (both pdserve targets), as --pdserve-args='--flag value'")
+    p.add_argument("--vllm-args", default="", help="extra arguments for `vllm serve`, as --vllm-args='--flag value'")
     p.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--concurrency", nargs="+", type=int, default=[16, 64, 128])
     p.add_argument("--requests", type=int, default=64, help="requests of distinct and shared-prefix (default 64)")
@@ -796,9 +800,9 @@ def main(argv=None) -> int:
     for t in targets:
         out.append(f"- `{t.name}`: {t.description}; {started.get(t.name, 'not run')}")
     if any(isinstance(t, PdserveTarget) for t in targets):
-        out.append("- KV sent: `pdserve_kv_transfer_bytes_total{side=\"send\"}` of the prefill workers (the metrics "
-                   "URLs `pdserve up` printed), after minus before the load, per request / turn sent; a transfer counts "
-                   "when its send completes.")
+        out.append("- KV sent: `pdserve_kv_transfer_bytes_total{side=\"send\"}` of the prefill workers (the "
+                   "metrics URLs `pdserve up` printed), after minus before the load, per request / turn sent; a "
+                   "transfer counts when its send completes.")
     for w in chosen:
         out += ["", table(w, runs, args.targets, args.ratio_against)]
     print("\n".join(out))

