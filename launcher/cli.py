@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import sys
 
@@ -109,7 +110,8 @@ def _up(args: argparse.Namespace) -> int:
                                             log_level=args.log_level, tls_dir=args.tls, api_keys_file=args.api_keys,
                                             restart_backoff_s=args.restart_backoff,
                                             max_start_failures=args.max_start_failures,
-                                            worker_threads=args.worker_threads))
+                                            worker_threads=args.worker_threads,
+                                            worker_args=tuple(shlex.split(args.worker_args))))
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -223,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(back to this once it stayed up 30 s)")
     p.add_argument("--max-start-failures", type=int, default=5, metavar="N",
                    help="stop the cluster (exit 1) when a child fails to start N times in a row")
+    p.add_argument("--worker-args", default="", metavar="'FLAGS'",
+                   help="more `pdserve worker` flags for every worker, e.g. --worker-args='--no-prefix-caching "
+                        "--max-prefill-tokens 1024'")
     p.add_argument("--worker-threads", type=int, default=None, metavar="N",
                    help="each worker's torch threads (default: the machine's cores shared among the workers, at "
                         "least 1 each, so workers on one machine do not oversubscribe its cores)")

@@ -46,6 +46,7 @@ class ClusterOptions:
     restart_backoff_s: float = 0.5  # --restart-backoff: the first restart's delay, doubling up to 10 s
     max_start_failures: int = 5  # --max-start-failures: failed restarts in a row before giving up
     worker_threads: int | None = None  # --worker-threads; None: the cores shared among the workers
+    worker_args: tuple[str, ...] = ()  # --worker-args: more `pdserve worker` flags for every worker
 
     def threads_per_worker(self) -> int:
         """Each worker's torch threads: workers sharing a machine's cores, rather than each taking them all."""
@@ -127,7 +128,8 @@ def run_local_cluster(options: ClusterOptions) -> int:
         workers = [Child(f"{role} worker {i}", base + ["worker", "--role", role, "--model", model_dir, "--host", HOST,
                                                        "--port", "0", "--security-config",
                                                        str(security.worker_security_file),
-                                                       "--threads", str(options.threads_per_worker())],
+                                                       "--threads", str(options.threads_per_worker()),
+                                                       *options.worker_args],
                          WORKER_READY, on_ready=_pin_worker_port)
                    for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode))
                    for i in range(count)]

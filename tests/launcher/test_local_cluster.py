@@ -96,8 +96,8 @@ def assert_no_survivors(pids: set[int]) -> None:
 
 def test_up_serves_a_request_and_sigterm_leaves_no_process(model_dir):
     port = free_port()
-    up = ServerProcess(pdserve_argv("up", "--predict-port", str(port), "--model", str(model_dir)),
-                       "pdserve ready:", timeout_s=180)
+    up = ServerProcess(pdserve_argv("up", "--predict-port", str(port), "--model", str(model_dir),
+                                    "--worker-args=--block-size 32"), "pdserve ready:", timeout_s=180)
     try:
         assert up.address == f"http://127.0.0.1:{port}"
         kids = descendants(up.proc.pid)
@@ -105,6 +105,10 @@ def test_up_serves_a_request_and_sigterm_leaves_no_process(model_dir):
         assert sum("worker --role prefill" in c for c in lines) == 1
         assert sum("worker --role decode" in c for c in lines) == 1
         assert sum(" coordinator " in c for c in lines) == 1
+        # The machine's cores are shared among the two workers; --worker-args reach every worker.
+        threads = max(1, (os.cpu_count() or 1) // 2)
+        workers = [c for c in lines if " worker --role " in c]
+        assert all(f"--threads {threads} --block-size 32" in c for c in workers), workers
 
         resp = httpx.post(f"{up.address}/v1/chat/completions", timeout=60, json={
             "model": "pdserve-tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})

@@ -16,11 +16,14 @@ class KvCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         shape = (num_blocks * block_size, kv_heads, head_dim)
-        # Empty, not zeroed: pages are touched only as blocks are used. Block 0 is read as padding, so it is zeroed.
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Attention reads whole blocks and masks the positions it must not see: those must hold finite numbers
+        # (0 x NaN is NaN). On the host, fresh pages from the OS are zeros and only the model writes them after,
+        # so the pool is left untouched until used; device memory may hold anything, so it is zeroed.
+        make = torch.zeros if device.type != "cpu" else torch.empty
+        self.keys = [make(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [make(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for t in self.keys + self.values:
-            t[:block_size].zero_()
+            t[:block_size].zero_()  # block 0: the padding rows read
         self.block_size = block_size
         self.device = device
 

@@ -167,9 +167,9 @@ class ModelRunner:
         width_blocks = max(row.position // bs + 1 for row in decode)
         tables = torch.tensor([row.table.block_ids[: width_blocks] + [0] * (width_blocks - len(row.table.block_ids))
                                for row in decode], dtype=torch.long)
-        slots = (tables.unsqueeze(2) * bs + torch.arange(bs)).reshape(len(decode), -1)
         lengths = torch.tensor([row.position + 1 for row in decode])
         mask = torch.arange(width_blocks * bs).unsqueeze(0) < lengths.unsqueeze(1)
-        batch.decode_slots = torch.where(mask, slots, 0).to(self.device)
+        batch.decode_blocks = tables.reshape(-1).to(self.device)
         batch.decode_mask = mask[:, None, None, :].to(self.device)
-        return slots[torch.arange(len(decode)), lengths - 1]
+        last = lengths - 1
+        return tables[torch.arange(len(decode)), last // bs] * bs + last % bs
