@@ -140,3 +140,15 @@ def test_long_decodes_take_blocks_as_they_grow_and_give_them_all_back(runner, pr
     done = harness.run_until_done(n=70)  # crosses several block boundaries after the prompt
     assert done["0"] == generate(hf_model, prompts[0][:5], 70)
     assert harness.pool.num_free == free_at_start
+
+
+def test_garbage_in_never_written_pool_memory_never_reaches_the_output(runner, prompts, reference):
+    # Pool memory is left uninitialised until a block is first handed out; NaN there must not leak through the
+    # masked positions of a block attention reads whole.
+    harness = Harness(runner)
+    for t in runner.cache.keys + runner.cache.values:
+        t[runner.block_size:].fill_(float("nan"))
+    for i in (0, 3):
+        harness.join(str(i), prompts[i])
+    done = harness.run_until_done()
+    assert [done["0"], done["3"]] == [reference[0], reference[3]]

@@ -69,6 +69,10 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed blocks, oldest first
         self._by_hash: dict[int, int] = {}
         self._lock = threading.Lock()
+        # Blocks handed out for the first time since start, until the backend takes the list (`take_fresh`): their
+        # memory was never written, and attention must not read garbage even where it masks it out.
+        self._ever_used = bytearray(num_blocks)
+        self._fresh: list[int] = []
         self.hit_tokens = 0
         self.queried_tokens = 0
 
@@ -170,9 +174,18 @@ class BlockPool:
             self._cached.pop(block, None)
         self._refs[block] += 1
 
+    def take_fresh(self) -> list[int]:
+        """The blocks handed out for the first time since the last call."""
+        with self._lock:
+            fresh, self._fresh = self._fresh, []
+            return fresh
+
     def _allocate(self) -> int:
         if self._free:
             block = self._free.popleft()
+            if not self._ever_used[block]:
+                self._ever_used[block] = 1
+                self._fresh.append(block)
         else:
             block, _ = self._cached.popitem(last=False)  # evict the least recently released
             del self._by_hash[self._hash[block]]

@@ -13,7 +13,8 @@ def paged_pool(runner: ModelRunner, tokens: int, block_size: int = 16, prefix_ca
     """A block pool of about `tokens` positions, its tensors allocated on the runner's device."""
     num_blocks = 1 + max(1, tokens // block_size)  # block 0 is the pool's zero block
     runner.allocate_cache(num_blocks, block_size)
-    return BlockPool(num_blocks, block_size, prefix_caching)
+    runner.block_pool = BlockPool(num_blocks, block_size, prefix_caching)
+    return runner.block_pool
 
 
 def build_engine(options) -> PrefillEngine | DecodeEngine:

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from worker.engine.block_pool import BlockTable
+from worker.engine.block_pool import BlockPool, BlockTable
 from worker.torch_engine.kv_cache import KvCache
 from worker.torch_engine.paged_attention import ATTENTION_NAME, AttentionBatch, PrefillSegment, attention_batch
 
@@ -72,6 +72,7 @@ class ModelRunner:
         self.eos_token_ids = frozenset(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         self.cache: KvCache | None = None
         self.block_size = 0
+        self.block_pool: BlockPool | None = None  # whose blocks `cache` holds (set by `paged_pool`)
         logger.info("loaded %s (%s, %s) on %s", self.model_dir, type(self.model).__name__, self.model.dtype,
                     self.device)
 
@@ -112,10 +113,16 @@ class ModelRunner:
         slots = (blocks.unsqueeze(1) * bs + torch.arange(bs)).reshape(-1)
         return slots[start - first * bs : end - first * bs]
 
+    def _zero_fresh_blocks(self) -> None:
+        fresh = self.block_pool.take_fresh() if self.block_pool is not None else []
+        if fresh:
+            self.cache.zero_blocks(fresh)
+
     def write_kv(self, table: BlockTable, start: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put a transferred cache of positions [start, start + n) into `table`'s slots."""
         n = layers[0][0].shape[2]
         with torch.inference_mode():
+            self._zero_fresh_blocks()
             self.cache.write(self._slots(table, start, start + n), layers)
 
     def read_kv(self, table: BlockTable, start: int, end: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +135,7 @@ class ModelRunner:
     def forward(self, decode: Sequence[DecodeRow], chunks: Sequence[PromptChunk],
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """One packed forward; logits [rows, V]: one per decode row, then one per chunk with `logits`."""
+        self._zero_fresh_blocks()
         ids: list[int] = []
         positions: list[int] = []
         slot_parts: list[torch.Tensor] = []

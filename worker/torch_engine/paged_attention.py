@@ -88,9 +88,9 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         q = query[0, :, :nd].transpose(0, 1).reshape(nd, hkv, hq // hkv, d)
         # Whole blocks gathered (a copy of contiguous 16-position runs, far cheaper than position by position);
         # the positions past each row's length are masked out.
-        bs = batch.cache.block_size
-        k = k_pool.view(-1, bs, hkv, d).index_select(0, batch.decode_blocks).view(nd, -1, hkv, d).transpose(1, 2)
-        v = v_pool.view(-1, bs, hkv, d).index_select(0, batch.decode_blocks).view(nd, -1, hkv, d).transpose(1, 2)
+        cache, bs = batch.cache, batch.cache.block_size
+        k = cache.gather(k_pool, batch.decode_blocks, bs, 0).view(nd, -1, hkv, d).transpose(1, 2)
+        v = cache.gather(v_pool, batch.decode_blocks, bs, 1).view(nd, -1, hkv, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.decode_mask, scale=scaling)
         out[:nd] = o.reshape(nd, hq, d)
     for seg in batch.segments:
@@ -99,8 +99,8 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             k, v = key[:, :, seg.start : seg.end], value[:, :, seg.start : seg.end]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=hq != hkv)
         else:
-            k = k_pool[seg.context_slots].transpose(0, 1).unsqueeze(0)
-            v = v_pool[seg.context_slots].transpose(0, 1).unsqueeze(0)
+            k = batch.cache.gather(k_pool, seg.context_slots, 1, 0).view(-1, hkv, d).transpose(0, 1).unsqueeze(0)
+            v = batch.cache.gather(v_pool, seg.context_slots, 1, 1).view(-1, hkv, d).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling, enable_gqa=hq != hkv)
         out[seg.start : seg.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
