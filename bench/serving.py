@@ -689,6 +689,9 @@ def parse_args(argv=None):
     p.add_argument("--vllm-venv", type=Path, default=REPO / ".vllm-venv", help="venv made by bench/vllm_env.sh")
     p.add_argument("--pdserve-args", default="",
                    help="extra arguments for `pdserve up` (both pdserve targets), as --pdserve-args='--flag value'")
+    p.add_argument("--baseline-args", default="",
+                   help="extra arguments for the baseline's `pdserve up` only, e.g. the same checkout with its prefix "
+                        "caches off: --baseline-repo . --baseline-args=\"--worker-args='--no-prefix-caching'\"")
     p.add_argument("--vllm-args", default="", help="extra arguments for `vllm serve`, as --vllm-args='--flag value'")
     p.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--concurrency", nargs="+", type=int, default=[16, 64, 128])
@@ -725,7 +728,8 @@ def build_target(name: str, args, log_dir: Path) -> Target:
     if name == "vllm":
         return VllmTarget(name, args.vllm_venv, *common, extra_args=shlex.split(args.vllm_args))
     repo = args.pdserve_repo if name == "pdserve" else args.baseline_repo
-    return PdserveTarget(name, repo, *common, extra_args=shlex.split(args.pdserve_args))
+    extra = shlex.split(args.pdserve_args) + (shlex.split(args.baseline_args) if name == "baseline" else [])
+    return PdserveTarget(name, repo, *common, extra_args=extra)
 
 
 def log(msg: str) -> None:
