@@ -152,3 +152,21 @@ def test_garbage_in_never_written_pool_memory_never_reaches_the_output(runner, p
         harness.join(str(i), prompts[i])
     done = harness.run_until_done()
     assert [done["0"], done["3"]] == [reference[0], reference[3]]
+
+
+@pytest.mark.parametrize("config, refused", [
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding-window attention"),
+    ({"model_type": "gemma2", "attn_logit_softcapping": 50.0}, "soft-capping"),
+    ({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, None),
+    ({"model_type": "llama"}, None),
+])
+def test_attention_the_paged_function_does_not_compute_is_refused_at_start_up_by_name(config, refused):
+    from types import SimpleNamespace
+
+    from worker.torch_engine.model_runner import refuse_unsupported_attention
+
+    if refused is None:
+        refuse_unsupported_attention(SimpleNamespace(**config))
+    else:
+        with pytest.raises(ValueError, match=refused):
+            refuse_unsupported_attention(SimpleNamespace(**config))

@@ -35,6 +35,19 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def refuse_unsupported_attention(config) -> None:
+    """Fail at start-up, naming the setting, for attention the paged function does not compute (rather than serve
+    wrong tokens): sliding windows and logit soft-capping."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if (window and getattr(config, "use_sliding_window", True) is not False) or "sliding_attention" in layer_types:
+        raise ValueError(f"{config.model_type}: sliding-window attention (sliding_window={window}) is not supported "
+                         "by pdserve's paged attention yet")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ValueError(f"{config.model_type}: attention logit soft-capping is not supported by pdserve's paged "
+                         "attention yet")
+
+
 @dataclass(frozen=True)
 class DecodeRow:
     """One decoding sequence's next input: its last token at `position` (its KV goes there)."""
@@ -64,6 +77,7 @@ class ModelRunner:
         kwargs = {} if dtype == "auto" else {"dtype": DTYPES[dtype]}
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_dir, attn_implementation=ATTENTION_NAME, **kwargs).to(self.device).eval()
+        refuse_unsupported_attention(self.model.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.config = self.model.config
         eos = self.model.generation_config.eos_token_id
