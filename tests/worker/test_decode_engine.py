@@ -121,3 +121,34 @@ async def test_sequences_preempted_when_the_pool_runs_dry_resume_with_the_tokens
                                      min_new_tokens=60)[0, 20:].tolist() for p in prompts]
     assert got == want
     assert engine.pool.num_free == free_at_start and engine.admission.budget.used == 0
+
+
+async def test_a_long_local_prefill_is_chunked_into_decode_steps_that_keep_the_running_sequences_moving(
+        model_dir, hf_model, monkeypatch):
+    runner = ModelRunner(model_dir)
+    engine = DecodeEngine(runner, paged_pool(runner, 4096), max_prefill_tokens=32)
+    steps = []
+    step = engine._step
+
+    def record(batch, chunks):
+        steps.append(([s.request_id for s in batch], [(c.work.seq.request_id, c.num_tokens) for c in chunks]))
+        step(batch, chunks)
+
+    monkeypatch.setattr(engine, "_step", record)
+    short, long = [5, 6, 7, 8], [(11 * t) % 900 + 5 for t in range(300)]
+    engine.start()
+    try:
+        running = asyncio.ensure_future(run_local(engine, "running", short, 60))
+        while not any("running" in batch for batch, _ in steps):
+            await asyncio.sleep(0.01)
+        got = await run_local(engine, "long", long, 3)
+        await running
+    finally:
+        engine.shutdown()
+    with torch.inference_mode():
+        want = hf_model[0].generate(torch.tensor([long]), max_new_tokens=3, do_sample=False)[0, 300:].tolist()
+    assert got == want
+    prefilling = [(batch, chunks) for batch, chunks in steps if any(rid == "long" for rid, _ in chunks)]
+    assert len(prefilling) >= 300 // 32  # chunks of at most 32 tokens, one per step
+    assert all(n <= 32 for _, chunks in prefilling for _, n in chunks)
+    assert all("running" in batch for batch, _ in prefilling[:-1])  # decoding went on through every chunk
