@@ -28,6 +28,9 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
+    # Nor count a ping that comes early (a call waiting long in a worker's queue, BDP probes) as a strike toward
+    # that GOAWAY: it would cut every call on the connection.
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
