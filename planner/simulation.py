@@ -119,19 +119,11 @@ class _UnlimitedPool(BlockPool):
         if super().grow(table, num_tokens):
             return True
         short = self.blocks_for(num_tokens) - table.num_blocks - self.num_free
-        self._add_blocks(max(short, self.num_blocks))  # doubling: appends stay cheap
+        self.add_blocks(max(short, self.num_blocks))  # doubling: appends stay cheap
         return super().grow(table, num_tokens)
 
     def register(self, table: BlockTable, token_ids, num_computed: int) -> None:
         return
-
-    def _add_blocks(self, n: int) -> None:
-        with self._lock:
-            first = self.num_blocks
-            self.num_blocks += n
-            self._refs.extend([0] * n)
-            self._hash.extend([None] * n)
-            self._free.extend(range(first, first + n))
 
 
 @dataclass(eq=False)  # identity, as the schedulers compare with `in`

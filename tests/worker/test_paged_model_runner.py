@@ -170,3 +170,18 @@ def test_attention_the_paged_function_does_not_compute_is_refused_at_start_up_by
     else:
         with pytest.raises(ValueError, match=refused):
             refuse_unsupported_attention(SimpleNamespace(**config))
+
+
+def test_rows_sharing_cached_leading_blocks_attend_them_once_with_the_same_tokens(runner, hf_model):
+    from worker.torch_engine.model_runner import MIN_SHARED_BLOCKS, DecodeRow, shared_leading_blocks
+
+    rng = random.Random(5)
+    system = [rng.randrange(3, 1000) for _ in range(90)]  # 5 full blocks shared through the prefix cache
+    prompts = [system + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    harness = Harness(runner)
+    for i, p in enumerate(prompts):
+        harness.join(str(i), p, cached=True)
+    rows = [DecodeRow(out[-1], len(p) + len(out) - 1, table) for p, table, out in harness.seqs.values()]
+    assert len(shared_leading_blocks(rows, BLOCK)) == 5 >= MIN_SHARED_BLOCKS  # the cascade path runs
+    done = harness.run_until_done()
+    assert [done[str(i)] for i in range(6)] == [generate(hf_model, p) for p in prompts]

@@ -154,6 +154,16 @@ class BlockPool:
                 table.block_ids.append(self._allocate())
         return True
 
+    def add_blocks(self, n: int) -> None:
+        """Grow the pool by `n` free blocks (a pool that models memory it is not given, as the planner's)."""
+        with self._lock:
+            first = self.num_blocks
+            self.num_blocks += n
+            self._refs.extend([0] * n)
+            self._hash.extend([None] * n)
+            self._ever_used.extend(bytes(n))
+            self._free.extend(range(first, first + n))
+
     def release(self, table: BlockTable) -> None:
         """Drop `table`'s references: blocks nobody else holds become cached (if their contents are known) or free.
 

@@ -48,6 +48,28 @@ def refuse_unsupported_attention(config) -> None:
                          "attention yet")
 
 
+# Below this many blocks in common, a shared prefix is attended with each row's own blocks (one gather, SDPA).
+MIN_SHARED_BLOCKS = 4
+
+
+def shared_leading_blocks(decode: Sequence[DecodeRow], block_size: int) -> list[int]:
+    """The leading blocks every decode row holds (the same block ids: cached blocks shared through the prefix
+    cache), before any row's current block; [] for a single row."""
+    if len(decode) < 2:
+        return []
+    first = decode[0].table.block_ids
+    n = min(row.position // block_size for row in decode)  # blocks wholly before every row's current one
+    for row in decode[1:]:
+        ids = row.table.block_ids
+        i = 0
+        while i < n and ids[i] == first[i]:
+            i += 1
+        n = i
+        if not n:
+            return []
+    return first[:n]
+
+
 @dataclass(frozen=True)
 class DecodeRow:
     """One decoding sequence's next input: its last token at `position` (its KV goes there)."""
@@ -184,14 +206,21 @@ class ModelRunner:
         return out.logits[0].float()
 
     def _decode_inputs(self, decode: Sequence[DecodeRow], batch: AttentionBatch) -> torch.Tensor:
-        """Fill the batch's decode slots and mask; return the decode tokens' own slots."""
+        """Fill the batch's decode blocks and mask (and the leading blocks all rows share); return the decode
+        tokens' own slots."""
         bs = self.block_size
         width_blocks = max(row.position // bs + 1 for row in decode)
-        tables = torch.tensor([row.table.block_ids[: width_blocks] + [0] * (width_blocks - len(row.table.block_ids))
+        shared = shared_leading_blocks(decode, bs)
+        if len(shared) >= MIN_SHARED_BLOCKS:
+            batch.shared_blocks = torch.tensor(shared, dtype=torch.long, device=self.device)
+        else:
+            shared = []
+        p = len(shared)
+        tables = torch.tensor([row.table.block_ids[p:width_blocks] + [0] * (width_blocks - len(row.table.block_ids))
                                for row in decode], dtype=torch.long)
         lengths = torch.tensor([row.position + 1 for row in decode])
-        mask = torch.arange(width_blocks * bs).unsqueeze(0) < lengths.unsqueeze(1)
+        mask = torch.arange(p * bs, width_blocks * bs).unsqueeze(0) < lengths.unsqueeze(1)
         batch.decode_blocks = tables.reshape(-1).to(self.device)
         batch.decode_mask = mask[:, None, None, :].to(self.device)
         last = lengths - 1
-        return tables[torch.arange(len(decode)), last // bs] * bs + last % bs
+        return tables[torch.arange(len(decode)), last // bs - p] * bs + last % bs

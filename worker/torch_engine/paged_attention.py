@@ -43,8 +43,11 @@ class AttentionBatch:
     cache: KvCache
     slots: torch.Tensor  # [T]: where each token's key and value go
     num_decode: int = 0
-    decode_blocks: torch.Tensor | None = None  # [num_decode * blocks]: each decode row's blocks, padded with block 0
-    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, blocks * block_size] bool: its positions
+    # Leading blocks every decode row holds (a shared system prompt): attended once for all rows; None: none.
+    shared_blocks: torch.Tensor | None = None
+    # [num_decode * blocks]: each decode row's blocks after the shared ones, padded with block 0.
+    decode_blocks: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, blocks * block_size] bool: its positions among them
     segments: list[PrefillSegment] = field(default_factory=list)
     # Called as soon as layer i's keys and values are in the pool (the prefill worker streams them out).
     on_layer: Callable[[int], None] | None = None
@@ -89,9 +92,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         # Whole blocks gathered (a copy of contiguous 16-position runs, far cheaper than position by position);
         # the positions past each row's length are masked out.
         cache, bs = batch.cache, batch.cache.block_size
-        k = cache.gather(k_pool, batch.decode_blocks, bs, 0).view(nd, -1, hkv, d).transpose(1, 2)
-        v = cache.gather(v_pool, batch.decode_blocks, bs, 1).view(nd, -1, hkv, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.decode_mask, scale=scaling)
+        if batch.shared_blocks is None:
+            k = cache.gather(k_pool, batch.decode_blocks, bs, 0).view(nd, -1, hkv, d).transpose(1, 2)
+            v = cache.gather(v_pool, batch.decode_blocks, bs, 1).view(nd, -1, hkv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.decode_mask, scale=scaling)
+        else:
+            o = _cascade(q * (scaling if scaling is not None else d ** -0.5), k_pool, v_pool, batch)
         out[:nd] = o.reshape(nd, hq, d)
     for seg in batch.segments:
         q = query[:, :, seg.start : seg.end]
@@ -104,6 +110,34 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling, enable_gqa=hq != hkv)
         out[seg.start : seg.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _cascade(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """Decode attention for rows that share leading blocks: the shared positions are read once and attended by
+    every row's (scaled) queries together, each row's own blocks separately; the two softmax parts are merged by
+    their maxima and sums. q [nd, Hkv, G, D] -> [nd, Hkv, G, D]."""
+    nd, hkv, g, d = q.shape
+    cache, bs = batch.cache, batch.cache.block_size
+    ks = cache.gather(k_pool, batch.shared_blocks, bs, 0).view(-1, hkv, d).permute(1, 2, 0)  # [Hkv, D, P]
+    vs = cache.gather(v_pool, batch.shared_blocks, bs, 1).view(-1, hkv, d).transpose(0, 1)  # [Hkv, P, D]
+    scores = torch.matmul(q.transpose(0, 1).reshape(hkv, nd * g, d), ks)  # [Hkv, nd*G, P]
+    shared = _softmax_parts(scores, vs)
+    shared = [t.view(hkv, nd, g, -1).transpose(0, 1) for t in shared]  # [nd, Hkv, G, *]
+    kt = cache.gather(k_pool, batch.decode_blocks, bs, 0).view(nd, -1, hkv, d).permute(0, 2, 3, 1)  # [nd, Hkv, D, W]
+    vt = cache.gather(v_pool, batch.decode_blocks, bs, 1).view(nd, -1, hkv, d).transpose(1, 2)  # [nd, Hkv, W, D]
+    scores = torch.matmul(q, kt).masked_fill_(~batch.decode_mask, float("-inf"))  # [nd, Hkv, G, W]
+    own = _softmax_parts(scores, vt)
+    (m1, l1, o1), (m2, l2, o2) = shared, own
+    m = torch.maximum(m1, m2)
+    a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
+    return (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
+
+
+def _softmax_parts(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max, sum of exp, unnormalised output) of softmax(scores) @ values over the last axis."""
+    m = scores.amax(-1, keepdim=True)
+    e = torch.exp(scores - m)
+    return m, e.sum(-1, keepdim=True), torch.matmul(e, values)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
