@@ -87,3 +87,13 @@ def test_with_prefix_caching_off_nothing_is_found_or_kept():
 def test_a_pool_needs_a_block_besides_the_reserved_zero_block(blocks):
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(blocks, 16)
+
+
+def test_a_table_found_partly_cached_takes_the_blocks_cached_since():
+    pool = BlockPool(16, 4)
+    tokens = list(range(12))
+    early = BlockTable()
+    assert pool.cached_prefix(tokens, 11, early) == 0  # accepted before anyone had the prompt
+    pool.release(filled(pool, tokens))  # another request with the same prompt left its blocks meanwhile
+    assert pool.more_cached_prefix(tokens, 11, early) == 8  # the last block holds the position it must compute
+    assert pool.hit_tokens == 8 and pool.queried_tokens == 11

@@ -101,13 +101,19 @@ class BlockPool:
         the empty `table`; return the positions they cover (counted as hits; all of `max_tokens` as queried)."""
         if table.block_ids:
             raise ValueError("cached_prefix needs an empty block table")
-        bs = self.block_size
         with self._lock:
             self.queried_tokens += max_tokens
-            if not self.prefix_caching:
-                return 0
-            parent = ROOT_HASH
-            for b in range(min(len(token_ids), max_tokens) // bs):
+        return self.more_cached_prefix(token_ids, max_tokens, table)
+
+    def more_cached_prefix(self, token_ids: Sequence[int], max_tokens: int, table: BlockTable) -> int:
+        """`cached_prefix` continued: `table` holds only cached leading blocks (found before), and takes those that
+        follow them now (cached since); return the positions it covers in all (new ones counted as hits)."""
+        bs = self.block_size
+        with self._lock:
+            if not self.prefix_caching or len(table.hashes) != len(table.block_ids):
+                return len(table.hashes) * bs
+            parent = table.hashes[-1] if table.hashes else ROOT_HASH
+            for b in range(len(table.block_ids), min(len(token_ids), max_tokens) // bs):
                 h = block_hash(parent, token_ids[b * bs : (b + 1) * bs])
                 block = self._by_hash.get(h)
                 if block is None:
@@ -116,9 +122,8 @@ class BlockPool:
                 table.block_ids.append(block)
                 table.hashes.append(h)
                 parent = h
-            cached = len(table.block_ids) * bs
-            self.hit_tokens += cached
-            return cached
+                self.hit_tokens += bs
+            return len(table.block_ids) * bs
 
     def register(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Record the contents of `table`'s blocks that are full and computed (positions < `num_computed`), so

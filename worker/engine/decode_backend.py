@@ -154,6 +154,13 @@ class DecodeBackend(abc.ABC):
         seq.num_computed = self.pool.cached_prefix(seq.prompt_token_ids, seq.prompt_len - 1, seq.table)
         return seq.num_computed
 
+    def _reuse_cached_blocks(self, seq: Sequence, first_position: int) -> None:
+        """On the engine's side, as a received cache is about to be placed: take the prompt's blocks that requests
+        placed since this one was accepted have left in the prefix cache (a burst of requests sharing a prompt all
+        come before any has one), so those positions share blocks instead of being written again."""
+        if seq.prompt_token_ids and seq.num_computed == first_position:
+            seq.num_computed = self.pool.more_cached_prefix(seq.prompt_token_ids, seq.prompt_len - 1, seq.table)
+
     def on_kv(self, kv) -> None:
         """Hand a verified KV cache to its waiting request; raise if nobody waits for it."""
         handle = self._handles.get(kv.request_id)

@@ -41,6 +41,7 @@ class SimulatedDecodeEngine(RunsOnEventLoop, RefusesTokenConstraints, DecodeBack
         self._task = EngineTask(self._run)
 
     def _decode_arrived(self, seq: Sequence, kv: VerifiedKv) -> None:
+        self._reuse_cached_blocks(seq, kv.first_position)
         self._start(seq, kv.first_token_id, kv.prefill_time_ms)
 
     def _queue_local_prefill(self, job: LocalPrefill) -> None:

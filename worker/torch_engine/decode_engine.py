@@ -113,6 +113,7 @@ class DecodeEngine(DecodeBackend):
         kv = seq.pending_kv
         if seq.sampling.grammar is not None and seq.matcher is None and not self._attach_matcher(seq, kv):
             return
+        self._reuse_cached_blocks(seq, kv.first_position)
         first_logprobs = None
         if seq.sampling.return_logprobs and kv.first_logprobs is not None:
             first_logprobs = TokenLogprobs(kv.first_logprobs[0], tuple(kv.first_logprobs[1]))
@@ -182,8 +183,12 @@ class DecodeEngine(DecodeBackend):
                 self._flush()  # the first tokens of caches that just arrived go out before the next forward
                 joined, batch = self.scheduler.schedule(self._preempted)
                 for seq in joined:
-                    if seq.pending_kv is not None:  # received: its cache goes straight into its blocks
-                        self.runner.write_kv(seq.table, seq.pending_kv.first_position, seq.pending_kv.layers)
+                    if seq.pending_kv is not None:  # received: its cache goes into its blocks (those not shared)
+                        kv, start = seq.pending_kv, seq.num_computed
+                        skip = start - kv.first_position
+                        if start < seq.prompt_len:
+                            self.runner.write_kv(seq.table, start, [(k[:, :, skip:], v[:, :, skip:])
+                                                                    for k, v in kv.layers])
                         seq.pending_kv.release()
                         seq.pending_kv = None
                         seq.num_computed = seq.prompt_len
