@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from planner.profile import DecodeCosts, PrefillCosts
 from planner.slo import RequestTiming, tpot_ms
@@ -179,6 +179,7 @@ class _PrefillWork:
     num_computed: int = 0
     started: bool = False
     cached_tokens: int = 0
+    extra_positions: ClassVar[int] = 0  # its KV leaves with the handoff: nothing grows on a prefill instance
 
 
 @dataclass(eq=False)

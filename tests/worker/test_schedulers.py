@@ -22,6 +22,7 @@ class Prompt:
     num_computed: int = 0
     started: bool = False
     cached_tokens: int = 0
+    extra_positions: int = 0
 
 
 def distinct_prompts(*lengths: int) -> list[Prompt]:

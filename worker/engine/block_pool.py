@@ -16,7 +16,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from worker.engine.block_hash import ROOT_HASH, block_hash
+from worker.engine.block_hash import ROOT_HASH, block_hash, chain_hashes
 
 NULL_BLOCK = 0
 
@@ -31,11 +31,6 @@ class BlockTable:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
-
-    def slots(self, start: int, end: int, block_size: int) -> list[int]:
-        """The pool slots of positions [start, end)."""
-        ids = self.block_ids
-        return [ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
 @dataclass(frozen=True)
@@ -128,20 +123,22 @@ class BlockPool:
     def register(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Record the contents of `table`'s blocks that are full and computed (positions < `num_computed`), so
         they are found by later prompts and kept cached once released."""
-        bs = self.block_size
-        full = min(num_computed, len(token_ids)) // bs
-        if full <= len(table.hashes) or not self.prefix_caching:
+        start = len(table.hashes)
+        if not self.prefix_caching or min(num_computed, len(token_ids)) // self.block_size <= start:
             return
+        hashes = chain_hashes(token_ids[: num_computed], self.block_size, table.hashes[-1] if start else ROOT_HASH,
+                              start)
         with self._lock:
-            parent = table.hashes[-1] if table.hashes else ROOT_HASH
-            for b in range(len(table.hashes), full):
-                parent = block_hash(parent, token_ids[b * bs : (b + 1) * bs])
-                table.hashes.append(parent)
-                block = table.block_ids[b]
-                if parent not in self._by_hash and self._hash[block] is None:
-                    self._hash[block] = parent
-                    self._by_hash[parent] = block
+            for block, h in zip(table.block_ids[start:], hashes):
+                if h not in self._by_hash and self._hash[block] is None:
+                    self._hash[block] = h
+                    self._by_hash[h] = block
                 # else: the same contents were computed elsewhere too; this copy is freed, not cached
+        table.hashes.extend(hashes)
+
+    def has_unregistered_full_block(self, table: BlockTable, num_computed: int) -> bool:
+        """Whether `register` would record anything: a growing sequence fills a block only every block_size tokens."""
+        return self.prefix_caching and num_computed // self.block_size > len(table.hashes)
 
     # allocation ------------------------------------------------------------------------------
     def can_grow(self, table: BlockTable, num_tokens: int) -> bool:

@@ -154,6 +154,21 @@ class DecodeBackend(abc.ABC):
         seq.num_computed = self.pool.cached_prefix(seq.prompt_token_ids, seq.prompt_len - 1, seq.table)
         return seq.num_computed
 
+    def _stepped(self, batch: list[Sequence], num_chunks: int, started: float, now: float) -> None:
+        """A step's bookkeeping, whatever ran it: its metrics, and every decode row's KV now computed."""
+        if batch:
+            self.metrics.observe_step("decode", now - started, len(batch))
+        if num_chunks:
+            self.metrics.observe_step("prefill", now - started, num_chunks)
+        for seq in batch:
+            seq.num_computed = seq.total_len
+
+    def _register_output_blocks(self, seq: Sequence) -> None:
+        """Record a decoding sequence's blocks it has just filled in the prefix cache (checked cheaply per token: a
+        block fills every block_size tokens; its tokens are gathered only then)."""
+        if seq.prompt_token_ids and self.pool.has_unregistered_full_block(seq.table, seq.num_computed):
+            self.pool.register(seq.table, seq.token_ids, seq.num_computed)
+
     def _reuse_cached_blocks(self, seq: Sequence, first_position: int) -> None:
         """On the engine's side, as a received cache is about to be placed: take the prompt's blocks that requests
         placed since this one was accepted have left in the prefix cache (a burst of requests sharing a prompt all

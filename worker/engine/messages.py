@@ -65,10 +65,6 @@ class LocalPrefill:
     def table(self) -> BlockTable:
         return self.seq.table
 
-    @property
-    def num_tokens(self) -> int:
-        return self.seq.prompt_len
-
 
 @dataclass(eq=False)
 class Recompute:

@@ -98,7 +98,7 @@ class PrefillScheduler:
         finished one never waits for a block to go on); False if the pool cannot yet."""
         n = len(work.token_ids)
         work.num_computed = self.pool.cached_prefix(work.token_ids, n - 1, work.table)
-        if not self.pool.grow(work.table, n + getattr(work, "extra_positions", 0)):
+        if not self.pool.grow(work.table, n + work.extra_positions):
             self.pool.release(work.table)
             work.num_computed = 0
             return False

@@ -149,9 +149,9 @@ class PrefillKvStream:
 
     async def items(self):
         yield self.header
-        first, self._first = self._first, None
+        event = self._first
         while True:
-            match first or await self.job.events.get():
+            match event:
                 case KvLayerReady(layer):
                     yield layer
                 case PrefillDone(first_token_id, prefill_ms, logprobs) as done:
@@ -162,7 +162,7 @@ class PrefillKvStream:
                     # Ending without a trailer makes the decode worker reject the stream as truncated.
                     self.error, self.invalid = message, invalid
                     return
-            first = None
+            event = await self.job.events.get()
 
 
 class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):

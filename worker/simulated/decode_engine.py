@@ -101,14 +101,10 @@ class SimulatedDecodeEngine(RunsOnEventLoop, RefusesTokenConstraints, DecodeBack
         cost_ms = (self.cost.step_ms(len(batch)) if batch else 0.0) + (self.cost.prefill_ms(prompt_tokens) if chunks else 0.0)
         await sleep_until(started + cost_ms / 1000)
         now = time.perf_counter()
-        if batch:
-            self.metrics.observe_step("decode", now - started, len(batch))
-        if chunks:
-            self.metrics.observe_step("prefill", now - started, len(chunks))
+        self._stepped([seq for seq in batch if not seq.is_finished], len(chunks), started, now)
         for seq in batch:
             if seq.is_finished:  # cancelled during the step
                 continue
-            seq.num_computed = seq.total_len
             token = synthetic_token(token_key(seq.request_id, seq.sampling.seed), seq.num_generated, self.vocab_size)
             seq.output_token_ids.append(token)
             finished = seq.num_generated >= token_limit(seq)
@@ -117,8 +113,8 @@ class SimulatedDecodeEngine(RunsOnEventLoop, RefusesTokenConstraints, DecodeBack
             seq.last_step_at = now
             if finished:
                 self.scheduler.finish(seq)
-            elif seq.prompt_token_ids:
-                self.pool.register(seq.table, seq.token_ids, seq.num_computed)
+            else:
+                self._register_output_blocks(seq)
         for work in self.local_prefills.computed([c for c in chunks if not c.work.seq.is_finished]):
             seq = work.seq
             if isinstance(work, Recompute):

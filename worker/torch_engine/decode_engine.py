@@ -183,16 +183,8 @@ class DecodeEngine(DecodeBackend):
                 self._flush()  # the first tokens of caches that just arrived go out before the next forward
                 joined, batch = self.scheduler.schedule(self._preempted)
                 for seq in joined:
-                    if seq.pending_kv is not None:  # received: its cache goes into its blocks (those not shared)
-                        kv, start = seq.pending_kv, seq.num_computed
-                        skip = start - kv.first_position
-                        if start < seq.prompt_len:
-                            self.runner.write_kv(seq.table, start, [(k[:, :, skip:], v[:, :, skip:])
-                                                                    for k, v in kv.layers])
-                        seq.pending_kv.release()
-                        seq.pending_kv = None
-                        seq.num_computed = seq.prompt_len
-                        self.pool.register(seq.table, seq.prompt_token_ids, seq.prompt_len)
+                    if seq.pending_kv is not None:
+                        self._place_received(seq)
                 # Prompt chunks share the step with decoding: no decode step waits for more than one chunk budget.
                 chunks = self._prompt_chunks()
                 if not batch and not chunks:
@@ -205,6 +197,18 @@ class DecodeEngine(DecodeBackend):
                 self._fail_step(batch, chunks, exc)
             finally:
                 self._flush()
+
+    def _place_received(self, seq: Sequence) -> None:
+        """A received cache joins: its positions not already in shared blocks are written into its blocks, and the
+        receive buffer goes back."""
+        kv, start = seq.pending_kv, seq.num_computed
+        if start < seq.prompt_len:
+            skip = start - kv.first_position
+            self.runner.write_kv(seq.table, start, [(k[:, :, skip:], v[:, :, skip:]) for k, v in kv.layers])
+        kv.release()
+        seq.pending_kv = None
+        seq.num_computed = seq.prompt_len
+        self.pool.register(seq.table, seq.prompt_token_ids, seq.prompt_len)
 
     def _prompt_chunks(self) -> list[Chunk]:
         chunks = []
@@ -250,12 +254,7 @@ class DecodeEngine(DecodeBackend):
         logits = self.runner.forward(rows, [PromptChunk(c.work.token_ids[c.start : c.end], c.start, c.work.table,
                                                         c.last and isinstance(c.work, LocalPrefill)) for c in chunks])
         now = time.perf_counter()
-        if batch:
-            self.metrics.observe_step("decode", now - started, len(batch))
-        if chunks:
-            self.metrics.observe_step("prefill", now - started, len(chunks))
-        for seq in batch:
-            seq.num_computed = seq.total_len
+        self._stepped(batch, len(chunks), started, now)
         self._sample_decode(batch, logits[: len(batch)], started, now)
         self._prompts_computed(chunks, logits[len(batch) :])
         self._flush()
@@ -274,8 +273,7 @@ class DecodeEngine(DecodeBackend):
                 token, (now - seq.last_step_at) * 1000, logprobs, batch_size=len(batch),
                 queue_wait_ms=max(0.0, started - seq.last_step_at) * 1000)
             seq.last_step_at = now
-            if seq.prompt_token_ids:
-                self.pool.register(seq.table, seq.token_ids, seq.num_computed)
+            self._register_output_blocks(seq)
             self._emit(seq.request_id, output)
             if output.finish_reason is not None:
                 self._retire(seq, DecodeState.FINISHED)

@@ -53,7 +53,7 @@ class KvCache:
             self.keys[i].index_copy_(0, slots, k[0].transpose(0, 1).to(self.device))
             self.values[i].index_copy_(0, slots, v[0].transpose(0, 1).to(self.device))
 
-    def read(self, layer: int, slots: torch.Tensor, staging: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s keys and values at `slots`, as contiguous host tensors [1, kv_heads, n, head_dim]."""
         k = self.keys[layer][slots].permute(1, 0, 2).unsqueeze(0)
         v = self.values[layer][slots].permute(1, 0, 2).unsqueeze(0)

@@ -161,10 +161,14 @@ class ModelRunner:
             self._zero_fresh_blocks()
             self.cache.write(self._slots(table, start, start + n), layers)
 
-    def read_kv(self, table: BlockTable, start: int, end: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s keys and values of positions [start, end), as host tensors in the wire's layout."""
+    def kv_slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
+        """The pool slots of positions [start, end) of `table`, on the device (for `read_kv`)."""
+        return self._slots(table, start, end).to(self.device)
+
+    def read_kv(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values at `slots` (`kv_slots`), as host tensors in the wire's layout."""
         with torch.inference_mode():
-            return self.cache.read(layer, self._slots(table, start, end).to(self.device))
+            return self.cache.read(layer, slots)
 
     # forward ---------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -96,11 +96,12 @@ class PrefillEngine(PrefillBackend):
                 self._forward_failed(refused)
             chunks = [c for c in chunks if c not in refused]
         last = [c for c in chunks if c.last]
+        # Where each finishing prompt's KV to send lies, once for all its layers.
+        sent = [(c.work, self.runner.kv_slots(c.work.table, c.work.skip_tokens, c.work.num_tokens)) for c in last]
 
         def on_layer(i: int) -> None:
-            for chunk in last:
-                job = chunk.work
-                key, value = self.runner.read_kv(job.table, job.skip_tokens, job.num_tokens, i)
+            for job, slots in sent:
+                key, value = self.runner.read_kv(slots, i)
                 self._emit(job, KvLayerReady(KvLayer(i, key, value)))
 
         try:
