@@ -18,6 +18,7 @@ from coordinator.errors import ApiError
 from coordinator.health_monitor import HealthMonitor
 from coordinator.silence_watch import SilenceWatch
 from coordinator.instances import InstanceRegistry
+from coordinator.kv_event_watch import KvEventWatch
 from coordinator.limits import ModelLimits
 from coordinator.management import MANAGEMENT_ROUTES
 from coordinator.metrics import METRICS, CoordinatorMetrics
@@ -25,6 +26,7 @@ from coordinator.pipeline import RequestPipeline
 from coordinator.request_queue import RequestQueue
 from coordinator.route_table import ROUTE_TABLE
 from coordinator.routes import PREDICT_ROUTES
+from coordinator.scheduling.kv_index import KvIndex
 from coordinator.scheduling.policies import make_policy
 from coordinator.scheduling.router import Router
 from coordinator.state import STATE, CoordinatorState
@@ -101,16 +103,20 @@ def create_app(config: CoordinatorConfig) -> web.Application:
                                 failure_threshold=health.failure_threshold,
                                 heartbeat_timeout_s=health.heartbeat_timeout_s, forget_after_s=health.forget_after_s)
     scheduling = config.digs_scheduler_config
-    router = Router(registry, make_policy(scheduling), scheduling.local_prefill_max_tokens)
+    # cache_affinity routes on an exact index of the workers' prefix caches, fed by their KV events.
+    kv_watch = None
+    if scheduling.algorithm_type == "cache_affinity":
+        kv_watch = KvEventWatch(KvIndex(), client)
+    router = Router(registry, make_policy(scheduling, kv_watch.index if kv_watch is not None else None),
+                    scheduling.local_prefill_max_tokens)
     metrics = CoordinatorMetrics()
     queue = RequestQueue(config.request_limit.max_running)
-    metrics.watch(queue, registry)
+    metrics.watch(queue, registry, kv_watch.index if kv_watch is not None else None)
     exceptions = config.exception_config
     pipeline = RequestPipeline(client, router, registry, limits, queue, exceptions.first_token_timeout,
                                exceptions.infer_timeout, metrics, exceptions.max_retry, exceptions.max_migrations)
 
     async def forget(instance):
-        state.forget_prefix(instance.address)
         await client.forget(instance.address)
 
     monitor = HealthMonitor(registry, client, health.check_interval_s, health.check_timeout_s, on_forget=forget)
@@ -119,11 +125,9 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     # Coordinators on etcd share the registered workers; in active_standby a standby refuses client requests.
     on_etcd = bool(config.backup_config.etcd_endpoints)
 
-    async def deregistered(instance):
-        # As a deregistration on this coordinator: its channels stay open, so requests on it run to their end.
-        state.forget_prefix(instance.address)
-
-    cluster = ClusterNode.from_config(config, registry, monitor, deregistered) if on_etcd else None
+    # A deregistration seen on etcd is as one on this coordinator: its channels stay open, so requests on it run
+    # to their end (its KV index entries go as the registry removes it).
+    cluster = ClusterNode.from_config(config, registry, monitor) if on_etcd else None
     standby = [] if cluster is None else [StandbyGate(cluster.leadership).middleware]
     auth = config.auth_config
     # The key is checked first, so a client without one takes no in-flight slot and has no body read.
@@ -138,8 +142,11 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         body_limit_mb=config.request_limit.body_limit,
         grammars=compiler_for(tokenizer.tokenizer, cache_size=config.request_limit.grammar_cache_size)[0])
     state.cluster = cluster
+    state.kv_watch = kv_watch
 
     async def background(app: web.Application):
+        if kv_watch is not None:
+            kv_watch.start(registry)
         monitor.start()
         silence.start()
         if cluster is not None:
@@ -149,6 +156,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
             await cluster.stop()
         await silence.stop()
         await monitor.stop()
+        if kv_watch is not None:
+            await kv_watch.stop()
         await client.close()
 
     app.cleanup_ctx.append(background)

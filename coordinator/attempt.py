@@ -206,7 +206,9 @@ class AttemptRunner:
         span = trace.start_prefill()
         started = time.monotonic()
         try:
-            with self.registry.lease(placement.prefill, prompt_tokens=len(request.prompt_token_ids)):
+            # Its load is what it must compute: the prompt less what it was expected to hold.
+            uncached = len(request.prompt_token_ids) - placement.prefill_cached_tokens
+            with self.registry.lease(placement.prefill, prompt_tokens=uncached):
                 try:
                     done = await self.client.prefill(
                         placement.prefill.address, request, max_tokens, placement.decode.address,

@@ -128,18 +128,36 @@ class SchedulerConfig(_Section):
 
     algorithm_type: Literal["round_robin", "load_balance", "cache_affinity"] = Field(
         "round_robin", description="Instance selection policy: round_robin (each role's instances in turn), "
-        "load_balance (least outstanding work) or cache_affinity (the prefill instance that last served the "
-        "prompt's longest prefix, within a load bound; decode as load_balance).")
-    cache_affinity_max_load_ratio: float = Field(
-        2.0, ge=1, description="cache_affinity: the affine prefill instance is used while its load is at most "
-        "this times the least loaded one's (plus the slack).")
-    cache_affinity_load_slack_tokens: int = Field(
-        4096, ge=0, description="cache_affinity: queued prompt tokens always tolerated on the affine instance.")
-    cache_affinity_block_tokens: int = Field(16, ge=1, le=4096, description="cache_affinity: prompt "
-                                             "prefix granularity, in tokens.")
+        "load_balance (least outstanding work) or cache_affinity (the cheapest instance by what its prefix cache "
+        "holds of the prompt, as its KV events tell, and its load: see the two weights).")
+    cache_affinity_prefill_load_weight: float = Field(
+        1.0, ge=0, le=1000, description="cache_affinity: a prefill instance costs its uncached prompt tokens plus "
+        "this times the prompt tokens queued on it (both are tokens to compute before the first token).")
+    cache_affinity_decode_load_weight: float = Field(
+        64.0, ge=0, le=1_000_000, description="cache_affinity: a decode instance costs the prompt tokens it does "
+        "not hold (to transfer, or to prefill locally) plus this many per sequence running or waiting on it.")
     local_prefill_max_tokens: int = Field(
-        0, ge=0, description="Conditional disaggregation: prompts shorter than this are prefilled on the decode "
-        "worker itself; 0 = always disaggregate.")
+        0, ge=0, description="Conditional disaggregation: a prompt is prefilled on the chosen decode worker "
+        "itself when the part of it that worker does not hold (all of it, unless cache_affinity knows better) is "
+        "shorter than this; 0 = always disaggregate.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data):
+        if isinstance(data, dict):
+            for name, why in _REMOVED_SCHEDULER_FIELDS.items():
+                if name in data:
+                    raise ValueError(f"{name} was removed: {why}")
+        return data
+
+
+# Fields of earlier releases, refused with what replaced them rather than as unknown keys.
+_REMOVED_SCHEDULER_FIELDS = {
+    "cache_affinity_block_tokens": "the block size is each worker's own (--block-size), announced in its KV events",
+    "cache_affinity_max_load_ratio": "cache_affinity weighs load against cached tokens; see "
+                                     "cache_affinity_prefill_load_weight and cache_affinity_decode_load_weight",
+    "cache_affinity_load_slack_tokens": "see cache_affinity_prefill_load_weight",
+}
 
 
 class RequestLimitConfig(_Section):

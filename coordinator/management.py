@@ -129,7 +129,6 @@ async def deregister(request: web.Request) -> web.Response:
     body = parse_request(InstanceIdentity, await read_json(request))
     require_own_credential(request, body)
     state.registry.deregister(body.role, body.address)
-    state.forget_prefix(body.address)
     if state.cluster is not None:
         state.cluster.deregistered(body.role, body.address)
     return web.json_response({"status": "ok"})
@@ -137,7 +136,7 @@ async def deregister(request: web.Request) -> web.Response:
 
 async def list_instances(request: web.Request) -> web.Response:
     require_proof(request)
-    return web.json_response(request.app[STATE].registry.snapshot())
+    return web.json_response(request.app[STATE].instances())
 
 
 MANAGEMENT_ROUTES = RouteTable([

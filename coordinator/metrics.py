@@ -25,10 +25,19 @@ FAILURE_REASONS = {400: "bad_request", 404: "not_found", 408: "timeout", 413: "t
 
 
 class InstanceCollector:
-    """Per-instance health and outstanding work, read from the registry when scraped."""
+    """Per-instance health and outstanding work, read from the registry when scraped; with cache_affinity, the
+    blocks its KV index holds of each instance and the prompt tokens routed to each, and of those the ones it
+    expected the instance to hold."""
 
-    def __init__(self, registry):
+    def __init__(self, registry, index=None):
         self.instances = registry
+        self.index = index
+        self.routed_tokens = LoopCounter("pdserve_instance_routed_prompt_tokens",
+                                         "Prompt tokens of the requests routed to the instance.", ("role", "address"))
+        self.expected_cached = LoopCounter(
+            "pdserve_instance_expected_cached_tokens",
+            "Of the prompt tokens routed to the instance, those the KV index expected it to hold (cache_affinity): "
+            "over the routed ones, the expected prefix hit rate.", ("role", "address"))
 
     def collect(self):
         healthy = GaugeMetricFamily("pdserve_instance_healthy", "1 if the instance is routable, else 0.",
@@ -43,7 +52,16 @@ class InstanceCollector:
                 healthy.add_metric([role, i.address, i.state.value], 1.0 if i.available else 0.0)
                 requests.add_metric([role, i.address], i.outstanding_requests)
                 tokens.add_metric([role, i.address], i.outstanding_prompt_tokens)
-        return [healthy, requests, tokens]
+        families = [healthy, requests, tokens]
+        if self.index is not None:
+            blocks = GaugeMetricFamily("pdserve_instance_kv_index_blocks",
+                                       "KV blocks the instance holds in its prefix cache, as its KV events told "
+                                       "this coordinator.", labels=["role", "address"])
+            for role in ("prefill", "decode"):
+                for i in self.instances.instances(role):
+                    blocks.add_metric([role, i.address], self.index.blocks_of(i.address))
+            families += [blocks, self.routed_tokens.family(), self.expected_cached.family()]
+        return families
 
 
 class LoopHistogram:
@@ -184,10 +202,18 @@ class CoordinatorMetrics:
         for reason in AUTH_FAILURE_REASONS:
             self.auth_failures.labels(reason)  # every reason reads 0 from the start, for alerts on its rate
 
-    def watch(self, queue, registry) -> None:
-        """Read the queue length and every instance's health and load at scrape time."""
+    def watch(self, queue, registry, index=None) -> None:
+        """Read the queue length and every instance's health and load (and, given a KvIndex, what it holds of
+        each) at scrape time."""
         self.waiting.set_function(lambda: queue.num_waiting)
-        self.registry.register(InstanceCollector(registry))
+        self.instances = InstanceCollector(registry, index)
+        self.registry.register(self.instances)
+
+    def routed(self, role: str, address: str, prompt_tokens: int, expected_cached: int) -> None:
+        """A request routed to an instance the KV index priced (cache_affinity)."""
+        labels = (role, address)
+        self.instances.routed_tokens.inc(labels, prompt_tokens)
+        self.instances.expected_cached.inc(labels, expected_cached)
 
     def fail(self, api: str, status: int) -> None:
         self.failed.labels(api, FAILURE_REASONS.get(status, "client_error" if status < 500 else "server_error")).inc()
@@ -284,6 +310,9 @@ class NullMetrics:
         pass
 
     def auth_failed(self, reason: str) -> None:
+        pass
+
+    def routed(self, role: str, address: str, prompt_tokens: int, expected_cached: int) -> None:
         pass
 
 

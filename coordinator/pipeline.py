@@ -32,7 +32,7 @@ from coordinator.metrics import CoordinatorMetrics, NullMetrics
 from coordinator.request import GenerationEvent, GenerationRequest, TokenListener
 from coordinator.request_queue import RequestQueue
 from coordinator.request_trace import GenerationTrace
-from coordinator.scheduling.router import Router
+from coordinator.scheduling.router import Placement, Router
 from coordinator.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,15 @@ class RequestPipeline:
         finally:
             trace.finish()
 
+    def _routed(self, placement: Placement, prompt_tokens: int, trace: GenerationTrace) -> None:
+        prefill = placement.prefill.address if placement.prefill is not None else None
+        trace.route_chosen(prefill, placement.decode.address, prompt_tokens, placement.prefill_cached_tokens,
+                           placement.decode_cached_tokens)
+        if self.router.policy.prices_cache:
+            self.metrics.routed("decode", placement.decode.address, prompt_tokens, placement.decode_cached_tokens)
+            if prefill is not None:
+                self.metrics.routed("prefill", prefill, prompt_tokens, placement.prefill_cached_tokens)
+
     async def _attempts(self, request: GenerationRequest, max_tokens: int, deadline: float, timeout: float,
                         trace: GenerationTrace, listener: TokenListener | None):
         progress = Progress()
@@ -89,11 +98,11 @@ class RequestPipeline:
             trace.start_attempt(retries + migrations, migrating)
             try:
                 started = time.monotonic()
-                placement = self.router.route(request.prompt_token_ids + progress.token_ids,
-                                              exclude_decode=excluded["decode"], exclude_prefill=excluded["prefill"])
+                prompt = request.prompt_token_ids + progress.token_ids
+                placement = self.router.route(prompt, exclude_decode=excluded["decode"],
+                                              exclude_prefill=excluded["prefill"])
                 trace.phase("route", started, time.monotonic())
-                trace.route_chosen(placement.prefill.address if placement.prefill is not None else None,
-                                   placement.decode.address)
+                self._routed(placement, len(prompt), trace)
             except WorkerError as exc:
                 trace.end_attempt(exc.message)
                 if last is not None:  # no instance left to retry on: the failure itself says more

@@ -101,9 +101,14 @@ class GenerationTrace:
         """What the decode worker's spans hang from."""
         return tracing.traceparent_of(self._attempt)
 
-    def route_chosen(self, prefill: str | None, decode: str) -> None:
+    def route_chosen(self, prefill: str | None, decode: str, prompt_tokens: int = 0, prefill_cached: int = 0,
+                     decode_cached: int = 0) -> None:
+        """The attempt's instances, and the prompt tokens the KV index expected each to hold."""
         if self._attempt is not None:
-            self._attempt.set_attributes({"pdserve.decode": decode, "pdserve.prefill": prefill or "local"})
+            self._attempt.set_attributes({
+                "pdserve.decode": decode, "pdserve.prefill": prefill or "local", "pdserve.prompt_tokens": prompt_tokens,
+                "pdserve.prefill.expected_cached_tokens": prefill_cached,
+                "pdserve.decode.expected_cached_tokens": decode_cached})
 
     def end_attempt(self, error: str | None = None) -> None:
         if self._attempt is not None:

@@ -20,6 +20,7 @@ from guidance.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
     from coordinator.cluster.node import ClusterNode
+    from coordinator.kv_event_watch import KvEventWatch
 
 
 @dataclass
@@ -41,12 +42,16 @@ class CoordinatorState:
     grammars: GrammarCompiler | None = None  # guided-decoding grammars checked before any worker is used
     started_at: int = field(default_factory=lambda: int(time.time()))
     cluster: ClusterNode | None = None  # with backup_config.etcd_endpoints: the coordinators on etcd
+    kv_watch: KvEventWatch | None = None  # with cache_affinity: the workers' KV events, into its index
 
-    def forget_prefix(self, address: str) -> None:
-        """An instance left: cache affinity must stop sending prompts to its (lost) cache."""
-        index = getattr(self.router.policy, "index", None)
-        if index is not None:
-            index.forget(address)
+    def instances(self) -> dict:
+        """Every instance as GET /v1/instances shows it: with what the KV index holds of it, when there is one."""
+        snapshot = self.registry.snapshot()
+        if self.kv_watch is not None:
+            for group in snapshot.values():
+                for instance in group:
+                    instance["kv_index"] = self.kv_watch.index.describe(instance["address"])
+        return snapshot
 
 
 STATE = web.AppKey("state", CoordinatorState)

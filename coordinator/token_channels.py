@@ -2,7 +2,7 @@
 connection per worker, dialled in the background once the worker names its listener (a decode worker in an
 `accepted`, a prefill worker in a Prefill answer; until then, and whenever it is down, requests take gRPC
 calls). Decode requests or prefills go out on it; each frame's events go to the TokenSink of their request
-as the frame arrives."""
+as the frame arrives, and its KV events batches (once `watch_kv_events` asked for them) to `kv_events_sink`."""
 
 from __future__ import annotations
 
@@ -115,8 +115,12 @@ class TokenChannel(asyncio.Protocol):
         self.state = ChannelState.GREETING
         self.channel_id = ""
         self.answers_health = False  # the worker said so in its first frame (older workers cannot)
+        self.streams_kv_events = False  # likewise: it takes `watch_kv_events`
         self.sinks: dict[str, TokenSink] = {}
-        self.opened: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.kv_events_sink: Callable[[pb.KvEventBatch], None] | None = None
+        loop = asyncio.get_running_loop()
+        self.opened: asyncio.Future = loop.create_future()
+        self.closed: asyncio.Future = loop.create_future()  # done when the connection is gone
         self._reader = FrameReader()
         self._transport: asyncio.Transport | None = None
         self._lost_reason = ""  # set when the coordinator drops the channel itself
@@ -144,6 +148,9 @@ class TokenChannel(asyncio.Protocol):
                 if self.state is ChannelState.GREETING:
                     self._greeted(frame)
                     continue
+                if frame.kv_events and self.kv_events_sink is not None:
+                    for batch in frame.kv_events:
+                        self.kv_events_sink(batch)
                 sinks = self.sinks
                 for event in frame.events:
                     sink = sinks.get(event.request_id)
@@ -161,6 +168,7 @@ class TokenChannel(asyncio.Protocol):
             return
         self.channel_id = frame.channel_id
         self.answers_health = frame.answers_health
+        self.streams_kv_events = frame.streams_kv_events
         self.state = ChannelState.OPEN
         if not self.opened.done():
             self.opened.set_result(None)
@@ -170,6 +178,11 @@ class TokenChannel(asyncio.Protocol):
         sink = self.sinks[request_id] = TokenSink()
         self._send(request)
         return sink
+
+    def watch_kv_events(self, sink: Callable[[pb.KvEventBatch], None]) -> None:
+        """Have the worker send its KV events on this channel (a snapshot first; asked again, a new one) to `sink`."""
+        self.kv_events_sink = sink
+        self._send(pb.TokenChannelRequest(watch_kv_events=pb.WatchKvEventsRequest()))
 
     def release(self, request_id: str, cancel: bool) -> None:
         """Forget a request; with `cancel`, the worker still runs it and is told to stop."""
@@ -181,6 +194,8 @@ class TokenChannel(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = ChannelState.CLOSED
+        if not self.closed.done():
+            self.closed.set_result(None)
         if not self.opened.done():
             self.opened.set_exception(ConnectionError(f"closed before the worker named the channel: {exc}"))
             self.opened.exception()  # retrieved: the dialler reports it
@@ -222,6 +237,8 @@ class TokenChannels:
         self.tls = tls
         self.secret = secret
         self._channels: dict[str, TokenChannel] = {}
+        # Told of each channel that opens (the KV event watch moves its subscription onto it).
+        self.on_open: list[Callable[[str, TokenChannel], None]] = []
         self._dialling: dict[str, asyncio.Task] = {}
         self._failed_at: dict[str, float] = {}
 
@@ -269,6 +286,8 @@ class TokenChannels:
         if old is not None:
             old.close()
         self._channels[worker_address] = channel
+        for listener in self.on_open:
+            listener(worker_address, channel)
 
     def forget(self, worker_address: str) -> None:
         """Close the channel of a worker that left (and stop dialling it)."""

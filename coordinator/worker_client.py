@@ -361,6 +361,11 @@ class WorkerClient:
             raise self._lost.instead(exc, channel, role, address) from None
         return report_from_pb(reply)
 
+    def watch_kv_events(self, address: str):
+        """The worker's KvEvents.Watch call (a stream of pb.KvEventBatch: a snapshot, then every change)."""
+        _, stub = self._stub(pb_grpc.KvEventsStub, address)
+        return stub.Watch(pb.WatchKvEventsRequest(), metadata=secret_metadata(self._secret))
+
     async def lose(self, address: str, reason: str) -> None:
         """The worker at `address` was declared lost: every call in flight to it fails as UNAVAILABLE with
         `reason` (closing its connections), and the next call opens new ones."""

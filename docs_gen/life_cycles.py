@@ -16,6 +16,8 @@ LIFE_CYCLES = (
     ("Where a request's time went", "coordinator/request_trace.py"),
     ("A request on a prefill and a decode worker", "worker/engine/__init__.py"),
     ("A token channel", "worker/service/token_channel.py"),
+    ("A worker's KV events subscription", "worker/service/kv_event_log.py"),
+    ("A coordinator's watch of one worker's KV events", "coordinator/kv_event_watch.py"),
     ("A coordinator's leadership on etcd", "coordinator/cluster/leadership.py"),
     ("A worker's registration on etcd", "coordinator/cluster/registry_sync.py"),
 )

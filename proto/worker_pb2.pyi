@@ -307,18 +307,20 @@ class TokenChannelHello(_message.Message):
     def __init__(self, worker_secret: _Optional[str] = ...) -> None: ...
 
 class TokenChannelRequest(_message.Message):
-    __slots__ = ("decode", "cancel", "prefill", "health", "timeout_s")
+    __slots__ = ("decode", "cancel", "prefill", "health", "watch_kv_events", "timeout_s")
     DECODE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
+    WATCH_KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     decode: DecodeRequest
     cancel: str
     prefill: PrefillRequest
     health: str
+    watch_kv_events: WatchKvEventsRequest
     timeout_s: float
-    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., health: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., health: _Optional[str] = ..., watch_kv_events: _Optional[_Union[WatchKvEventsRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class ChannelError(_message.Message):
     __slots__ = ("code", "details", "reason")
@@ -347,13 +349,51 @@ class RoutedEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ..., error: _Optional[_Union[ChannelError, _Mapping]] = ..., prefilled: _Optional[_Union[PrefillResponse, _Mapping]] = ..., health: _Optional[_Union[HealthResponse, _Mapping]] = ...) -> None: ...
 
 class TokenChannelFrame(_message.Message):
-    __slots__ = ("channel_id", "events", "refused", "answers_health")
+    __slots__ = ("channel_id", "events", "refused", "answers_health", "kv_events", "streams_kv_events")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     ANSWERS_HEALTH_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
     events: _containers.RepeatedCompositeFieldContainer[RoutedEvent]
     refused: str
     answers_health: bool
-    def __init__(self, channel_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ..., refused: _Optional[str] = ..., answers_health: _Optional[bool] = ...) -> None: ...
+    kv_events: _containers.RepeatedCompositeFieldContainer[KvEventBatch]
+    streams_kv_events: bool
+    def __init__(self, channel_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ..., refused: _Optional[str] = ..., answers_health: _Optional[bool] = ..., kv_events: _Optional[_Iterable[_Union[KvEventBatch, _Mapping]]] = ..., streams_kv_events: _Optional[bool] = ...) -> None: ...
+
+class KvBlockEvent(_message.Message):
+    __slots__ = ("hash", "parent_hash", "num_tokens", "removed")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    parent_hash: bytes
+    num_tokens: int
+    removed: bool
+    def __init__(self, hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., removed: _Optional[bool] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("epoch", "seq", "reset", "snapshot", "role", "block_size", "events")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    reset: bool
+    snapshot: bool
+    role: str
+    block_size: int
+    events: _containers.RepeatedCompositeFieldContainer[KvBlockEvent]
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., snapshot: _Optional[bool] = ..., role: _Optional[str] = ..., block_size: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvBlockEvent, _Mapping]]] = ...) -> None: ...
+
+class WatchKvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

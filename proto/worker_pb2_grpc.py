@@ -346,3 +346,80 @@ class KvReceiver:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KvEventsStub:
+    """Served by every worker.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Watch = channel.unary_stream(
+                '/pdserve.v1.KvEvents/Watch',
+                request_serializer=proto_dot_worker__pb2.WatchKvEventsRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.KvEventBatch.FromString,
+                _registered_method=True)
+
+
+class KvEventsServicer:
+    """Served by every worker.
+    """
+
+    def Watch(self, request, context):
+        """A snapshot of the prefix cache (batches with `snapshot`, the first with `reset`), then every change as it
+        happens; a subscriber that falls too far behind gets a new snapshot instead of the changes it missed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KvEventsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=proto_dot_worker__pb2.WatchKvEventsRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.KvEventBatch.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.KvEvents', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.KvEvents', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KvEvents:
+    """Served by every worker.
+    """
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.KvEvents/Watch',
+            proto_dot_worker__pb2.WatchKvEventsRequest.SerializeToString,
+            proto_dot_worker__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

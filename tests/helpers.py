@@ -311,3 +311,22 @@ def one_route_app(handler) -> web.Application:
     app[METRICS] = CoordinatorMetrics()
     app[ROUTE_TABLE].add_to(app)
     return app
+
+
+def kv_blocks_batch(role: str, token_ids: list[int], block_size: int = 16, epoch: str = "epoch-1", seq: int = 0,
+                    reset: bool = True, removed: bool = False) -> pb.KvEventBatch:
+    """A worker's KV events batch for the full blocks of `token_ids`: by default a snapshot holding them; with
+    `reset` False, changes numbered up to `seq` (stored, or `removed`)."""
+    from kv_events.block_hash import ROOT_HASH, chain_hashes, hash_to_bytes
+
+    hashes = chain_hashes(token_ids, block_size)
+    events = []
+    for i, h in enumerate(hashes):
+        if removed:
+            events.append(pb.KvBlockEvent(hash=hash_to_bytes(h), removed=True))
+        else:
+            parent = hashes[i - 1] if i else ROOT_HASH
+            events.append(pb.KvBlockEvent(hash=hash_to_bytes(h), parent_hash=hash_to_bytes(parent) if i else b"",
+                                          num_tokens=block_size))
+    return pb.KvEventBatch(epoch=epoch, seq=seq, reset=reset, snapshot=reset, role=role, block_size=block_size,
+                           events=events)

@@ -52,7 +52,7 @@ class ClusterNode:
 
     @classmethod
     def from_config(cls, config: CoordinatorConfig, registry: InstanceRegistry, monitor: HealthMonitor,
-                    on_forget: Callable[[Instance], Awaitable[None]]) -> ClusterNode:
+                    on_forget: Callable[[Instance], Awaitable[None]] | None = None) -> ClusterNode:
         backup = config.backup_config
         name = coordinator_name(config)
         store = EtcdStore(backup.etcd_endpoints, backup.etcd_timeout_s, config.tls_config.etcd)

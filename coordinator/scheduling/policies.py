@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from coordinator.instances import Instance, RolePool
+from coordinator.scheduling.kv_index import NO_MATCH, CacheMatch, KvIndex
 from coordinator.scheduling.load_order import LoadOrder, nth_outside
-from coordinator.scheduling.prefix_index import PrefixIndex
 
 
 # Loads read only what an instance tells its pool of (state, reported, outstanding_*), so orders stay current.
@@ -31,10 +31,18 @@ class RoundRobinPolicy:
 
     Every policy picks from a RolePool (the registry's routable instances of one role, kept in address
     order) minus `exclude` (instances this request already failed on), and answers None when none is left.
+    `cached` maps the instances that hold a leading part of the prompt to its length in tokens (the
+    KvIndex's CacheMatch for that role; empty unless the policy has an index).
     """
+
+    prices_cache = False  # whether it routes on what the instances hold (its choices' expected hits are counted)
 
     def __init__(self):
         self._turn = {"prefill": 0, "decode": 0}
+
+    def match(self, prompt_token_ids: list[int]) -> CacheMatch:
+        """What each instance holds of the prompt: nothing known, for a policy without an index."""
+        return NO_MATCH
 
     def _next(self, pool: RolePool, ordered: list[str], exclude: Collection[str]) -> Instance | None:
         """The role's next turn among `ordered` (sorted addresses) outside `exclude`."""
@@ -44,15 +52,13 @@ class RoundRobinPolicy:
         self._turn[pool.role] += 1
         return pool.get(address)
 
-    def choose_prefill(self, pool: RolePool, prompt_token_ids: list[int],
+    def choose_prefill(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
                        exclude: Collection[str] = frozenset()) -> Instance | None:
         return self._next(pool, pool.routable, exclude)
 
-    def choose_decode(self, pool: RolePool, exclude: Collection[str] = frozenset()) -> Instance | None:
+    def choose_decode(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
+                      exclude: Collection[str] = frozenset()) -> Instance | None:
         return self._next(pool, pool.routable, exclude)
-
-    def on_prefill_routed(self, instance: Instance, prompt_token_ids: list[int]) -> None:
-        pass
 
 
 class LoadBalancePolicy(RoundRobinPolicy):
@@ -74,43 +80,69 @@ class LoadBalancePolicy(RoundRobinPolicy):
         least = self._order(pool, load).least(exclude)
         return None if least is None else self._next(pool, least[1], exclude)
 
-    def choose_prefill(self, pool: RolePool, prompt_token_ids: list[int],
+    def choose_prefill(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
                        exclude: Collection[str] = frozenset()) -> Instance | None:
         return self._least(pool, exclude, prefill_load)
 
-    def choose_decode(self, pool: RolePool, exclude: Collection[str] = frozenset()) -> Instance | None:
+    def choose_decode(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
+                      exclude: Collection[str] = frozenset()) -> Instance | None:
         return self._least(pool, exclude, decode_load)
 
 
 class CacheAffinityPolicy(LoadBalancePolicy):
-    """Prefill on the instance that most recently served the longest shared prompt prefix, unless
-    its load passes `max_load_ratio` x the least loaded one's + `slack_tokens`; else least loaded."""
+    """The cheapest instance by what it holds of the prompt (the KvIndex, from the workers' KV events) and its load:
 
-    def __init__(self, block_tokens: int = 16, max_load_ratio: float = 2.0, slack_tokens: int = 4096):
+    - prefill: uncached prompt tokens + `prefill_load_weight` x its queued prompt tokens (the tokens it must
+      compute before this request's first token);
+    - decode: uncached prompt tokens (to transfer, or to prefill locally) + `decode_load_weight` x its running
+      sequences, so a conversation's next turn goes back to the decode worker that holds it unless that one
+      carries that much more load.
+    Only the least loaded instance and those holding part of the prompt are priced, so a request costs the same
+    whatever the size of the fleet.
+    """
+
+    prices_cache = True
+
+    def __init__(self, index: KvIndex, prefill_load_weight: float = 1.0, decode_load_weight: float = 64.0):
         super().__init__()
-        self.index = PrefixIndex(block_tokens)
-        self.max_load_ratio = max_load_ratio
-        self.slack_tokens = slack_tokens
+        self.index = index
+        self.prefill_load_weight = prefill_load_weight
+        self.decode_load_weight = decode_load_weight
 
-    def choose_prefill(self, pool: RolePool, prompt_token_ids: list[int],
+    def match(self, prompt_token_ids: list[int]) -> CacheMatch:
+        return self.index.match(prompt_token_ids)
+
+    def _cheapest(self, pool: RolePool, prompt_len: int, cached: dict[str, int], exclude: Collection[str],
+                  load: Callable[[Instance], float], weight: float) -> Instance | None:
+        best = self._least(pool, exclude, load)
+        if best is None or not cached:
+            return best
+        best_cost = prompt_len - cached.get(best.address, 0) + weight * load(best)
+        for address, tokens in cached.items():
+            if address in exclude or not pool.is_routable(address):
+                continue
+            instance = pool.get(address)
+            cost = prompt_len - tokens + weight * load(instance)
+            if cost < best_cost:
+                best, best_cost = instance, cost
+        return best
+
+    def choose_prefill(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
                        exclude: Collection[str] = frozenset()) -> Instance | None:
-        owner, matched = self.index.longest_match(prompt_token_ids)
-        if matched and owner not in exclude and pool.is_routable(owner):
-            affine = pool.get(owner)
-            least, _ = self._order(pool, prefill_load).least(exclude)
-            if prefill_load(affine) <= least * self.max_load_ratio + self.slack_tokens:
-                return affine
-        return super().choose_prefill(pool, prompt_token_ids, exclude)
+        return self._cheapest(pool, prompt_len, cached, exclude, prefill_load, self.prefill_load_weight)
 
-    def on_prefill_routed(self, instance: Instance, prompt_token_ids: list[int]) -> None:
-        self.index.record(prompt_token_ids, instance.address)
+    def choose_decode(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
+                      exclude: Collection[str] = frozenset()) -> Instance | None:
+        return self._cheapest(pool, prompt_len, cached, exclude, decode_load, self.decode_load_weight)
 
 
-def make_policy(config) -> RoundRobinPolicy:
-    """The policy named by a SchedulerConfig."""
+def make_policy(config, index: KvIndex | None = None) -> RoundRobinPolicy:
+    """The policy named by a SchedulerConfig (cache_affinity routes on `index`)."""
     if config.algorithm_type == "load_balance":
         return LoadBalancePolicy()
     if config.algorithm_type == "cache_affinity":
-        return CacheAffinityPolicy(config.cache_affinity_block_tokens, config.cache_affinity_max_load_ratio,
-                                   config.cache_affinity_load_slack_tokens)
+        if index is None:
+            raise ValueError("cache_affinity routes on a KvIndex")
+        return CacheAffinityPolicy(index, config.cache_affinity_prefill_load_weight,
+                                   config.cache_affinity_decode_load_weight)
     return RoundRobinPolicy()

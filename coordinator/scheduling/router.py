@@ -11,10 +11,13 @@ from coordinator.scheduling.policies import RoundRobinPolicy
 
 @dataclass(frozen=True)
 class Placement:
-    """The workers that serve one request; no prefill instance means the decode worker prefills."""
+    """The workers that serve one request; no prefill instance means the decode worker prefills. The cached
+    counts are what the index expected each to hold of the prompt when it was chosen."""
 
     prefill: Instance | None
     decode: Instance
+    prefill_cached_tokens: int = 0
+    decode_cached_tokens: int = 0
 
     def instance(self, role: str) -> Instance | None:
         return self.prefill if role == "prefill" else self.decode
@@ -29,28 +32,23 @@ class Router:
         self.policy = policy
         self.local_prefill_max_tokens = local_prefill_max_tokens
 
-    def choose_decode(self, exclude: set[str] = frozenset()) -> Instance:
-        choice = self.policy.choose_decode(self.registry.pool("decode"), exclude)
-        if choice is None:
-            raise WorkerError(_none_left("decode", self.registry, exclude))
-        return choice
-
-    def choose_prefill(self, prompt_token_ids: list[int], exclude: set[str] = frozenset()) -> Instance | None:
-        """A prefill instance, or None when none is left outside `exclude`."""
-        choice = self.policy.choose_prefill(self.registry.pool("prefill"), prompt_token_ids, exclude)
-        if choice is not None:
-            self.policy.on_prefill_routed(choice, prompt_token_ids)
-        return choice
-
     def route(self, prompt_token_ids: list[int], exclude_decode: set[str] = frozenset(),
               exclude_prefill: set[str] = frozenset()) -> Placement:
-        decode = self.choose_decode(exclude_decode)
-        if len(prompt_token_ids) < self.local_prefill_max_tokens:
-            return Placement(None, decode)
-        prefill = self.choose_prefill(prompt_token_ids, exclude_prefill)
+        """The decode instance first; then, unless the part of the prompt it does not hold is shorter than
+        local_prefill_max_tokens (it prefills that itself), a prefill instance."""
+        policy, registry = self.policy, self.registry
+        match = policy.match(prompt_token_ids)
+        prompt_len = len(prompt_token_ids)
+        decode = policy.choose_decode(registry.pool("decode"), prompt_len, match.decode, exclude_decode)
+        if decode is None:
+            raise WorkerError(_none_left("decode", registry, exclude_decode))
+        decode_cached = match.decode.get(decode.address, 0)
+        if prompt_len - decode_cached < self.local_prefill_max_tokens:
+            return Placement(None, decode, decode_cached_tokens=decode_cached)
+        prefill = policy.choose_prefill(registry.pool("prefill"), prompt_len, match.prefill, exclude_prefill)
         if prefill is None:
-            raise WorkerError(_none_left("prefill", self.registry, exclude_prefill))
-        return Placement(prefill, decode)
+            raise WorkerError(_none_left("prefill", registry, exclude_prefill))
+        return Placement(prefill, decode, match.prefill.get(prefill.address, 0), decode_cached)
 
 
 def _none_left(role: str, registry: InstanceRegistry, exclude: set[str]) -> str:

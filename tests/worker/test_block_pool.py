@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.engine.block_hash import ROOT_HASH, block_hash, chain_hashes
+from kv_events.block_hash import ROOT_HASH, block_hash, chain_hashes
 from worker.engine.block_pool import BlockPool, BlockTable
 
 

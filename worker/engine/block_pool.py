@@ -7,6 +7,9 @@ prompt with the same leading tokens takes it instead of recomputing it. Cached b
 least recently released first, only when a free block is needed.
 
 Block 0 is never handed out: attention reads it (zeros) wherever a padded row has no token.
+
+A `listener` (the worker's KV event log) hears of every block the cache stores and removes, under the pool's
+lock, so a snapshot (`registered_blocks`) and the changes after it never disagree.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from worker.engine.block_hash import ROOT_HASH, block_hash, chain_hashes
+from kv_events.block_hash import ROOT_HASH, block_hash, chain_hashes
 
 NULL_BLOCK = 0
 
@@ -31,6 +35,13 @@ class BlockTable:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+
+class CacheListener(Protocol):
+    """Hears of the prefix cache's changes (called with the pool's lock held: it must only record them)."""
+
+    def stored(self, block_hash: int, parent_hash: int, num_tokens: int) -> None: ...
+    def removed(self, block_hash: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,7 @@ class BlockPool:
         self.prefix_caching = prefix_caching
         self._refs = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
+        self._parent = [ROOT_HASH] * num_blocks  # the hash of the block before a hashed one, for its events
         self._free: deque[int] = deque(range(1, num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed blocks, oldest first
         self._by_hash: dict[int, int] = {}
@@ -70,6 +82,7 @@ class BlockPool:
         self._fresh: list[int] = []
         self.hit_tokens = 0
         self.queried_tokens = 0
+        self.listener: CacheListener | None = None
 
     # figures ---------------------------------------------------------------------------------
     @property
@@ -128,13 +141,27 @@ class BlockPool:
             return
         hashes = chain_hashes(token_ids[: num_computed], self.block_size, table.hashes[-1] if start else ROOT_HASH,
                               start)
+        listener = self.listener
         with self._lock:
+            parent = table.hashes[-1] if start else ROOT_HASH
             for block, h in zip(table.block_ids[start:], hashes):
                 if h not in self._by_hash and self._hash[block] is None:
                     self._hash[block] = h
+                    self._parent[block] = parent
                     self._by_hash[h] = block
+                    if listener is not None:
+                        listener.stored(h, parent, self.block_size)
                 # else: the same contents were computed elsewhere too; this copy is freed, not cached
+                parent = h
         table.hashes.extend(hashes)
+
+    def registered_blocks(self, listener: CacheListener | None = None) -> list[tuple[int, int]]:
+        """(hash, parent hash) of every block the cache holds now; with `listener`, it hears of every change after
+        this moment from now on (one atomic step: no change falls between the list and the first event)."""
+        with self._lock:
+            if listener is not None:
+                self.listener = listener
+            return [(h, self._parent[block]) for h, block in self._by_hash.items()]
 
     def has_unregistered_full_block(self, table: BlockTable, num_computed: int) -> bool:
         """Whether `register` would record anything: a growing sequence fills a block only every block_size tokens."""
@@ -163,6 +190,7 @@ class BlockPool:
             self.num_blocks += n
             self._refs.extend([0] * n)
             self._hash.extend([None] * n)
+            self._parent.extend([ROOT_HASH] * n)
             self._ever_used.extend(bytes(n))
             self._free.extend(range(first, first + n))
 
@@ -200,7 +228,10 @@ class BlockPool:
                 self._fresh.append(block)
         else:
             block, _ = self._cached.popitem(last=False)  # evict the least recently released
-            del self._by_hash[self._hash[block]]
+            evicted = self._hash[block]
+            del self._by_hash[evicted]
             self._hash[block] = None
+            if self.listener is not None:
+                self.listener.removed(evicted)
         self._refs[block] = 1
         return block

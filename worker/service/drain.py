@@ -23,6 +23,7 @@ class DrainGate:
         self._idle = asyncio.Event()
         self._idle.set()
         self._abandoned = asyncio.Event()
+        self._on_drain: list = []
 
     @contextlib.contextmanager
     def request(self):
@@ -36,8 +37,14 @@ class DrainGate:
             if self.in_flight == 0:
                 self._idle.set()
 
+    def on_drain(self, callback) -> None:
+        """Call `callback()` when draining starts (long-lived streams end then, not at the server's stop)."""
+        self._on_drain.append(callback)
+
     def start_draining(self) -> None:
         self.draining = True
+        for callback in self._on_drain:
+            callback()
 
     def abandon(self) -> None:
         """Stop waiting for requests in flight (a second signal: the operator wants out now)."""

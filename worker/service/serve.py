@@ -6,6 +6,8 @@ The backend is picked like SGLang's KV transports: one set of servicers, engines
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from kv_transfer.grpc_transport import GRPC_OPTIONS, GrpcKvSender, KvReceiverServicer
@@ -19,6 +21,7 @@ from worker.engine.decode_backend import DecodeBackend
 from worker.engine.prefill_backend import PrefillBackend
 from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate
+from worker.service.kv_event_log import KvEventLog, KvEventsServicer
 from worker.service.lifecycle import serve_until_stopped
 from worker.service.options import SimulatedBackend, WorkerOptions
 from worker.service.servicers import DecodeServicer, PrefillServicer
@@ -46,13 +49,14 @@ async def serve(options: WorkerOptions) -> None:
         tracing.shutdown()  # the last requests' spans are exported, not lost
 
 
-async def open_token_channels(servicer, kind: str, options: WorkerOptions, trust: WorkerTrust, closers: list) -> None:
+async def open_token_channels(servicer, kind: str, options: WorkerOptions, trust: WorkerTrust, closers: list,
+                              kv_events: KvEventLog) -> None:
     """Listen for coordinators' token channels (unless --token-channel-port is -1); the servicer names the
     listener in its answers."""
     if options.token_channel_port < 0:
         return
     channels = TokenChannelListener(servicer.serve_on_channel, servicer.health_now, trust.worker_secret,
-                                    trust.grpc_server, kind)
+                                    trust.grpc_server, kind, kv_events)
     port = await channels.start(options.host, options.token_channel_port)
     servicer.token_channel_address = f"{options.public_host}:{port}"
     closers.append(channels.stop)
@@ -68,13 +72,17 @@ async def _serve(options: WorkerOptions) -> None:
     health = StandardHealth(options.role)
     await health.not_serving_yet()
     health.add_to(server)
+    # Every coordinator this worker serves follows its prefix cache, on a token channel or a Watch stream.
+    kv_events = KvEventLog(engine.pool, options.role, asyncio.get_running_loop())
+    pb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events), server)
+    gate.on_drain(kv_events.close)
     closers = []
     if options.role == "prefill":
         grpc_sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s,
                                    tls=trust.grpc_client)
         tcp_sender = TcpKvSender(options.kv_chunk_bytes, tls=trust.kv_client)
         servicer = PrefillServicer(engine, grpc_sender, tcp_sender, options.kv_lease_timeout_s, metrics, gate)
-        await open_token_channels(servicer, "prefill", options, trust, closers)
+        await open_token_channels(servicer, "prefill", options, trust, closers, kv_events)
         pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
         closers.append(grpc_sender.close)
     else:
@@ -97,7 +105,7 @@ async def _serve(options: WorkerOptions) -> None:
             kv_data_address = f"{options.public_host}:{await receiver.start(options.host, options.kv_data_port)}"
             closers.append(receiver.stop)
         servicer = DecodeServicer(engine, kv_data_address, tokens, metrics, gate)
-        await open_token_channels(servicer, "decode", options, trust, closers)
+        await open_token_channels(servicer, "decode", options, trust, closers, kv_events)
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(sink), server)
 

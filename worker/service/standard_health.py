@@ -10,8 +10,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from proto import worker_pb2 as pb
 
 SERVICES_OF_ROLE = {  # the pdserve services a worker of each role serves, by their full names
-    "prefill": ("PrefillService",),
-    "decode": ("DecodeService", "KvReceiver"),
+    "prefill": ("PrefillService", "KvEvents"),
+    "decode": ("DecodeService", "KvReceiver", "KvEvents"),
 }
 
 

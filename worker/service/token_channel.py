@@ -12,8 +12,10 @@ Life of a channel:
      servicer code, with a context whose abort becomes an `error` event, under its `timeout_s`; its
      accepted, tokens, answer and error are queued as events, and the queue is written as one frame
      when the event loop turn that filled it ends. `cancel` ends one at once; `health` is answered at
-     once, as the Health call. A request of the other role's kind is refused with UNIMPLEMENTED.
-  4. When the connection closes, its requests are cancelled and released.
+     once, as the Health call; `watch_kv_events` subscribes the channel to the worker's KV events (a
+     snapshot, then every change, in the frames' `kv_events`; asked again, a new snapshot). A request of the
+     other role's kind is refused with UNIMPLEMENTED.
+  4. When the connection closes, its requests are cancelled and released, and its KV events subscription ends.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from proto.token_channel import (HELLO_TIMEOUT_S, MAX_FRAME_BYTES, MAX_HELLO_BYT
                                  FrameReader, encode_frame)
 from security.secrets import SecretFile
 from security.tls import LinkTls
+from worker.service.kv_event_log import KvEventLog
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,8 @@ class CoordinatorConnection(asyncio.Protocol):
         self.tasks: dict[str, asyncio.Task] = {}  # the decodes running for this channel, by request id
         self._reader = FrameReader(MAX_HELLO_BYTES)
         self._pending: list[pb.RoutedEvent] = []
+        self._pending_kv: list[pb.KvEventBatch] = []
+        self._watching_kv = False
         self._transport: asyncio.Transport | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
 
@@ -118,6 +123,9 @@ class CoordinatorConnection(asyncio.Protocol):
         if kind == "health":
             self._answer_health(request.health)
             return
+        if kind == "watch_kv_events":
+            self._watch_kv_events()
+            return
         body = getattr(request, kind) if kind is not None else None
         request_id = body.request_id if body is not None else ""
         if kind != self.listener.kind:
@@ -138,6 +146,21 @@ class CoordinatorConnection(asyncio.Protocol):
             logger.exception("health probe on token channel %s failed", self.channel_id)
             self.send_error(probe_id, grpc.StatusCode.UNKNOWN.name, f"unexpected error on the worker: {exc}")
 
+    def _watch_kv_events(self) -> None:
+        log = self.listener.kv_events
+        if log is None:
+            self.send_error("", "UNIMPLEMENTED", "this worker publishes no KV events")
+            return
+        log.unsubscribe(self.send_kv_events)  # asked again: a fresh snapshot (the coordinator lost track)
+        self._watching_kv = True
+        log.subscribe(self.send_kv_events)
+
+    def send_kv_events(self, batch: pb.KvEventBatch) -> None:
+        """Queue a KV events batch for this turn's frame."""
+        if not self._pending and not self._pending_kv:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending_kv.append(batch)
+
     def _greet(self, frame: bytes) -> None:
         hello = pb.TokenChannelHello()
         try:
@@ -151,7 +174,8 @@ class CoordinatorConnection(asyncio.Protocol):
         self.state = ChannelState.OPEN
         self._reader.max_frame_bytes = MAX_FRAME_BYTES  # a decode request carries a prompt and maybe a grammar
         self.listener.channels[self.channel_id] = self
-        self._write(pb.TokenChannelFrame(channel_id=self.channel_id, answers_health=True))
+        self._write(pb.TokenChannelFrame(channel_id=self.channel_id, answers_health=True,
+                                         streams_kv_events=self.listener.kv_events is not None))
 
     def _refuse(self, reason: str) -> None:
         logger.warning("token channel refused: %s", reason)
@@ -169,15 +193,16 @@ class CoordinatorConnection(asyncio.Protocol):
 
     def send(self, event: pb.RoutedEvent) -> None:
         """Queue an event; the first one queued in a loop turn schedules the turn's single write."""
-        if not self._pending:
+        if not self._pending and not self._pending_kv:
             asyncio.get_running_loop().call_soon(self._flush)
         self._pending.append(event)
 
     def _flush(self) -> None:
         events, self._pending = self._pending, []
+        kv_events, self._pending_kv = self._pending_kv, []
         if self.state is not ChannelState.OPEN:
             return
-        self._write(pb.TokenChannelFrame(events=events))
+        self._write(pb.TokenChannelFrame(events=events, kv_events=kv_events))
         if self._transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
             logger.warning("token channel %s: the coordinator stopped reading; closing it", self.channel_id)
             self._transport.abort()
@@ -190,6 +215,8 @@ class CoordinatorConnection(asyncio.Protocol):
             self._hello_timer.cancel()
         self.state = ChannelState.CLOSED
         self.listener.channels.pop(self.channel_id, None)
+        if self._watching_kv:
+            self.listener.kv_events.unsubscribe(self.send_kv_events)
         for task in self.tasks.values():  # nobody reads their events any more
             task.cancel()
 
@@ -198,12 +225,13 @@ class TokenChannelListener:
     """Accepts coordinators' token channels; `channels` maps each open one's id to it."""
 
     def __init__(self, serve, health, secret: SecretFile | None = None, tls: LinkTls | None = None,
-                 kind: str = "decode"):
+                 kind: str = "decode", kv_events: KvEventLog | None = None):
         # serve(channel, request, timeout_s): runs one request of a channel, a pb.DecodeRequest or, with
         # kind "prefill", a pb.PrefillRequest; health(): the worker's pb.HealthResponse now
         self.serve = serve
         self.health = health
         self.kind = kind
+        self.kv_events = kv_events  # this worker's KV event log, for `watch_kv_events`
         self.secret = secret
         self.tls = tls
         self.channels: dict[str, CoordinatorConnection] = {}

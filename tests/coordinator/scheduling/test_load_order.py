@@ -15,18 +15,18 @@ from coordinator.scheduling.policies import (
     decode_load,
     prefill_load,
 )
-from coordinator.scheduling.prefix_index import PrefixIndex
+from coordinator.scheduling.kv_index import KvIndex
 from coordinator.scheduling.router import Router
+from tests.helpers import kv_blocks_batch
 
 
 class ScanningPolicies:
-    """The policies as they were: every candidate looked at per request (the reference the orders must match)."""
+    """The policies with every candidate looked at per request (the reference the orders must match)."""
 
-    def __init__(self, algorithm: str, block_tokens: int = 4, max_load_ratio: float = 2.0, slack_tokens: int = 64):
+    def __init__(self, algorithm: str, prefill_weight: float = 1.0, decode_weight: float = 64.0):
         self.algorithm = algorithm
         self.turn = {"prefill": 0, "decode": 0}
-        self.index = PrefixIndex(block_tokens)
-        self.max_load_ratio, self.slack_tokens = max_load_ratio, slack_tokens
+        self.weights = {"prefill": prefill_weight, "decode": decode_weight}
 
     def _next(self, role, candidates):
         ordered = sorted(candidates, key=lambda i: i.address)
@@ -38,34 +38,27 @@ class ScanningPolicies:
         lowest = min(load(i) for i in candidates)
         return self._next(role, [i for i in candidates if load(i) == lowest])
 
-    def choose_decode(self, candidates):
+    def choose(self, role, candidates, prompt_len, cached):
         if self.algorithm == "round_robin":
-            return self._next("decode", candidates)
-        return self._least("decode", candidates, decode_load)
-
-    def choose_prefill(self, candidates, prompt):
-        if self.algorithm == "round_robin":
-            return self._next("prefill", candidates)
+            return self._next(role, candidates)
+        load = prefill_load if role == "prefill" else decode_load
+        best = self._least(role, candidates, load)
         if self.algorithm == "cache_affinity":
-            owner, matched = self.index.longest_match(prompt)
-            affine = next((i for i in candidates if i.address == owner), None) if matched else None
-            if affine is not None:
-                least = min(prefill_load(i) for i in candidates)
-                if prefill_load(affine) <= least * self.max_load_ratio + self.slack_tokens:
-                    self.index.record(prompt, affine.address)
-                    return affine
-        choice = self._least("prefill", candidates, prefill_load)
-        if self.algorithm == "cache_affinity":
-            self.index.record(prompt, choice.address)
-        return choice
+            weight = self.weights[role]
+            best_cost = prompt_len - cached.get(best.address, 0) + weight * load(best)
+            for address, tokens in cached.items():
+                instance = next((i for i in candidates if i.address == address), None)
+                if instance is not None and prompt_len - tokens + weight * load(instance) < best_cost:
+                    best, best_cost = instance, prompt_len - tokens + weight * load(instance)
+        return best
 
 
-def make_policy(algorithm: str):
+def make_policy(algorithm: str, index: KvIndex):
     if algorithm == "round_robin":
         return RoundRobinPolicy()
     if algorithm == "load_balance":
         return LoadBalancePolicy()
-    return CacheAffinityPolicy(block_tokens=4, max_load_ratio=2.0, slack_tokens=64)
+    return CacheAffinityPolicy(index)
 
 
 def test_nth_outside_counts_round_the_addresses_left():
@@ -98,10 +91,15 @@ def test_a_load_order_follows_changes_and_leaves_with_the_instance():
 def test_picks_match_a_scan_of_every_candidate(algorithm, seed):
     rng = random.Random(seed)
     registry = InstanceRegistry([f"p{i}:1" for i in range(6)], [f"d{i}:1" for i in range(6)], failure_threshold=2)
-    router = Router(registry, make_policy(algorithm))
+    index = KvIndex()
+    router = Router(registry, make_policy(algorithm, index))
     reference = ScanningPolicies(algorithm)
-    prompts = [[rng.randrange(3)] * 4 + [rng.randrange(50) for _ in range(rng.randrange(12))] for _ in range(20)]
+    prompts = [[rng.randrange(3)] * 16 + [rng.randrange(50) for _ in range(rng.randrange(40))] for _ in range(20)]
+    for address in [f"{role}{i}:1" for role in "pd" for i in range(8)]:  # what each instance's cache holds
+        held = [t for p in rng.sample(prompts, 3) for t in p]
+        index.apply(address, kv_blocks_batch("prefill" if address[0] == "p" else "decode", held[:rng.randrange(64)]))
     leases = []
+    priced = 0  # picks where some instance held part of the prompt
     for step in range(1500):
         action = rng.random()
         role = rng.choice(["prefill", "decode"])
@@ -109,12 +107,11 @@ def test_picks_match_a_scan_of_every_candidate(algorithm, seed):
             prompt = rng.choice(prompts)
             exclude = {f"{role[0]}{rng.randrange(8)}:1" for _ in range(rng.choice([0, 0, 0, 1, 2, 5]))}
             candidates = registry.available(role, exclude)
-            if role == "decode":
-                expected = reference.choose_decode(candidates) if candidates else None
-                chosen = router.policy.choose_decode(registry.pool("decode"), exclude)
-            else:
-                expected = reference.choose_prefill(candidates, prompt) if candidates else None
-                chosen = router.choose_prefill(prompt, exclude)
+            cached = router.policy.match(prompt).of(role)
+            priced += bool(cached)
+            expected = reference.choose(role, candidates, len(prompt), cached) if candidates else None
+            choose = router.policy.choose_prefill if role == "prefill" else router.policy.choose_decode
+            chosen = choose(registry.pool(role), len(prompt), cached, exclude)
             assert chosen is expected, (step, role, exclude)
             if chosen is not None and rng.random() < 0.7:
                 lease = registry.lease(chosen, prompt_tokens=len(prompt) * 10 if role == "prefill" else 0)
@@ -140,3 +137,4 @@ def test_picks_match_a_scan_of_every_candidate(algorithm, seed):
                 registry.deregister(role, instance.address)
             else:
                 registry.register(role, f"{role[0]}{rng.randrange(8)}:1")
+    assert (priced > 100) == (algorithm == "cache_affinity")

@@ -8,8 +8,10 @@ import pytest
 
 from coordinator.errors import WorkerError
 from coordinator.instances import InstanceRegistry, ReportedLoad
+from coordinator.scheduling.kv_index import KvIndex
 from coordinator.scheduling.policies import CacheAffinityPolicy, LoadBalancePolicy, RoundRobinPolicy
 from coordinator.scheduling.router import Router
+from tests.helpers import kv_blocks_batch
 
 
 def make_registry(num_prefill: int = 3, num_decode: int = 3) -> InstanceRegistry:
@@ -40,7 +42,7 @@ def test_load_balance_picks_the_prefill_with_fewest_queued_prompt_tokens():
     for address, queued in (("p0:1", 900), ("p1:1", 100), ("p2:1", 400)):
         registry.get("prefill", address).reported = ReportedLoad(queued_prompt_tokens=queued)
     policy = LoadBalancePolicy()
-    assert policy.choose_prefill(registry.pool("prefill"), prompt(8)).address == "p1:1"
+    assert policy.choose_prefill(registry.pool("prefill"), 8, {}).address == "p1:1"
 
 
 def test_load_balance_counts_work_sent_since_the_last_report():
@@ -48,7 +50,7 @@ def test_load_balance_counts_work_sent_since_the_last_report():
     registry.get("prefill", "p0:1").reported = ReportedLoad(queued_prompt_tokens=100)
     registry.get("prefill", "p1:1").outstanding_prompt_tokens = 500  # sent after its last report said 0
     policy = LoadBalancePolicy()
-    assert policy.choose_prefill(registry.pool("prefill"), prompt(8)).address == "p0:1"
+    assert policy.choose_prefill(registry.pool("prefill"), 8, {}).address == "p0:1"
 
 
 def test_load_balance_picks_the_decode_with_fewest_sequences_then_least_kv_use():
@@ -56,7 +58,7 @@ def test_load_balance_picks_the_decode_with_fewest_sequences_then_least_kv_use()
     registry.get("decode", "d0:1").reported = ReportedLoad(num_running=4, kv_used_tokens=10, kv_capacity_tokens=100)
     registry.get("decode", "d1:1").reported = ReportedLoad(num_running=2, kv_used_tokens=90, kv_capacity_tokens=100)
     registry.get("decode", "d2:1").reported = ReportedLoad(num_running=2, kv_used_tokens=20, kv_capacity_tokens=100)
-    assert LoadBalancePolicy().choose_decode(registry.pool("decode")).address == "d2:1"
+    assert LoadBalancePolicy().choose_decode(registry.pool("decode"), 8, {}).address == "d2:1"
 
 
 def test_load_balance_spreads_a_burst_over_idle_instances():
@@ -64,48 +66,72 @@ def test_load_balance_spreads_a_burst_over_idle_instances():
     policy = LoadBalancePolicy()
     chosen = Counter()
     for _ in range(8):
-        instance = policy.choose_decode(registry.pool("decode"))
+        instance = policy.choose_decode(registry.pool("decode"), 8, {})
         instance.outstanding_requests += 1  # what the pipeline does while the request runs
         chosen[instance.address] += 1
     assert set(chosen.values()) == {2}
 
 
-def test_cache_affinity_sends_a_shared_prefix_back_to_the_same_prefill():
+def affinity_router(registry: InstanceRegistry, local_prefill_max_tokens: int = 0,
+                    **weights) -> tuple[Router, KvIndex]:
+    index = KvIndex()
+    return Router(registry, CacheAffinityPolicy(index, **weights), local_prefill_max_tokens), index
+
+
+def test_cache_affinity_sends_a_prompt_to_the_prefill_instance_holding_its_prefix():
     registry = make_registry()
-    router = Router(registry, CacheAffinityPolicy(block_tokens=4))
-    first = router.route(prompt(40)).prefill
-    others = {router.route(prompt(40, start=1000 + 100 * i)).prefill.address for i in range(4)}
-    assert len(others) > 1  # unrelated prompts still spread
-    assert router.route(prompt(40) + [7, 7, 7]).prefill is first  # same 40-token prefix, longer prompt
+    router, index = affinity_router(registry)
+    index.apply("p2:1", kv_blocks_batch("prefill", prompt(48)))
+    placement = router.route(prompt(48) + [7, 7, 7])
+    assert placement.prefill.address == "p2:1" and placement.prefill_cached_tokens == 48
+    assert {router.route(prompt(40, start=1000 + 100 * i)).prefill.address for i in range(6)} == {
+        "p0:1", "p1:1", "p2:1"}  # prompts nobody holds spread by load
 
 
-def test_cache_affinity_prefers_the_instance_with_the_longest_shared_prefix():
+def test_cache_affinity_prefers_the_instance_holding_the_longest_prefix():
     registry = make_registry()
-    policy = CacheAffinityPolicy(block_tokens=4)
-    policy.on_prefill_routed(registry.get("prefill", "p0:1"), prompt(8))
-    policy.on_prefill_routed(registry.get("prefill", "p2:1"), prompt(32))
-    assert policy.choose_prefill(registry.pool("prefill"), prompt(24) + [5]).address == "p2:1"
+    router, index = affinity_router(registry)
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(16)))
+    index.apply("p2:1", kv_blocks_batch("prefill", prompt(64)))
+    assert router.route(prompt(64) + [5]).prefill.address == "p2:1"
 
 
-def test_cache_affinity_gives_way_when_the_affine_instance_is_overloaded():
+def test_cache_affinity_weighs_queued_tokens_against_cached_ones():
     registry = make_registry()
-    policy = CacheAffinityPolicy(block_tokens=4, max_load_ratio=2.0, slack_tokens=100)
-    policy.on_prefill_routed(registry.get("prefill", "p0:1"), prompt(32))
-    registry.get("prefill", "p0:1").outstanding_prompt_tokens = 150
-    registry.get("prefill", "p1:1").outstanding_prompt_tokens = 20
-    registry.get("prefill", "p2:1").outstanding_prompt_tokens = 30
-    # 150 <= 2 * 20 + 100 = 140 is false: the least loaded instance wins.
-    assert policy.choose_prefill(registry.pool("prefill"), prompt(32)).address == "p1:1"
-    registry.get("prefill", "p0:1").outstanding_prompt_tokens = 130
-    assert policy.choose_prefill(registry.pool("prefill"), prompt(32)).address == "p0:1"
+    router, index = affinity_router(registry)
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(64)))
+    registry.get("prefill", "p0:1").outstanding_prompt_tokens = 50  # 100 - 64 + 50 = 86 < 100 on an idle one
+    assert router.route(prompt(100)).prefill.address == "p0:1"
+    registry.get("prefill", "p0:1").outstanding_prompt_tokens = 70  # 106 > 100
+    assert router.route(prompt(100)).prefill.address != "p0:1"
+
+
+def test_cache_affinity_sends_a_conversation_back_to_the_decode_instance_holding_it_unless_overloaded():
+    registry = make_registry(num_decode=2)
+    router, index = affinity_router(registry, decode_load_weight=16)
+    index.apply("d1:1", kv_blocks_batch("decode", prompt(96)))
+    registry.get("decode", "d1:1").outstanding_requests = 4  # 100 - 96 + 16 * 4 = 68 < 100 on the idle d0
+    placement = router.route(prompt(100))
+    assert placement.decode.address == "d1:1" and placement.decode_cached_tokens == 96
+    registry.get("decode", "d1:1").outstanding_requests = 7  # 4 + 112 > 100
+    assert router.route(prompt(100)).decode.address == "d0:1"
 
 
 def test_cache_affinity_ignores_an_instance_that_is_out_of_rotation():
     registry = make_registry()
-    policy = CacheAffinityPolicy(block_tokens=4)
-    policy.on_prefill_routed(registry.get("prefill", "p0:1"), prompt(32))
+    router, index = affinity_router(registry)
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(32)))
     registry.record_failure(registry.get("prefill", "p0:1"), "gone", gone=True)
-    assert policy.choose_prefill(registry.pool("prefill"), prompt(32)).address != "p0:1"
+    assert router.route(prompt(40)).prefill.address != "p0:1"
+
+
+def test_conditional_disaggregation_prefills_locally_when_the_decode_worker_lacks_little_of_the_prompt():
+    registry = make_registry(num_decode=1)
+    router, index = affinity_router(registry, local_prefill_max_tokens=16)
+    assert router.route(prompt(100)).prefill is not None  # 100 uncached tokens: disaggregated
+    index.apply("d0:1", kv_blocks_batch("decode", prompt(96)))
+    placement = router.route(prompt(100))  # 4 uncached tokens: the decode worker prefills them
+    assert placement.prefill is None and placement.decode_cached_tokens == 96
 
 
 def test_short_prompts_are_prefilled_on_the_decode_worker_when_enabled():

@@ -1,0 +1,62 @@
+"""The identity of a full KV block: a hash chained over its tokens and every block before it (no torch).
+
+Defined once here, and computed the same way by a worker's block pool (its prefix cache) and by the
+coordinator (which looks a prompt up in the blocks the workers announce). Two blocks share a hash only if the
+whole prefix up to their end is the same tokens, so a hit on block i is a hit on blocks 0..i. `extra` folds in
+anything else that changes the block's KV (later: the identity of an image); the model and dtype are a
+worker's own and need not be hashed.
+
+hash(block) = xxh3_128(parent as 16 bytes little-endian || each token as int64 little-endian [|| extra]),
+with parent = ROOT_HASH for a sequence's first block.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator, Sequence
+
+import xxhash
+
+ROOT_HASH = 0  # the parent of a sequence's first block
+HASH_BYTES = 16
+
+_digest = xxhash.xxh3_128_intdigest
+_SPAN_BLOCKS = 16
+
+
+def block_hash(parent: int, token_ids: Sequence[int], extra: bytes = b"") -> int:
+    """The 128-bit hash of one full block whose chain so far hashes to `parent`."""
+    return _digest(parent.to_bytes(HASH_BYTES, "little") + array("q", token_ids).tobytes() + extra)
+
+
+def iter_chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH, start_block: int = 0,
+                      num_blocks: int | None = None) -> Iterator[int]:
+    """The hashes of full blocks `start_block`, `start_block + 1`, ... of `token_ids`, lazily (a caller that stops
+    at its first miss pays for little more), continuing the chain from `parent`."""
+    end_block = len(token_ids) // block_size
+    if num_blocks is not None:
+        end_block = min(end_block, start_block + num_blocks)
+    step = block_size * 8
+    # Tokens are converted a few blocks at a time: one conversion per span, then a digest per block.
+    for span_start in range(start_block, end_block, _SPAN_BLOCKS):
+        span_end = min(end_block, span_start + _SPAN_BLOCKS)
+        data = array("q", token_ids[span_start * block_size : span_end * block_size]).tobytes()
+        for offset in range(0, len(data), step):
+            parent = _digest(parent.to_bytes(HASH_BYTES, "little") + data[offset : offset + step])
+            yield parent
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH, start_block: int = 0,
+                 num_blocks: int | None = None) -> list[int]:
+    """The hashes of full blocks `start_block`, `start_block + 1`, ... of `token_ids` (only full blocks; at most
+    `num_blocks` of them), continuing the chain from `parent`."""
+    return list(iter_chain_hashes(token_ids, block_size, parent, start_block, num_blocks))
+
+
+def hash_to_bytes(h: int) -> bytes:
+    """A block hash as the wire carries it (KvBlockEvent.hash)."""
+    return h.to_bytes(HASH_BYTES, "little")
+
+
+def hash_from_bytes(data: bytes) -> int:
+    return int.from_bytes(data, "little")

@@ -1,0 +1,92 @@
+"""The KV index holds exactly what the workers' KV events say, and matches prompts against it."""
+
+from __future__ import annotations
+
+from coordinator.scheduling.kv_index import KvIndex
+from tests.helpers import kv_blocks_batch
+
+
+def prompt(length: int, start: int = 0) -> list[int]:
+    return list(range(start, start + length))
+
+
+def test_a_prompt_matches_the_leading_blocks_each_instance_holds_by_role():
+    index = KvIndex()
+    assert index.apply("p0:1", kv_blocks_batch("prefill", prompt(48)))
+    assert index.apply("p1:1", kv_blocks_batch("prefill", prompt(16)))
+    assert index.apply("d0:1", kv_blocks_batch("decode", prompt(32)))
+    assert index.apply("p2:1", kv_blocks_batch("prefill", prompt(48, start=500)))
+    match = index.match(prompt(100))
+    assert match.prefill == {"p0:1": 48, "p1:1": 16}
+    assert match.decode == {"d0:1": 32}
+    assert index.match(prompt(100, start=7)).prefill == {}
+
+
+def test_the_last_prompt_token_is_never_counted_as_cached():
+    index = KvIndex()
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(32)))
+    assert index.match(prompt(32)).prefill == {"p0:1": 16}  # the worker computes token 32 itself
+    assert index.match(prompt(33)).prefill == {"p0:1": 32}
+
+
+def test_a_removed_block_ends_the_match_there_even_if_later_ones_are_held():
+    index = KvIndex()
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(64)))
+    removed = kv_blocks_batch("prefill", prompt(32), seq=1, reset=False, removed=True)
+    del removed.events[0]  # only block 1 of 0..3 goes
+    assert index.apply("p0:1", removed)
+    assert index.match(prompt(80)).prefill == {"p0:1": 16}
+    assert index.blocks_of("p0:1") == 3
+
+
+def test_changes_apply_in_number_order_and_a_gap_drops_the_instance():
+    index = KvIndex()
+    index.apply("d0:1", kv_blocks_batch("decode", [], seq=5))
+    assert index.apply("d0:1", kv_blocks_batch("decode", prompt(32), seq=7, reset=False))
+    assert index.match(prompt(40)).decode == {"d0:1": 32}
+    assert not index.apply("d0:1", kv_blocks_batch("decode", prompt(64), seq=12, reset=False))  # 8..10 missing
+    assert index.match(prompt(40)).decode == {} and index.describe("d0:1") is None
+
+
+def test_changes_without_a_snapshot_or_from_another_epoch_are_refused():
+    index = KvIndex()
+    assert not index.apply("d0:1", kv_blocks_batch("decode", prompt(32), seq=2, reset=False))
+    index.apply("d0:1", kv_blocks_batch("decode", [], epoch="a"))
+    assert not index.apply("d0:1", kv_blocks_batch("decode", prompt(32), epoch="b", seq=2, reset=False))
+
+
+def test_a_new_snapshot_replaces_what_was_held():
+    index = KvIndex()
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(64)))
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(32, start=900), epoch="restarted"))
+    assert index.match(prompt(80)).prefill == {}
+    assert index.describe("p0:1")["blocks"] == 2 and index.describe("p0:1")["epoch"] == "restarted"
+
+
+def test_dropping_an_instance_forgets_only_its_blocks_and_frees_its_slot():
+    index = KvIndex()
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(48)))
+    index.apply("p1:1", kv_blocks_batch("prefill", prompt(48)))
+    index.drop("p0:1")
+    assert index.match(prompt(60)).prefill == {"p1:1": 48}
+    index.apply("p9:1", kv_blocks_batch("prefill", prompt(16)))  # takes the freed slot
+    assert index.match(prompt(60)).prefill == {"p1:1": 48, "p9:1": 16}
+
+
+def test_instances_with_other_block_sizes_are_matched_in_their_own_blocks():
+    index = KvIndex()
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(64), block_size=16))
+    index.apply("p1:1", kv_blocks_batch("prefill", prompt(64), block_size=32))
+    assert index.match(prompt(70)).prefill == {"p0:1": 64, "p1:1": 64}
+    assert index.match(prompt(50)).prefill == {"p0:1": 48, "p1:1": 32}
+
+
+def test_the_digest_depends_on_the_blocks_held_not_on_their_order():
+    a, b = KvIndex(), KvIndex()
+    a.apply("p0:1", kv_blocks_batch("prefill", prompt(64)))
+    batch = kv_blocks_batch("prefill", prompt(64))
+    batch.events.reverse()
+    b.apply("p0:1", batch)
+    assert a.describe("p0:1")["digest"] == b.describe("p0:1")["digest"]
+    b.apply("p0:1", kv_blocks_batch("prefill", prompt(16, start=3), seq=1, reset=False))
+    assert a.describe("p0:1")["digest"] != b.describe("p0:1")["digest"]
