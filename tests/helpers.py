@@ -330,3 +330,35 @@ def kv_blocks_batch(role: str, token_ids: list[int], block_size: int = 16, epoch
                                           num_tokens=block_size))
     return pb.KvEventBatch(epoch=epoch, seq=seq, reset=reset, snapshot=reset, role=role, block_size=block_size,
                            events=events)
+
+
+def worker_cache_view(address: str) -> dict:
+    """What a worker's prefix cache holds, from its own KvEvents.Watch snapshot, as KvIndex.describe shows an
+    instance: block count, XOR digest, epoch, block size."""
+    from kv_events.block_hash import hash_from_bytes
+
+    with grpc.insecure_channel(address) as channel:
+        call = pb_grpc.KvEventsStub(channel).Watch(pb.WatchKvEventsRequest(), timeout=10)
+        blocks, batch = set(), None
+        for batch in call:
+            if not batch.snapshot:
+                break
+            blocks.update(hash_from_bytes(e.hash) for e in batch.events)
+            if len(batch.events) < 8192:  # the snapshot's last batch
+                break
+        call.cancel()
+    digest = 0
+    for h in blocks:
+        digest ^= h
+    return {"blocks": len(blocks), "digest": f"{digest:032x}", "epoch": batch.epoch, "block_size": batch.block_size}
+
+
+def local_prefill_by_hand(address: str, request_id: str, prompt_token_ids: list[int], max_tokens: int = 8) -> str:
+    """A greedy local-prefill Decode on a decode worker, run to its end by the test (its blocks enter the worker's
+    prefix cache); returns the worker's token channel address from `accepted`."""
+    with grpc.insecure_channel(address) as channel:
+        events = list(pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
+            request_id=request_id, prompt_len=len(prompt_token_ids), prompt_token_ids=prompt_token_ids,
+            local_prefill=True, max_seq_len=4096,
+            sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=max_tokens, ignore_eos=True)), timeout=30))
+    return events[0].accepted.token_channel_address

@@ -23,6 +23,7 @@ from tests.helpers import (
     start_coordinator,
     start_worker,
     wait_for,
+    worker_cache_view,
     write_config,
 )
 
@@ -47,15 +48,15 @@ class Coordinators:
             self.prefill, self.decode, self.late = [f.result() for f in futures]
         self.running: dict[str, ServerProcess] = {}
 
-    def config(self, name: str, prefix: str, mode: str) -> Path:
+    def config(self, name: str, prefix: str, mode: str, algorithm: str) -> Path:
         return write_config(self.tmp / f"{name}.json", [], [], self.model_dir, sections={
-            "health_config": HEARTBEATS,
+            "health_config": HEARTBEATS, "digs_scheduler_config": {"algorithm_type": algorithm},
             "backup_config": {"etcd_endpoints": [self.etcd.url], "key_prefix": prefix, "mode": mode,
                               "coordinator_name": name}})
 
-    def start(self, prefix: str, mode: str, *names: str) -> list[ServerProcess]:
+    def start(self, prefix: str, mode: str, *names: str, algorithm: str = "round_robin") -> list[ServerProcess]:
         with ThreadPoolExecutor(len(names)) as pool:
-            started = list(pool.map(lambda n: start_coordinator(self.config(n, prefix, mode)), names))
+            started = list(pool.map(lambda n: start_coordinator(self.config(n, prefix, mode, algorithm)), names))
         self.running.update(zip(names, started))
         return started
 
@@ -193,7 +194,7 @@ def test_requests_go_on_through_an_etcd_outage_and_the_registry_resyncs_after(co
 
 def test_replicas_route_to_workers_registered_through_another(coordinators):
     coordinators.stop_all()
-    first, second = coordinators.start("/replicas", "replicas", "R1", "R2")
+    first, second = coordinators.start("/replicas", "replicas", "R1", "R2", algorithm="cache_affinity")
     coordinators.service.backends = [host_port(management_url(first))]
     coordinators.late_service.backends = [host_port(management_url(first))]
     workers = (coordinators.prefill, coordinators.decode, coordinators.late)
@@ -211,3 +212,20 @@ def test_replicas_route_to_workers_registered_through_another(coordinators):
     assert instances["prefill"][coordinators.prefill.address]["served"] >= 4
     assert sum(instances["decode"][w.address]["served"] for w in (coordinators.decode, coordinators.late)) >= 4
     assert all(i["source"] == "registered" for group in instances.values() for i in group.values())
+
+
+def test_replicas_each_follow_every_worker_into_the_same_kv_index(coordinators):
+    """No index state goes through etcd: each replica subscribes to every worker's KV events itself."""
+    first, second = coordinators.running["R1"], coordinators.running["R2"]
+    workers = (coordinators.prefill, coordinators.decode, coordinators.late)
+
+    def indexes_agree():
+        views = {w.address: worker_cache_view(w.address) for w in workers}
+        held = [{i["address"]: i["kv_index"] for group in httpx.get(f"{management_url(c)}/v1/instances",
+                                                                    timeout=10).json().values() for i in group}
+                for c in (first, second)]
+        return all(h.get(a) is not None and all(h[a][k] == v[k] for k in ("blocks", "digest", "epoch"))
+                   for h in held for a, v in views.items()) and views
+
+    views = wait_for(indexes_agree, 10, "both replicas' indexes to match every worker's cache")
+    assert views[coordinators.prefill.address]["blocks"] > 0
