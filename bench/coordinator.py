@@ -4,8 +4,9 @@ pass-through proxy in the coordinator's place.
     .venv/bin/python bench/coordinator.py [--max-tokens 64 256] [--concurrency 1 32 128] [--seconds 5]
                                           [--workers 2] [--decode-step-ms 1] [--direct] [--tls | --plain-kv]
                                           [--against DIR|NAME=VALUE] [--repeats N] [--cpu-share F]
-    .venv/bin/python bench/coordinator.py --fleet 2 64 256 [--seconds 5] [--fleet-rate R] [--repeats N]
-                                          [--against DIR|NAME=VALUE] [--cpu-share F]
+    .venv/bin/python bench/coordinator.py --fleet 2 64 256 [--seconds 5] [--fleet-rate R | --fleet-streams-per-decode S]
+                                          [--repeats N] [--against DIR|NAME=VALUE] [--cpu-share F]
+    (either form) [--algorithm round_robin|load_balance|cache_affinity] [--against-algorithm ...]
 
 Each row is a closed loop of streaming /v1/completions requests at one `--max-tokens` and one concurrency:
 `concurrency` clients each send their next request as soon as the last one ends, for `--seconds` (their last
@@ -42,6 +43,10 @@ environment; its rows sit beside this one's and a summary line gives the ratio. 
 times, the paths taking turns, and keeps each row's median: this machine's rows move by 10-20% from run to run, so a
 change is judged only against rows from the same stretch of time.
 
+`--algorithm` sets every coordinator's routing policy (round_robin by default) and `--against-algorithm` the --against
+coordinator's: `--against . --against-algorithm cache_affinity` puts a coordinator routing on the KV index (following
+the workers' KV events, hashing each prompt) beside a round-robin one in front of the same workers.
+
 `--cpu-share F` holds each pinned process (the proxy, the coordinator, the --against coordinator; not the direct
 client) to F of one core with a cgroup CPU quota (root; bench/cpu_quota.py). On this 2-core machine the workers'
 core saturates first, so without it the pinned process idles part of the time and pays a wake-up per event that a
@@ -55,7 +60,9 @@ served a request, and its CPU per request against the smallest fleet's (target: 
 Every size's fleet and coordinator start at once and the sizes take turns within each of `--repeats` rounds (with
 `--against`, so do the two coordinators), so that each median comes from the same minutes as the others.
 Every size gets the same offered load, `--fleet-rate` requests started per second (an open loop), so that sizes are
-compared and not load levels; `--fleet-rate 0` runs the closed loop of 32 clients instead. At capacity
+compared and not load levels; `--fleet-rate 0` runs the closed loop of 32 clients instead, and
+`--fleet-streams-per-decode S` a closed loop of S clients per decode instance (the same load on each worker, the
+coordinator's load growing with the fleet). At capacity
 (`--fleet-rate 0 --cpu-share F`), F must be low enough that the fleet's core keeps up at every size (0.25 here:
 at 0.5 the 64-instance fleet process saturates the other core first and the coordinator idles again).
 """
@@ -308,14 +315,14 @@ def free_port() -> int:
 
 
 def write_config(path: Path, prefill: list[str], decode: list[str], cert_dir: Path | None = None,
-                 manage_port: int = 0) -> Path:
+                 manage_port: int = 0, algorithm: str = "round_robin") -> Path:
     config = {
         # Kept-alive client connections wait while other paths' rows run: not closed under them meanwhile.
         "http_config": {"predict_ip": "127.0.0.1", "predict_port": 0, "manage_port": manage_port,
                         "keepalive_timeout_s": 600},
         "model_config": {"modelName": "pdserve-tiny"},
         "instances": {"prefill": [{"address": a} for a in prefill], "decode": [{"address": a} for a in decode]},
-        "digs_scheduler_config": {"algorithm_type": "round_robin"},
+        "digs_scheduler_config": {"algorithm_type": algorithm},
     }
     if cert_dir is not None:  # serves clients with the server certificate, dials workers with the client one
         config["tls_config"] = {"predict": tls_link(cert_dir, "server"), "worker_grpc": tls_link(cert_dir, "client")}
@@ -376,13 +383,14 @@ def start_cluster(args, tmp: Path, cert_dir: Path | None, cores: Cores) -> Clust
     try:
         manage_port = free_port()  # its /metrics: the TTFT it measures itself, from arrival to the first token
         config = write_config(tmp / f"ms_coordinator{'-tls' if suffix else ''}.json", cluster.prefill, cluster.decode,
-                              cert_dir, manage_port)
+                              cert_dir, manage_port, args.algorithm)
         cluster.coordinator = Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:",
                                       cores.pinned, share=cores.share)
         cluster.coordinator.metrics_url = f"http://127.0.0.1:{manage_port}/metrics"
         if args.against and cert_dir is None:
             cluster.against = start_against(args.against, write_config(
-                tmp / "ms_coordinator-against.json", cluster.prefill, cluster.decode, None, free_port()), cores)
+                tmp / "ms_coordinator-against.json", cluster.prefill, cluster.decode, None, free_port(),
+                args.against_algorithm), cores)
     except BaseException:
         cluster.stop()
         raise
@@ -502,13 +510,14 @@ def start_fleets(args, tmp: Path, cores: Cores, running: contextlib.ExitStack) -
                                      *sim_flags(args)), "sim fleet ready:", cores.others)
         running.callback(fleet.stop)
         prefill, decode = (field.split("=", 1)[1].split(",") for field in fleet.ready_line.split()[-2:])
-        config = write_config(tmp / f"ms_coordinator-fleet{size}.json", prefill, decode)
+        config = write_config(tmp / f"ms_coordinator-fleet{size}.json", prefill, decode, algorithm=args.algorithm)
         coordinators = {THROUGH: Process(pdserve("coordinator", "--config", str(config)),
                                          "pdserve coordinator ready:", cores.pinned, share=cores.share)}
         running.callback(coordinators[THROUGH].stop)
         if args.against:
             coordinators[AGAINST] = start_against(args.against, write_config(
-                tmp / f"ms_coordinator-fleet{size}-against.json", prefill, decode, None, free_port()), cores)
+                tmp / f"ms_coordinator-fleet{size}-against.json", prefill, decode, None, free_port(),
+                args.against_algorithm), cores)
             running.callback(coordinators[AGAINST].stop)
         setups.append(FleetSetup(size, fleet, coordinators))
     return setups
@@ -527,11 +536,24 @@ async def fleet_rows(args, setups: list[FleetSetup], cores: Cores) -> dict[tuple
                     # offered rate for every size: a closed loop runs each at whatever rate its workers' core
                     # allows, and a less loaded coordinator pays more idle wake-ups per request, which would be
                     # compared instead of sizes.
+                    concurrency = fleet_concurrency(args, setup.size)
                     rounds[setup.size, name].append(await measure_row(
-                        FLEET_TOKENS, FLEET_CONCURRENCY, f"{name}, {setup.size} instances",
+                        FLEET_TOKENS, concurrency, f"{name}, {setup.size} instances",
                         completions_request(sessions[setup.size, name], FLEET_TOKENS), cores.others, coordinator,
-                        args, warmup_requests=setup.size // 2, rate=args.fleet_rate or None))
+                        args, warmup_requests=setup.size // 2,
+                        rate=None if args.fleet_streams_per_decode else args.fleet_rate or None))
         return {key: median_row(rows) for key, rows in rounds.items()}
+
+
+def fleet_concurrency(args, size: int) -> int:
+    """A fleet row's clients: --fleet-streams-per-decode per decode instance, else the one fixed level."""
+    return args.fleet_streams_per_decode * (size // 2) if args.fleet_streams_per_decode else FLEET_CONCURRENCY
+
+
+def fleet_load(args) -> str:
+    if args.fleet_streams_per_decode:
+        return f"{args.fleet_streams_per_decode} streams per decode instance"
+    return f"{args.fleet_rate:g} requests started per second" if args.fleet_rate else f"c={FLEET_CONCURRENCY}"
 
 
 def even_size(text: str) -> int:
@@ -559,6 +581,14 @@ def main() -> None:
     parser.add_argument("--fleet", type=even_size, nargs="+", metavar="N", help="instead of the table: the "
                         f"coordinator's CPU per request at {FLEET_TOKENS} tokens c={FLEET_CONCURRENCY} in front of "
                         "N simulated instances (N/2 prefill, N/2 decode) for each N")
+    parser.add_argument("--fleet-streams-per-decode", type=int, default=0, metavar="S", help="with --fleet: a closed "
+                        "loop of S clients per decode instance at each size (the same load per worker) instead of "
+                        "--fleet-rate")
+    parser.add_argument("--algorithm", default="round_robin", choices=["round_robin", "load_balance", "cache_affinity"],
+                        help="the coordinators' digs_scheduler_config.algorithm_type")
+    parser.add_argument("--against-algorithm", default=None, choices=["round_robin", "load_balance", "cache_affinity"],
+                        help="the --against coordinator's algorithm (default: --algorithm); `--against . "
+                        "--against-algorithm cache_affinity` prices the KV index against round robin")
     parser.add_argument("--against", metavar="DIR|NAME=VALUE", help="a second coordinator in front of the same "
                         "workers, its rows beside this one's: another checkout's code (DIR), or this one's with NAME=VALUE "
                         "in its environment; to measure what one change buys")
@@ -569,6 +599,7 @@ def main() -> None:
                         "request) is shown")
     args = parser.parse_args()
     args.tls = args.tls or args.plain_kv
+    args.against_algorithm = args.against_algorithm or args.algorithm
 
     cpus = sorted(os.sched_getaffinity(0))
     check_available(args.cpu_share)
@@ -602,7 +633,8 @@ def print_table(args, rows: list[Row], cores: Cores) -> None:
           f"{args.decode_step_ms:g} ms), a closed loop of {args.seconds:g} s per row. CPU {sorted(cores.pinned)}: the "
           f"pinned process (the proxy, the coordinator, or the direct client); CPU {sorted(cores.others)}: the "
           f"workers, the mock upstream and the HTTP clients. Latencies in ms; 'vs floor' and 'TTFT added' against the "
-          f"pass-through at the same tokens and concurrency."
+          f"pass-through at the same tokens and concurrency. Routing: coordinator {args.algorithm}"
+          + (f", --against {args.against_algorithm}" if args.against else "") + "."
           + (f" Each pinned process but the direct client held to {args.cpu_share:g} of a core (--cpu-share)."
              if args.cpu_share else "") + "\n")
     print("| tokens | concurrency | path | requests/s | pinned CPU | CPU ms / request | vs floor | TTFT p50 | TTFT p99 "
@@ -664,7 +696,7 @@ def print_fleet(args, setups: list[FleetSetup], rows: dict[tuple[int, str], Row]
     print(f"\nThe coordinator (CPU {sorted(cores.pinned)}) in front of N simulated instances, N/2 prefill and N/2 "
           f"decode in one process (bench/sim_fleet.py, CPU {sorted(cores.others)}; prefill 0 ms, decode step "
           f"{args.decode_step_ms:g} ms), {FLEET_TOKENS} tokens, "
-          f"{f'{args.fleet_rate:g} requests started per second' if args.fleet_rate else f'c={FLEET_CONCURRENCY}'} "
+          f"{fleet_load(args)}, {args.algorithm} "
           f"for {args.seconds:g} s each"
           f"{f', median of {args.repeats} rounds (sizes taking turns)' if args.repeats > 1 else ''}"
           f"{f', each process held to {cores.share:g} of a core' if cores.share else ''}. Latencies in ms.\n")

@@ -107,6 +107,8 @@ class KvEventWatch:
                 logger.info("KV events of %s: some were lost; subscribing again", address)
             except Exception:  # noqa: BLE001 - the watch must outlive any one bad stream
                 logger.exception("KV events of %s failed", address)
+            if self.index.describe(address) is not None:  # it was followed until now: try again soon
+                delay = self.retry_s
             self.index.drop(address)
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_retry_s)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry
 
 from coordinator.instances import InstanceRegistry
+from coordinator.scheduling.kv_index import KvIndex
 from coordinator.metrics import CoordinatorMetrics
 from docs_gen.markdown import banner, cell, table
 from worker.engine.block_pool import BlockPool
@@ -48,7 +49,7 @@ def metric_rows(registry: CollectorRegistry) -> dict[str, list[str]]:
 
 def coordinator_rows() -> list[list[str]]:
     metrics = CoordinatorMetrics()
-    metrics.watch(SimpleNamespace(num_waiting=0), InstanceRegistry())
+    metrics.watch(SimpleNamespace(num_waiting=0), InstanceRegistry(), KvIndex())  # cache_affinity's too
     return sorted(metric_rows(metrics.registry).values())
 
 

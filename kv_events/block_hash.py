@@ -21,7 +21,7 @@ ROOT_HASH = 0  # the parent of a sequence's first block
 HASH_BYTES = 16
 
 _digest = xxhash.xxh3_128_intdigest
-_SPAN_BLOCKS = 16
+_MAX_SPAN_BLOCKS = 16
 
 
 def block_hash(parent: int, token_ids: Sequence[int], extra: bytes = b"") -> int:
@@ -37,13 +37,16 @@ def iter_chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = R
     if num_blocks is not None:
         end_block = min(end_block, start_block + num_blocks)
     step = block_size * 8
-    # Tokens are converted a few blocks at a time: one conversion per span, then a digest per block.
-    for span_start in range(start_block, end_block, _SPAN_BLOCKS):
-        span_end = min(end_block, span_start + _SPAN_BLOCKS)
+    # Tokens are converted in spans of 1, 2, 4 ... _MAX_SPAN_BLOCKS blocks: one conversion per span, then a digest per
+    # block, and a lookup that misses at once converts one block only.
+    span_start, span = start_block, 1
+    while span_start < end_block:
+        span_end = min(end_block, span_start + span)
         data = array("q", token_ids[span_start * block_size : span_end * block_size]).tobytes()
         for offset in range(0, len(data), step):
             parent = _digest(parent.to_bytes(HASH_BYTES, "little") + data[offset : offset + step])
             yield parent
+        span_start, span = span_end, min(span * 2, _MAX_SPAN_BLOCKS)
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_HASH, start_block: int = 0,

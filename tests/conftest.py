@@ -80,8 +80,10 @@ def model_dir() -> Path:
 def cluster(model_dir: Path, tmp_path_factory) -> Cluster:
     prefill = start_worker("prefill", model_dir)
     decode = start_worker("decode", model_dir, "--kv-trans-timeout", str(CLUSTER_KV_TIMEOUT_S))
+    # cache_affinity: every system test through the session cluster also runs the KV event watch and index.
     config = write_config(tmp_path_factory.mktemp("cluster") / "ms_coordinator.json",
-                          [prefill.address], [decode.address], model_dir)
+                          [prefill.address], [decode.address], model_dir,
+                          sections={"digs_scheduler_config": {"algorithm_type": "cache_affinity"}})
     coordinator = start_coordinator(config)
     yield Cluster(coordinator.address, prefill, decode, coordinator, model_dir)
     for proc in (coordinator, prefill, decode):

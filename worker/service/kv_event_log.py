@@ -5,9 +5,10 @@ Life of a subscription:
   1. A coordinator subscribes: the KvEvents.Watch call (a gRPC stream), or `watch_kv_events` on its token channel.
   2. It gets a snapshot at once: every block the cache holds (batches with `snapshot`, the first with `reset`),
      current at least to the log's count then.
-  3. Then every change, in batches sent at most PUBLISH_INTERVAL_S after the first change in them; the
-     block pool records each change under its lock (`KvEventLog.stored` / `removed`), on whatever thread
-     runs the engine, and the event loop numbers and sends them.
+  3. Then every change, in batches: a change after a quiet spell leaves at once (the next loop turn), and
+     further ones wait until PUBLISH_INTERVAL_S after the last batch, so a busy worker sends at most one
+     batch per interval. The block pool records each change under its lock (`KvEventLog.stored` /
+     `removed`), on whatever thread runs the engine, and the event loop numbers and sends them.
   4. A Watch stream more than MAX_BEHIND_BATCHES behind (its coordinator not reading) loses its backlog and gets
      a new snapshot in its place. A subscription ends with its stream or channel, or when the worker drains.
 """
@@ -28,7 +29,7 @@ from worker.engine.block_pool import BlockPool
 
 logger = logging.getLogger(__name__)
 
-# Changes wait this long to leave together: one batch per interval, not one per block, on a busy worker.
+# At most one batch per interval: on a busy worker, changes leave together, not one message per block.
 PUBLISH_INTERVAL_S = 0.02
 SNAPSHOT_BATCH_EVENTS = 8192
 MAX_BEHIND_BATCHES = 256
@@ -52,6 +53,7 @@ class KvEventLog:
         self._lock = threading.Lock()
         self._pending: list[tuple[int, int, int] | int] = []  # (hash, parent, tokens) stored, or a removed hash
         self._armed = False
+        self._last_published = float("-inf")
         self._subscribers: set[Callable[[pb.KvEventBatch], None]] = set()
         self._watches: set[_QueuedWatch] = set()
         self.closed = False
@@ -77,7 +79,11 @@ class KvEventLog:
 
     # the event loop's side -----------------------------------------------------------------------------
     def _arm(self) -> None:
-        self._loop.call_later(PUBLISH_INTERVAL_S, self.publish)
+        wait = self._last_published + PUBLISH_INTERVAL_S - self._loop.time()
+        if wait > 0:
+            self._loop.call_later(wait, self.publish)
+        else:
+            self._loop.call_soon(self.publish)
 
     def publish(self) -> None:
         """Number the changes recorded since the last call and send them to every subscriber as one batch."""
@@ -85,6 +91,7 @@ class KvEventLog:
             pending, self._pending, self._armed = self._pending, [], False
         if not pending:
             return
+        self._last_published = self._loop.time()
         self.seq += len(pending)
         events = [_stored_pb(*change) if type(change) is tuple else pb.KvBlockEvent(hash=hash_to_bytes(change),
                                                                                        removed=True)

@@ -1,0 +1,25 @@
+"""The block hash both ends compute: chained block by block, whatever span the tokens are converted in."""
+
+from __future__ import annotations
+
+import random
+
+from kv_events.block_hash import (ROOT_HASH, block_hash, chain_hashes, hash_from_bytes, hash_to_bytes,
+                                  iter_chain_hashes)
+
+
+def test_the_chain_equals_hashing_each_block_after_its_parent_across_every_span():
+    rng = random.Random(1)
+    tokens = [rng.randrange(1 << 20) for _ in range(16 * 100 + 7)]  # 100 full blocks and a partial one
+    expected, parent = [], ROOT_HASH
+    for b in range(100):
+        parent = block_hash(parent, tokens[b * 16 : (b + 1) * 16])
+        expected.append(parent)
+    assert chain_hashes(tokens, 16) == expected
+    assert chain_hashes(tokens, 16, parent=expected[40], start_block=41, num_blocks=30) == expected[41:71]
+    assert list(iter_chain_hashes(tokens, 16, num_blocks=0)) == [] and chain_hashes(tokens[:15], 16) == []
+
+
+def test_a_hash_crosses_the_wire_unchanged():
+    h = chain_hashes(list(range(32)), 16)[1]
+    assert len(hash_to_bytes(h)) == 16 and hash_from_bytes(hash_to_bytes(h)) == h
