@@ -5,14 +5,14 @@ Life of one instance's watch:
      worker's token channel when one is open (and streams KV events), else with a KvEvents.Watch call.
   2. The first batch is a snapshot (`reset`): the index forgets what it held of the instance and takes it.
   3. Every later batch is applied in order. A gap in the numbering drops the instance's entries and asks for
-     a new snapshot (on the channel) or subscribes again (a call).
+     a new snapshot (on the channel, ignoring what comes before it) or subscribes again (a call).
   4. A token channel that opens while a call is followed takes over: the call ends, and the channel's own
      snapshot replaces the entries.
   5. The stream or channel breaking drops the instance's entries; the watch subscribes again after RETRY_S
      (doubling up to MAX_RETRY_S), so a restarted worker's snapshot replaces them within a heartbeat.
   6. The instance stops being routable (it left, was declared lost, turned unhealthy or drains): the watch
-     ends and its entries go. A worker that serves no KvEvents (UNIMPLEMENTED) is not followed: routing
-     sees no cache on it.
+     ends and its entries go (batches still in flight for it are left alone). A worker that serves no KvEvents
+     (UNIMPLEMENTED) is asked again every UNIMPLEMENTED_RETRY_S: meanwhile routing sees no cache on it.
 On etcd replicas every coordinator's registry holds every worker, so each follows them all and their indexes
 agree without sharing anything through etcd.
 """
@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 RETRY_S = 0.25
 MAX_RETRY_S = 1.0
+UNIMPLEMENTED_RETRY_S = 60.0
 
 
 class EventsLost(Exception):
@@ -99,9 +100,11 @@ class KvEventWatch:
                     continue  # a channel opened: it takes over
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    # An older worker: routed on its load alone; asked again later, in case it is upgraded in place.
                     logger.info("worker %s publishes no KV events: routed on its load alone", address)
                     self.index.drop(address)
-                    return
+                    await asyncio.sleep(UNIMPLEMENTED_RETRY_S)
+                    continue
                 logger.debug("KV events of %s: %s", address, exc.code().name)
             except EventsLost:
                 logger.info("KV events of %s: some were lost; subscribing again", address)
@@ -113,10 +116,14 @@ class KvEventWatch:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_retry_s)
 
+    def _current(self, address: str, task: asyncio.Task | None) -> bool:
+        """Whether `task` still follows `address` (an evicted instance's late batches must not bring it back)."""
+        return self._tasks.get(address) is task
+
     async def _follow_call(self, address: str, opened: asyncio.Event) -> bool:
         """Follow a Watch call until it ends (False) or a token channel opens to take over (True)."""
         call = self.client.watch_kv_events(address)
-        reader = asyncio.ensure_future(self._read_call(address, call))
+        reader = asyncio.ensure_future(self._read_call(address, call, asyncio.current_task()))
         switch = asyncio.ensure_future(opened.wait())
         try:
             done, _ = await asyncio.wait((reader, switch), return_when=asyncio.FIRST_COMPLETED)
@@ -130,17 +137,30 @@ class KvEventWatch:
             switch.cancel()
             await asyncio.gather(reader, switch, return_exceptions=True)
 
-    async def _read_call(self, address: str, call) -> None:
+    async def _read_call(self, address: str, call, follower: asyncio.Task | None) -> None:
         apply = self.index.apply
         async for batch in call:
+            if not self._current(address, follower):
+                return
             if not apply(address, batch):
                 raise EventsLost()
 
     async def _follow_channel(self, address: str, channel: TokenChannel) -> None:
         """Follow the events on the worker's token channel until it closes."""
+        follower = asyncio.current_task()
+        awaiting_reset = True  # until the snapshot asked for comes, batches still in flight are left alone
+
         def sink(batch: pb.KvEventBatch) -> None:
+            nonlocal awaiting_reset
+            if not self._current(address, follower):
+                channel.kv_events_sink = None
+                return
+            if awaiting_reset and not batch.reset:
+                return
+            awaiting_reset = False
             if not self.index.apply(address, batch):
                 logger.info("KV events of %s: some were lost; asking for a new snapshot", address)
+                awaiting_reset = True
                 channel.watch_kv_events(sink)
 
         channel.watch_kv_events(sink)

@@ -149,8 +149,7 @@ class TokenChannel(asyncio.Protocol):
                     self._greeted(frame)
                     continue
                 if frame.kv_events and self.kv_events_sink is not None:
-                    for batch in frame.kv_events:
-                        self.kv_events_sink(batch)
+                    self._kv_events(frame.kv_events)
                 sinks = self.sinks
                 for event in frame.events:
                     sink = sinks.get(event.request_id)
@@ -160,6 +159,16 @@ class TokenChannel(asyncio.Protocol):
         finally:  # what was taken leaves, whatever a later frame of the read did
             for sink in unflushed:
                 sink.flush_direct()
+
+    def _kv_events(self, batches) -> None:
+        try:
+            for batch in batches:
+                if self.kv_events_sink is not None:
+                    self.kv_events_sink(batch)
+        except Exception:  # noqa: BLE001 - the index's trouble must not cut the channel its requests stream on
+            logger.exception("KV events from %s: a batch could not be applied; no longer followed here",
+                             self.worker_address)
+            self.kv_events_sink = None
 
     def _greeted(self, frame: pb.TokenChannelFrame) -> None:
         if not frame.channel_id:

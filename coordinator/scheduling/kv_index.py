@@ -57,6 +57,9 @@ class KvIndex:
         """Apply one batch of `address`'s events; False when events were lost (a gap in the numbering, or changes
         with no snapshot before them): its entries are dropped and the subscriber must ask for a new snapshot."""
         holder = self._by_address.get(address)
+        if batch.block_size <= 0:  # a broken worker's: nothing could be matched against it
+            self.drop(address)
+            return False
         if batch.reset:
             if holder is not None:
                 self.drop(address)

@@ -61,6 +61,9 @@ async def test_the_watch_follows_a_worker_on_a_call_then_on_its_token_channel_an
 
         registry.record_failure(registry.get("decode", address), "connection refused", gone=True)
         assert index.describe(address) is None and index.match(list(range(41))).decode == {}
+        await asyncio.to_thread(local_prefill_by_hand, address, "r4", list(range(3000, 3040)))
+        await asyncio.sleep(0.3)  # its events still come on the open channel: an evicted instance stays out
+        assert index.describe(address) is None
     finally:
         await watch.stop()
         await client.close()

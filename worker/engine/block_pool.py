@@ -141,8 +141,8 @@ class BlockPool:
             return
         hashes = chain_hashes(token_ids[: num_computed], self.block_size, table.hashes[-1] if start else ROOT_HASH,
                               start)
-        listener = self.listener
         with self._lock:
+            listener = self.listener
             parent = table.hashes[-1] if start else ROOT_HASH
             for block, h in zip(table.block_ids[start:], hashes):
                 if h not in self._by_hash and self._hash[block] is None:

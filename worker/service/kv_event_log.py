@@ -57,7 +57,7 @@ class KvEventLog:
         self._subscribers: set[Callable[[pb.KvEventBatch], None]] = set()
         self._watches: set[_QueuedWatch] = set()
         self.closed = False
-        pool.listener = self
+        pool.registered_blocks(self)  # hears of every change from now on
 
     # the block pool's side (any thread, the pool's lock held) -------------------------------------------
     def stored(self, block_hash: int, parent_hash: int, num_tokens: int) -> None:
@@ -93,6 +93,8 @@ class KvEventLog:
             return
         self._last_published = self._loop.time()
         self.seq += len(pending)
+        if not self._subscribers:
+            return
         events = [_stored_pb(*change) if type(change) is tuple else pb.KvBlockEvent(hash=hash_to_bytes(change),
                                                                                        removed=True)
                   for change in pending]
@@ -149,24 +151,29 @@ class KvEventLog:
 
 
 class _QueuedWatch:
-    """One Watch stream's backlog: a subscriber too far behind gets a fresh snapshot instead of the changes."""
+    """One Watch stream's backlog: a subscriber too far behind gets a fresh snapshot instead of the changes, taken
+    when it reads again (not while it lags: a snapshot per overflow would cost the worker's loop for nothing)."""
 
     def __init__(self, log: KvEventLog):
         self.log = log
         self.items: collections.deque[pb.KvEventBatch | None] = collections.deque()
         self.waiter: asyncio.Future | None = None
+        self.stale = False  # the backlog was dropped: the next read starts with a new snapshot
 
     def push(self, batch: pb.KvEventBatch) -> None:
+        if self.stale:
+            return  # the snapshot taken at the next read covers it
         if len(self.items) >= MAX_BEHIND_BATCHES:
             logger.warning("a KV events subscriber fell %d batches behind: it gets a snapshot instead",
                            len(self.items))
             self.items.clear()
-            self.items.extend(self.log.snapshot())
+            self.stale = True
         else:
             self.items.append(batch)
         self._wake()
 
     def end(self) -> None:
+        self.stale = False
         self.items.append(None)
         self._wake()
 
@@ -175,6 +182,9 @@ class _QueuedWatch:
             self.waiter.set_result(None)
 
     async def next(self) -> pb.KvEventBatch | None:
+        if self.stale:
+            self.stale = False
+            self.items.extend(self.log.snapshot())
         while not self.items:
             self.waiter = asyncio.get_running_loop().create_future()
             try:

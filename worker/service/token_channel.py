@@ -202,7 +202,19 @@ class CoordinatorConnection(asyncio.Protocol):
         kv_events, self._pending_kv = self._pending_kv, []
         if self.state is not ChannelState.OPEN:
             return
-        self._write(pb.TokenChannelFrame(events=events, kv_events=kv_events))
+        # A snapshot's batches (up to SNAPSHOT_BATCH_EVENTS blocks each) go in frames of their own, in order with the
+        # changes: a large cache in one frame could pass the frame limit.
+        changes = []
+        for batch in kv_events:
+            if batch.snapshot:
+                if changes:
+                    self._write(pb.TokenChannelFrame(kv_events=changes))
+                    changes = []
+                self._write(pb.TokenChannelFrame(kv_events=[batch]))
+            else:
+                changes.append(batch)
+        if events or changes:
+            self._write(pb.TokenChannelFrame(events=events, kv_events=changes))
         if self._transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
             logger.warning("token channel %s: the coordinator stopped reading; closing it", self.channel_id)
             self._transport.abort()

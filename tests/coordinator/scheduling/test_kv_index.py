@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from coordinator.scheduling.kv_index import KvIndex
+from proto import worker_pb2 as pb
 from tests.helpers import kv_blocks_batch
 
 
@@ -46,6 +47,13 @@ def test_changes_apply_in_number_order_and_a_gap_drops_the_instance():
     assert index.match(prompt(40)).decode == {"d0:1": 32}
     assert not index.apply("d0:1", kv_blocks_batch("decode", prompt(64), seq=12, reset=False))  # 8..10 missing
     assert index.match(prompt(40)).decode == {} and index.describe("d0:1") is None
+
+
+def test_a_batch_without_a_block_size_is_refused():
+    index = KvIndex()
+    index.apply("p0:1", kv_blocks_batch("prefill", list(range(32))))
+    assert not index.apply("p0:1", pb.KvEventBatch(epoch="epoch-1", reset=True, snapshot=True, role="prefill"))
+    assert index.describe("p0:1") is None and index.match(list(range(40))).prefill == {}
 
 
 def test_changes_without_a_snapshot_or_from_another_epoch_are_refused():
