@@ -36,7 +36,8 @@ class TracedCluster:
         self.decodes = [self._worker("decode", env) for _ in range(2)]
         config = write_config(tmp / "ms_coordinator.json", [self.prefill.address], [d.address for d in self.decodes],
                               model_dir, sections={"digs_scheduler_config": {
-                                  "local_prefill_max_tokens": LOCAL_PREFILL_BELOW}}, maxIterTimes=MIGRATED_TOKENS)
+                                  "algorithm_type": "cache_affinity", "local_prefill_max_tokens": LOCAL_PREFILL_BELOW}},
+                              maxIterTimes=MIGRATED_TOKENS)
         self.coordinator = ServerProcess(pdserve_argv("coordinator", "--config", str(config)),
                                          "pdserve coordinator ready:", env=env)
         self.url = self.coordinator.address
@@ -135,6 +136,33 @@ def test_a_pd_request_is_one_trace_joining_the_clients_across_coordinator_prefil
     coordinator_phases = {**top, **phases}  # tokenize and queue under the root, the rest under the attempt
     total = sum(coordinator_phases[name].duration_s for name in SEQUENTIAL_PHASES)
     assert abs(total - root.duration_s) <= 0.05 * root.duration_s, (total, root.duration_s)
+
+
+def test_an_attempt_span_carries_the_prompt_tokens_the_index_expected_each_instance_to_hold(traced):
+    def attempt_of(prompt: str) -> dict:
+        traceparent, trace_id, _ = client_traceparent()
+        resp = httpx.post(f"{traced.url}/v1/completions", json={"model": "pdserve-tiny", "prompt": prompt,
+                                                                 "max_tokens": 4}, headers={"traceparent": traceparent},
+                          timeout=60)
+        assert resp.status_code == 200, resp.text
+        traced.collector.wait_for(lambda spans: has(("pdserve-coordinator", "attempt"))(
+            [s for s in spans if s.trace_id == trace_id]))
+        return one(traced.collector.trace(trace_id), "attempt", "pdserve-coordinator").attributes
+
+    story = " ".join([LONG_PROMPT] * 6)  # well over LOCAL_PREFILL_BELOW tokens: disaggregated
+    first = attempt_of(story)
+    assert first["pdserve.prefill"] != "local" and first["pdserve.prompt_tokens"] > 4 * LOCAL_PREFILL_BELOW
+    assert first["pdserve.prefill.expected_cached_tokens"] == first["pdserve.decode.expected_cached_tokens"] == 0
+    # Again: the decode worker holding it is chosen, and prefills what it lacks itself when that is short.
+    again = wait_for(lambda: (a := attempt_of(story))["pdserve.decode.expected_cached_tokens"] > 0 and a, 10,
+                     "the decode worker's blocks to reach the index")
+    lacking = again["pdserve.prompt_tokens"] - again["pdserve.decode.expected_cached_tokens"]
+    assert again["pdserve.decode"] == first["pdserve.decode"] and 0 < lacking <= 16  # less than one block
+    assert (again["pdserve.prefill"] == "local") == (lacking < LOCAL_PREFILL_BELOW)
+    # The same story and a long new question: disaggregated, onto the prefill worker that holds the story.
+    longer = attempt_of(story + " " + " ".join(["And then what happened to the keeper's lamp?"] * 6))
+    assert longer["pdserve.prefill"] == first["pdserve.prefill"]
+    assert 0 < longer["pdserve.prefill.expected_cached_tokens"] < longer["pdserve.prompt_tokens"]
 
 
 def test_a_locally_prefilled_request_has_no_prefill_worker_in_its_trace(traced):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+
+import pytest
 
 from kv_events.block_hash import (ROOT_HASH, block_hash, chain_hashes, hash_from_bytes, hash_to_bytes,
                                   iter_chain_hashes)
@@ -23,3 +27,10 @@ def test_the_chain_equals_hashing_each_block_after_its_parent_across_every_span(
 def test_a_hash_crosses_the_wire_unchanged():
     h = chain_hashes(list(range(32)), 16)[1]
     assert len(hash_to_bytes(h)) == 16 and hash_from_bytes(hash_to_bytes(h)) == h
+
+
+@pytest.mark.system  # a fresh interpreter: this one has imported torch long ago
+def test_the_hash_and_the_coordinators_index_load_no_torch():
+    code = "import sys, kv_events.block_hash, coordinator.scheduling.kv_index; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
