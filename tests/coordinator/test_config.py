@@ -54,6 +54,12 @@ def test_every_routing_policy_is_accepted(policy):
     ({**MINIMAL, "digs_scheduler_config": {"local_prefill_max_tokens": -1}},
      "digs_scheduler_config.local_prefill_max_tokens"),
     ({**MINIMAL, "surprise": True}, "surprise: unknown key"),
+    ({**MINIMAL, "digs_scheduler_config": {"cache_affinity_decode_load_weight": -1}},
+     "digs_scheduler_config.cache_affinity_decode_load_weight"),
+    ({**MINIMAL, "digs_scheduler_config": {"cache_affinity_block_tokens": 16}},
+     "cache_affinity_block_tokens was removed: the block size is each worker's own (--block-size)"),
+    ({**MINIMAL, "digs_scheduler_config": {"cache_affinity_max_load_ratio": 2}},
+     "cache_affinity_max_load_ratio was removed: cache_affinity weighs load against cached tokens"),
 ])
 def test_invalid_config_error_names_the_key(data, needle):
     with pytest.raises(ConfigError) as err:
