@@ -60,7 +60,8 @@ def default_model_dir() -> Path:
     return root / "models" / ModelSpec().name
 
 
-def _is_current(out_dir: Path, spec: ModelSpec) -> bool:
+def is_current(out_dir: Path, spec, build_version: int = BUILD_VERSION) -> bool:
+    """Whether `out_dir` holds a finished build of `spec` by this recipe (its stamp says so)."""
     stamp = out_dir / STAMP_FILE
     if not stamp.exists():
         return False
@@ -68,18 +69,29 @@ def _is_current(out_dir: Path, spec: ModelSpec) -> bool:
         data = json.loads(stamp.read_text())
     except ValueError:
         return False
-    return data == {"build_version": BUILD_VERSION, "spec": asdict(spec)}
+    return data == {"build_version": build_version, "spec": asdict(spec)}
+
+
+def publish(tmp_dir: Path, out_dir: Path, spec, build_version: int = BUILD_VERSION) -> None:
+    """Stamp a finished build in `tmp_dir` and swap it in as `out_dir` (a concurrent reader never sees half)."""
+    (tmp_dir / STAMP_FILE).write_text(json.dumps({"build_version": build_version, "spec": asdict(spec)}))
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    tmp_dir.rename(out_dir)
 
 
 def ensure_default_model() -> Path:
     """Return the default model folder, building it first if it is missing or stale."""
     out_dir = default_model_dir()
-    if not _is_current(out_dir, ModelSpec()):
+    if not is_current(out_dir, ModelSpec()):
         build_model(out_dir, ModelSpec())
     return out_dir
 
 
-def _train_tokenizer(spec: ModelSpec):
+def train_tokenizer(spec: ModelSpec):
+    """The byte-level BPE tokenizer of `spec`, trained on the shipped corpus (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -103,21 +115,11 @@ def _train_tokenizer(spec: ModelSpec):
     )
 
 
-def build_model(out_dir: Path | str, spec: ModelSpec = ModelSpec()) -> Path:
-    """Build the checkpoint described by `spec` into `out_dir` and return the folder."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
+def text_config(spec: ModelSpec, tokenizer):
+    """The Llama config of `spec` over `tokenizer` (the text model of the VLM too)."""
+    from transformers import LlamaConfig
 
-    hf_logging.disable_progress_bar()
-
-    out_dir = Path(out_dir)
-    logger.info("building model %s into %s", spec.name, out_dir)
-    tmp_dir = out_dir.with_name(out_dir.name + ".partial")
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-
-    tokenizer = _train_tokenizer(spec)
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -132,19 +134,29 @@ def build_model(out_dir: Path | str, spec: ModelSpec = ModelSpec()) -> Path:
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
+
+
+def build_model(out_dir: Path | str, spec: ModelSpec = ModelSpec()) -> Path:
+    """Build the checkpoint described by `spec` into `out_dir` and return the folder."""
+    import torch
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    out_dir = Path(out_dir)
+    logger.info("building model %s into %s", spec.name, out_dir)
+    tmp_dir = out_dir.with_name(out_dir.name + ".partial")
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = train_tokenizer(spec)
+    config = text_config(spec, tokenizer)
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp_dir, safe_serialization=True)
     tokenizer.save_pretrained(tmp_dir)
-    (tmp_dir / STAMP_FILE).write_text(json.dumps({"build_version": BUILD_VERSION, "spec": asdict(spec)}))
-
-    # Swap in atomically so a concurrent reader never sees a half-written folder.
-    if out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
-    tmp_dir.rename(out_dir)
+    publish(tmp_dir, out_dir, spec)
     logger.info("model %s ready: %d parameters", spec.name, sum(p.numel() for p in model.parameters()))
     return out_dir

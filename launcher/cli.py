@@ -115,12 +115,16 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _build_model(args: argparse.Namespace) -> int:
-    from embedded_model import ModelSpec, build_model, default_model_dir
+    from embedded_model import ModelSpec, VlmSpec, build_model, build_vlm, default_model_dir, default_vlm_dir
 
-    spec = ModelSpec(name=args.name, hidden_size=args.hidden, intermediate_size=args.intermediate,
+    name = args.name or ("pdserve-tiny-vlm" if args.vlm else "pdserve-tiny")
+    spec = ModelSpec(name=name, hidden_size=args.hidden, intermediate_size=args.intermediate,
                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
                      num_key_value_heads=args.kv_heads)
-    out = build_model(args.out or default_model_dir(), spec)
+    if args.vlm:
+        out = build_vlm(args.out or default_vlm_dir(), VlmSpec(name=name, text=spec))
+    else:
+        out = build_model(args.out or default_model_dir(), spec)
     print(out)
     return 0
 
@@ -233,10 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "least 1 each, so workers on one machine do not oversubscribe its cores)")
     p.set_defaults(func=_up)
 
-    p = sub.add_parser("build-model", help="build a tiny Llama checkpoint offline")
+    p = sub.add_parser("build-model", help="build a tiny Llama checkpoint offline (with --vlm: a tiny LLaVA)")
     p.add_argument("--out", default=None, help="output folder (default: the embedded model's cache folder)")
-    p.add_argument("--name", default="pdserve-tiny",
-                   help="the model's name in the build log and stamp (the folder is --out)")
+    p.add_argument("--name", default=None,
+                   help="the model's name in the build log and stamp (the folder is --out; default pdserve-tiny, "
+                        "or pdserve-tiny-vlm with --vlm)")
+    p.add_argument("--vlm", action="store_true",
+                   help="a vision-language checkpoint: a tiny CLIP vision tower and projector over the text model "
+                        "the other flags describe, with a PIL image processor (LLaVA, loaded by AutoProcessor and "
+                        "AutoModelForImageTextToText)")
     p.add_argument("--hidden", type=int, default=128, help="hidden size (hidden_size)")
     p.add_argument("--intermediate", type=int, default=344, help="MLP width (intermediate_size)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers (num_hidden_layers)")
