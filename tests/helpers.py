@@ -6,7 +6,9 @@ import asyncio
 import json
 import os
 import queue
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -362,3 +364,29 @@ def local_prefill_by_hand(address: str, request_id: str, prompt_token_ids: list[
             local_prefill=True, max_seq_len=4096,
             sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=max_tokens, ignore_eos=True)), timeout=30))
     return events[0].accepted.token_channel_address
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A port free now, for a process that binds it later: taken below the kernel's ephemeral range, so that no
+    outgoing connection of the many processes a test run starts takes it meanwhile (a port picked by binding 0
+    was, now and then, before `pdserve up` started its coordinator on it)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

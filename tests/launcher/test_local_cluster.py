@@ -14,16 +14,10 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers import (BackgroundStream, ServerProcess, management_url, pdserve_argv, scrape, sse_events, wait_for,
-                           write_api_keys)
+from tests.helpers import (BackgroundStream, ServerProcess, free_port, management_url, pdserve_argv, scrape,
+                           sse_events, wait_for, write_api_keys)
 
 pytestmark = pytest.mark.system
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> set[int]:
