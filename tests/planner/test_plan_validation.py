@@ -92,9 +92,10 @@ def check_profiles_recover_the_cost_model(prefill_path, decode_path):
     prefill = WorkerProfile.load(prefill_path, "prefill").prefill
     decode = WorkerProfile.load(decode_path, "decode").decode
     assert prefill.kv_bytes_per_token == 2 * 2 * 2 * 32 * 2
-    # Tolerances for a loaded machine: a late wake-up only ever lengthens a simulated forward.
-    assert prefill.ms_per_token == pytest.approx(0.1, rel=0.1) and prefill.base_ms == pytest.approx(10, abs=3)
-    assert decode.ms_per_seq == pytest.approx(2, rel=0.1) and decode.base_ms == pytest.approx(15, abs=3)
+    # Tolerances for a loaded machine: a late wake-up only ever lengthens a simulated forward, so a fixed cost may
+    # come out a few ms long (13.8 ms for 10 in one CI run) and never much short.
+    assert prefill.ms_per_token == pytest.approx(0.1, rel=0.1) and 9 <= prefill.base_ms <= 15
+    assert decode.ms_per_seq == pytest.approx(2, rel=0.1) and 14 <= decode.base_ms <= 20
 
 
 def test_recommended_cluster_meets_the_slos_and_one_fewer_of_the_bottleneck_misses(model_dir, tmp_path):
