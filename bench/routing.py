@@ -49,7 +49,6 @@ import asyncio
 import collections
 import datetime
 import json
-import math
 import os
 import random
 import re
@@ -68,7 +67,7 @@ sys.path.insert(0, str(REPO))
 import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 
-from bench.serving import Outcome, PromptMaker, error_kind, git_describe, http_get, stream_request  # noqa: E402
+from bench.serving import Outcome, OutcomeFigures, PromptMaker, error_kind, git_describe, http_get, stream_request  # noqa: E402
 from proto import worker_pb2 as pb  # noqa: E402
 from proto import worker_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -388,7 +387,7 @@ async def drive(workload: str, plan, urls: list[str]) -> list[Outcome]:
 
 
 @dataclass
-class Result:
+class Result(OutcomeFigures):
     setup: str
     workload: str
     outcomes: list[Outcome] = field(default_factory=list)
@@ -396,29 +395,12 @@ class Result:
     wall_s: float = 0.0
     skipped: str = ""
 
-    @property
-    def ok(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.ok]
-
-    def ttft(self, q: float) -> float | None:
-        values = sorted(o.ttft_s for o in self.ok if o.ttft_s is not None)
-        if not values:
-            return None
-        pos = q * (len(values) - 1)  # linear interpolation between closest ranks
-        lo, hi = math.floor(pos), math.ceil(pos)
-        return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
     def hit_rate(self, role: str) -> float | None:
         return self.cache.hit_rate(role) if self.cache else None
 
     @property
     def kv_mb_per_request(self) -> float | None:
         return self.cache.kv_sent_bytes / len(self.outcomes) / 1e6 if self.cache and self.outcomes else None
-
-    @property
-    def prompt_tokens(self) -> float | None:
-        values = [o.prompt_tokens for o in self.ok if o.prompt_tokens is not None]
-        return sum(values) / len(values) if values else None
 
 
 def measure(setup: Setup, workload: str, plan, args, log_dir: Path) -> Result:

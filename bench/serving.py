@@ -437,8 +437,35 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: dict) -
     return Outcome(True, ttft, int(usage.get("completion_tokens") or 0), usage.get("prompt_tokens"), "".join(text))
 
 
+class OutcomeFigures:
+    """What a list of `outcomes` comes to: the ones that succeeded, their errors, TTFT percentiles, mean prompt."""
+
+    outcomes: list[Outcome]
+
+    @property
+    def ok(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.ok]
+
+    @property
+    def errors(self) -> list[str]:
+        return [o.error for o in self.outcomes if not o.ok]
+
+    def ttft(self, q: float) -> float | None:
+        values = sorted(o.ttft_s for o in self.ok if o.ttft_s is not None)
+        if not values:
+            return None
+        pos = q * (len(values) - 1)  # linear interpolation between closest ranks
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+    @property
+    def prompt_tokens(self) -> float | None:
+        values = [o.prompt_tokens for o in self.ok if o.prompt_tokens is not None]
+        return statistics.fmean(values) if values else None
+
+
 @dataclass
-class Run:
+class Run(OutcomeFigures):
     target: str
     workload: str
     concurrency: int
@@ -453,29 +480,8 @@ class Run:
         return len(self.outcomes)
 
     @property
-    def ok(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.ok]
-
-    @property
-    def errors(self) -> list[str]:
-        return [o.error for o in self.outcomes if not o.ok]
-
-    @property
     def tokens_per_s(self) -> float | None:
         return sum(o.completion_tokens for o in self.ok) / self.wall_s if self.wall_s > 0 else None
-
-    def ttft(self, q: float) -> float | None:
-        values = sorted(o.ttft_s for o in self.ok if o.ttft_s is not None)
-        if not values:
-            return None
-        pos = q * (len(values) - 1)  # linear interpolation between closest ranks
-        lo, hi = math.floor(pos), math.ceil(pos)
-        return values[lo] + (values[hi] - values[lo]) * (pos - lo)
-
-    @property
-    def prompt_tokens(self) -> float | None:
-        values = [o.prompt_tokens for o in self.ok if o.prompt_tokens is not None]
-        return statistics.fmean(values) if values else None
 
 
 def request_body(args, model_id: str, **fields) -> dict:

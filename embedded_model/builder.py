@@ -72,14 +72,27 @@ def is_current(out_dir: Path, spec, build_version: int = BUILD_VERSION) -> bool:
     return data == {"build_version": build_version, "spec": asdict(spec)}
 
 
-def publish(tmp_dir: Path, out_dir: Path, spec, build_version: int = BUILD_VERSION) -> None:
-    """Stamp a finished build in `tmp_dir` and swap it in as `out_dir` (a concurrent reader never sees half)."""
+def start_build(out_dir: Path, name: str) -> Path:
+    """The staging folder of a build of `name` into `out_dir` (swapped in by `publish`); transformers quiet."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    logger.info("building model %s into %s", name, out_dir)
+    tmp_dir = out_dir.with_name(out_dir.name + ".partial")
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    return tmp_dir
+
+
+def publish(tmp_dir: Path, out_dir: Path, spec, model, build_version: int = BUILD_VERSION) -> None:
+    """Stamp a finished build of `model` in `tmp_dir` and swap it in as `out_dir` (a concurrent reader never sees
+    half of it)."""
     (tmp_dir / STAMP_FILE).write_text(json.dumps({"build_version": build_version, "spec": asdict(spec)}))
     if out_dir.exists():
         import shutil
 
         shutil.rmtree(out_dir)
     tmp_dir.rename(out_dir)
+    logger.info("model %s ready: %d parameters", spec.name, sum(p.numel() for p in model.parameters()))
 
 
 def ensure_default_model() -> Path:
@@ -140,15 +153,9 @@ def build_model(out_dir: Path | str, spec: ModelSpec = ModelSpec()) -> Path:
     """Build the checkpoint described by `spec` into `out_dir` and return the folder."""
     import torch
     from transformers import LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
 
     out_dir = Path(out_dir)
-    logger.info("building model %s into %s", spec.name, out_dir)
-    tmp_dir = out_dir.with_name(out_dir.name + ".partial")
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-
+    tmp_dir = start_build(out_dir, spec.name)
     tokenizer = train_tokenizer(spec)
     config = text_config(spec, tokenizer)
     torch.manual_seed(spec.seed)
@@ -157,6 +164,5 @@ def build_model(out_dir: Path | str, spec: ModelSpec = ModelSpec()) -> Path:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp_dir, safe_serialization=True)
     tokenizer.save_pretrained(tmp_dir)
-    publish(tmp_dir, out_dir, spec)
-    logger.info("model %s ready: %d parameters", spec.name, sum(p.numel() for p in model.parameters()))
+    publish(tmp_dir, out_dir, spec, model)
     return out_dir

@@ -9,14 +9,12 @@ than token ids and positions: the image lives in the KV of those positions.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from embedded_model.builder import CHAT_TEMPLATE, ModelSpec, is_current, publish, text_config, train_tokenizer
-
-logger = logging.getLogger(__name__)
+from embedded_model.builder import (CHAT_TEMPLATE, ModelSpec, is_current, publish, start_build, text_config,
+                                    train_tokenizer)
 
 VLM_BUILD_VERSION = 1
 IMAGE_TOKEN = "<image>"
@@ -68,14 +66,9 @@ def build_vlm(out_dir: Path | str, spec: VlmSpec = VlmSpec()) -> Path:
     import torch
     from transformers import CLIPImageProcessorPil, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
     from transformers import LlavaProcessor
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
     out_dir = Path(out_dir)
-    logger.info("building vision-language model %s into %s", spec.name, out_dir)
-    tmp_dir = out_dir.with_name(out_dir.name + ".partial")
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-
+    tmp_dir = start_build(out_dir, spec.name)
     tokenizer = train_tokenizer(spec.text)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tokenizer.chat_template = VLM_CHAT_TEMPLATE
@@ -98,6 +91,5 @@ def build_vlm(out_dir: Path | str, spec: VlmSpec = VlmSpec()) -> Path:
                                chat_template=VLM_CHAT_TEMPLATE)
     model.save_pretrained(tmp_dir, safe_serialization=True)
     processor.save_pretrained(tmp_dir)
-    publish(tmp_dir, out_dir, spec, VLM_BUILD_VERSION)
-    logger.info("model %s ready: %d parameters", spec.name, sum(p.numel() for p in model.parameters()))
+    publish(tmp_dir, out_dir, spec, model, VLM_BUILD_VERSION)
     return out_dir

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kv_events.block_hash import iter_chain_hashes
+from kv_events.block_hash import hash_from_bytes, iter_chain_hashes
 from proto import worker_pb2 as pb
 
 
@@ -75,7 +75,7 @@ class KvIndex:
         bit = 1 << holder.slot
         holders, blocks = self._holders, holder.blocks
         for event in batch.events:
-            key = int.from_bytes(event.hash, "little")
+            key = hash_from_bytes(event.hash)
             if event.removed:
                 if key in blocks:
                     blocks.discard(key)
