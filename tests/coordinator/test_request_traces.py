@@ -97,8 +97,11 @@ def test_a_pd_request_is_one_trace_joining_the_clients_across_coordinator_prefil
     # Long enough (about 1 s) that answering after the last token is a small share of it.
     resp = chat(traced.url, LONG_PROMPT, traceparent, max_tokens=48)
     assert resp.status_code == 200, resp.text
+    # A worker ends its request's span before recording the parts under it, so an export batch may bring the span
+    # without its parts: wait for the parts too.
     wait_for_trace = lambda spans: has(("pdserve-coordinator", "POST /v1/chat/completions"),  # noqa: E731
-                                       ("pdserve-prefill", "prefill"), ("pdserve-decode", "decode"))(
+                                       ("pdserve-prefill", "prefill"), ("pdserve-prefill", "kv_transfer"),
+                                       ("pdserve-decode", "decode"), ("pdserve-decode", "first_step"))(
         [s for s in spans if s.trace_id == trace_id])
     traced.collector.wait_for(wait_for_trace)
     spans = traced.collector.trace(trace_id)
@@ -171,7 +174,8 @@ def test_a_locally_prefilled_request_has_no_prefill_worker_in_its_trace(traced):
                                                              "stream": True},
                       headers={"traceparent": traceparent}, timeout=60)
     assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]")
-    traced.collector.wait_for(lambda spans: has(("pdserve-decode", "decode"), ("pdserve-coordinator", "attempt"))(
+    traced.collector.wait_for(lambda spans: has(("pdserve-decode", "decode"), ("pdserve-decode", "first_step"),
+                                                ("pdserve-coordinator", "attempt"))(
         [s for s in spans if s.trace_id == trace_id]))
     spans = traced.collector.trace(trace_id)
     attempt = one(spans, "attempt", "pdserve-coordinator")
