@@ -2,8 +2,10 @@
 
 Defined once here, and computed the same way by a worker's block pool (its prefix cache) and by the
 coordinator (which looks a prompt up in the blocks the workers announce). Two blocks share a hash only if the
-whole prefix up to their end is the same tokens, so a hit on block i is a hit on blocks 0..i. `extra` folds in
-anything else that changes the block's KV (later: the identity of an image); the model and dtype are a
+whole prefix up to their end is the same tokens, so a hit on block i is a hit on blocks 0..i. An image (or
+other media) changes the KV of the positions it fills without changing their placeholder ids, so those ids are
+hashed as stand-ins made from the media's content hash (`media_cache_tokens`): the same image and text hit, a
+different image never does. `extra` folds in anything else that changes a block's KV; the model and dtype are a
 worker's own and need not be hashed.
 
 hash(block) = xxh3_128(parent as 16 bytes little-endian || each token as int64 little-endian [|| extra]),
@@ -13,7 +15,7 @@ with parent = ROOT_HASH for a sequence's first block.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import xxhash
 
@@ -22,6 +24,7 @@ HASH_BYTES = 16
 
 _digest = xxhash.xxh3_128_intdigest
 _MAX_SPAN_BLOCKS = 16
+_LOW_63 = (1 << 63) - 1
 
 
 def block_hash(parent: int, token_ids: Sequence[int], extra: bytes = b"") -> int:
@@ -54,6 +57,26 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT_H
     """The hashes of full blocks `start_block`, `start_block + 1`, ... of `token_ids` (only full blocks; at most
     `num_blocks` of them), continuing the chain from `parent`."""
     return list(iter_chain_hashes(token_ids, block_size, parent, start_block, num_blocks))
+
+
+def media_content_hash(data: bytes) -> int:
+    """A media item's identity: the 128-bit hash of its encoded bytes (the file as fetched)."""
+    return _digest(data)
+
+
+def media_stand_in(content_hash: int) -> int:
+    """The id hashed in place of each placeholder of a media item: negative (no token has it), from its content
+    hash's low 63 bits."""
+    return -1 - (content_hash & _LOW_63)
+
+
+def media_cache_tokens(token_ids: Sequence[int], spans: Iterable[tuple[int, int, int]]) -> list[int]:
+    """`token_ids` as the prefix cache hashes them: each media span (offset, num_tokens, content hash) replaced by
+    its stand-in."""
+    ids = list(token_ids)
+    for offset, num_tokens, content_hash in spans:
+        ids[offset : offset + num_tokens] = [media_stand_in(content_hash)] * num_tokens
+    return ids
 
 
 def hash_to_bytes(h: int) -> bytes:

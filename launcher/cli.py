@@ -70,7 +70,8 @@ def _worker(args: argparse.Namespace) -> int:
             from embedded_model import ensure_default_model
 
             model = str(ensure_default_model())
-        backend = ModelBackend(model_dir=model, dtype=args.dtype, device=args.device, threads=args.threads)
+        backend = ModelBackend(model_dir=model, dtype=args.dtype, device=args.device, threads=args.threads,
+                               encoder_cache_images=args.encoder_cache_images)
     try:
         security = load_security_file(args.security_config) if args.security_config else SecurityFile()
     except ValueError as exc:
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not keep full KV blocks for later prompts that start with the same tokens")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of this worker (default: torch's own, one per core)")
+    p.add_argument("--encoder-cache-images", type=int, default=32, metavar="N",
+                   help="vision-language models: image encoder outputs kept by content hash, so an image seen again "
+                        "is not encoded again (0: off)")
     p.add_argument("--device", default="auto",
                    help="auto|cpu|cuda|cuda:N: where the model and KV pool live (auto: CUDA when present)")
     p.add_argument("--max-running", type=int, default=64, help="sequences per decode step")

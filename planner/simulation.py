@@ -155,6 +155,10 @@ class _Request:
     def token_ids(self) -> _Tokens:
         return _Tokens(self.index, self.prompt_len + self.generated)
 
+    cache_token_ids = token_ids  # text prompts: hashed as their tokens
+    media: ClassVar[tuple] = ()
+    can_recompute: ClassVar[bool] = True
+
     @property
     def num_generated(self) -> int:
         return self.generated
@@ -180,6 +184,11 @@ class _PrefillWork:
     started: bool = False
     cached_tokens: int = 0
     extra_positions: ClassVar[int] = 0  # its KV leaves with the handoff: nothing grows on a prefill instance
+    media: ClassVar[tuple] = ()  # text prompts: hashed as their tokens
+
+    @property
+    def cache_token_ids(self) -> _Tokens:
+        return self.token_ids
 
 
 @dataclass(eq=False)

@@ -103,7 +103,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address", "kv_transfer_token", "traceparent", "decode_cached_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address", "kv_transfer_token", "traceparent", "decode_cached_tokens", "media")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class PrefillRequest(_message.Message):
     KV_TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -120,7 +121,24 @@ class PrefillRequest(_message.Message):
     kv_transfer_token: str
     traceparent: str
     decode_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ...) -> None: ...
+    media: _containers.RepeatedCompositeFieldContainer[MediaItem]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ...) -> None: ...
+
+class MediaItem(_message.Message):
+    __slots__ = ("kind", "data", "content_hash", "offset", "num_tokens", "source")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    data: bytes
+    content_hash: bytes
+    offset: int
+    num_tokens: int
+    source: str
+    def __init__(self, kind: _Optional[str] = ..., data: _Optional[bytes] = ..., content_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "prefill_time_ms", "kv_bytes", "kv_transfer_ms", "forward_ms", "token_channel_address")
@@ -139,7 +157,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., token_channel_address: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill", "traceparent")
+    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill", "traceparent", "media")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +165,7 @@ class DecodeRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     sampling: SamplingParams
@@ -154,7 +173,8 @@ class DecodeRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     local_prefill: bool
     traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., local_prefill: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    media: _containers.RepeatedCompositeFieldContainer[MediaItem]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., local_prefill: _Optional[bool] = ..., traceparent: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("accepted", "token")

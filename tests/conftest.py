@@ -77,6 +77,22 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlm_dir() -> Path:
+    """The embedded vision-language model (built on first use: a system test's fixture)."""
+    from embedded_model.vlm_builder import ensure_default_vlm
+
+    return ensure_default_vlm()
+
+
+@pytest.fixture(scope="session")
+def vlm(vlm_dir: Path):
+    """The embedded VLM as transformers loads it: (processor, model), for reference outputs."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    return AutoProcessor.from_pretrained(vlm_dir, backend="pil"), AutoModelForImageTextToText.from_pretrained(vlm_dir)
+
+
+@pytest.fixture(scope="session")
 def cluster(model_dir: Path, tmp_path_factory) -> Cluster:
     prefill = start_worker("prefill", model_dir)
     decode = start_worker("decode", model_dir, "--kv-trans-timeout", str(CLUSTER_KV_TIMEOUT_S))

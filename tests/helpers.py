@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import queue
@@ -390,3 +391,30 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def image_bytes(color: tuple[int, int, int], size: tuple[int, int] = (40, 30), fmt: str = "PNG") -> bytes:
+    """A small solid-colour picture with a gradient (so resizing and cropping matter), encoded as `fmt`."""
+    from PIL import Image
+
+    image = Image.new("RGB", size, color)
+    for x in range(size[0]):
+        image.putpixel((x, x % size[1]), (x * 7 % 256, 255 - color[1], x * 3 % 256))
+    out = io.BytesIO()
+    image.save(out, fmt)
+    return out.getvalue()
+
+
+def vlm_reference(vlm, parts: list[dict], images: list[bytes], max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy tokens) of the VLM as transformers runs it: the processor's chat template and
+    expansion, then `generate`. `parts`: one user message's content parts ({"type": "image"} in image order)."""
+    from PIL import Image
+
+    processor, model = vlm
+    prompt = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+    inputs = processor(images=pictures or None, text=prompt, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    n = inputs["input_ids"].shape[1]
+    return inputs["input_ids"][0].tolist(), out[0, n:].tolist()

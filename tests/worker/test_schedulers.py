@@ -23,6 +23,11 @@ class Prompt:
     started: bool = False
     cached_tokens: int = 0
     extra_positions: int = 0
+    media: tuple = ()
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        return self.token_ids
 
 
 def distinct_prompts(*lengths: int) -> list[Prompt]:

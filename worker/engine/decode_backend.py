@@ -21,6 +21,7 @@ from worker.engine.errors import DuplicateRequestError
 from worker.engine.block_pool import BlockPool
 from worker.engine.kv_budget import KvAdmission, KvBudget, KvCapacityError
 from worker.engine.load import WorkerLoad
+from worker.engine.media import MediaSpan, refuse_media
 from worker.engine.messages import LocalPrefill
 from worker.engine.scheduler import DecodeScheduler, PrefillScheduler
 from worker.engine.sequence import DecodeState, SamplingParams, Sequence, TokenOutput
@@ -108,6 +109,11 @@ class DecodeBackend(abc.ABC):
         """Raise InvalidRequest if this backend cannot honour `sampling`; may compile a grammar, so the
         servicer calls it off the event loop."""
 
+    def check_media(self, media: tuple[MediaSpan, ...]) -> None:
+        """Raise InvalidRequest unless this backend's model can prefill `media` here (local prefill); may decode
+        them, so the servicer calls it off the event loop. A text model takes none."""
+        refuse_media(media, self.model_name)
+
     @abc.abstractmethod
     def _decode_arrived(self, seq: Sequence, kv) -> None:
         """Emit the first token the KV cache carries and queue the sequence for the batch."""
@@ -122,11 +128,11 @@ class DecodeBackend(abc.ABC):
 
     # asyncio side ------------------------------------------------------------------------
     def register(self, request_id: str, prompt_len: int, sampling: SamplingParams, max_seq_len: int,
-                 prompt_token_ids: list[int] | None = None) -> DecodeHandle:
+                 prompt_token_ids: list[int] | None = None, media: tuple[MediaSpan, ...] = ()) -> DecodeHandle:
         if request_id in self._handles:
             raise DuplicateRequestError(f"request {request_id!r} is already registered on this decode worker")
         handle = DecodeHandle(Sequence(request_id, prompt_len, sampling, max_seq_len,
-                                       prompt_token_ids=list(prompt_token_ids or [])))
+                                       prompt_token_ids=list(prompt_token_ids or []), media=media))
         self._handles[request_id] = handle
         return handle
 
@@ -151,7 +157,7 @@ class DecodeBackend(abc.ABC):
         seq = handle.seq
         if len(seq.prompt_token_ids) != seq.prompt_len or seq.table.block_ids:
             return 0
-        seq.num_computed = self.pool.cached_prefix(seq.prompt_token_ids, seq.prompt_len - 1, seq.table)
+        seq.num_computed = self.pool.cached_prefix(seq.prompt_cache_ids, seq.prompt_len - 1, seq.table)
         return seq.num_computed
 
     def _stepped(self, batch: list[Sequence], num_chunks: int, started: float, now: float) -> None:
@@ -167,14 +173,14 @@ class DecodeBackend(abc.ABC):
         """Record a decoding sequence's blocks it has just filled in the prefix cache (checked cheaply per token: a
         block fills every block_size tokens; its tokens are gathered only then)."""
         if seq.prompt_token_ids and self.pool.has_unregistered_full_block(seq.table, seq.num_computed):
-            self.pool.register(seq.table, seq.token_ids, seq.num_computed)
+            self.pool.register(seq.table, seq.cache_token_ids, seq.num_computed)
 
     def _reuse_cached_blocks(self, seq: Sequence, first_position: int) -> None:
         """On the engine's side, as a received cache is about to be placed: take the prompt's blocks that requests
         placed since this one was accepted have left in the prefix cache (a burst of requests sharing a prompt all
         come before any has one), so those positions share blocks instead of being written again."""
         if seq.prompt_token_ids and seq.num_computed == first_position:
-            seq.num_computed = self.pool.more_cached_prefix(seq.prompt_token_ids, seq.prompt_len - 1, seq.table)
+            seq.num_computed = self.pool.more_cached_prefix(seq.prompt_cache_ids, seq.prompt_len - 1, seq.table)
 
     def on_kv(self, kv) -> None:
         """Hand a verified KV cache to its waiting request; raise if nobody waits for it."""

@@ -62,6 +62,14 @@ class LocalPrefill:
         return self.seq.prompt_token_ids
 
     @property
+    def cache_token_ids(self) -> list[int]:
+        return self.seq.prompt_cache_ids
+
+    @property
+    def media(self) -> tuple:
+        return self.seq.media
+
+    @property
     def table(self) -> BlockTable:
         return self.seq.table
 
@@ -73,6 +81,7 @@ class Recompute:
 
     seq: Sequence
     token_ids: list[int] = field(init=False)
+    cache_token_ids: list[int] = field(init=False)
     num_computed: int = 0
     extra_positions: int = 1  # its last token's, held from the start: it rejoins the batch without waiting
     started: bool = False
@@ -80,6 +89,11 @@ class Recompute:
 
     def __post_init__(self):
         self.token_ids = self.seq.token_ids[:-1]
+        self.cache_token_ids = self.seq.cache_token_ids[:-1]
+
+    @property
+    def media(self) -> tuple:
+        return self.seq.media
 
     @property
     def table(self) -> BlockTable:

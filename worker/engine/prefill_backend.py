@@ -13,6 +13,7 @@ from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.errors import DuplicateRequestError, InvalidRequest
 from worker.engine.kv_budget import KvAdmission, KvBudget
 from worker.engine.load import WorkerLoad
+from worker.engine.media import MediaSpan, cache_token_ids, refuse_media
 from worker.engine.messages import PrefillEvent
 from worker.engine.scheduler import Chunk, PrefillScheduler
 from worker.engine.sequence import SamplingParams
@@ -47,6 +48,11 @@ class PrefillJob:
     started: bool = False
     cached_tokens: int = 0  # of the prompt, found in the prefix cache
     extra_positions: ClassVar[int] = 0  # its KV leaves with the stream: nothing grows here
+    media: tuple[MediaSpan, ...] = ()  # the prompt's images, encoded as their positions are computed
+    cache_token_ids: list[int] = field(default_factory=list)  # the prompt as the prefix cache hashes it
+
+    def __post_init__(self):
+        self.cache_token_ids = cache_token_ids(self.prompt_token_ids, self.media)
 
     @property
     def token_ids(self) -> list[int]:
@@ -96,6 +102,11 @@ class PrefillBackend(abc.ABC):
         """Raise InvalidRequest if this backend cannot honour `sampling`; may compile a grammar, so the
         servicer calls it off the event loop."""
 
+    def check_media(self, media: tuple[MediaSpan, ...]) -> None:
+        """Raise InvalidRequest unless this backend's model can take `media` (each item decodes and fits its
+        span); may decode them, so the servicer calls it off the event loop. A text model takes none."""
+        refuse_media(media, self.model_name)
+
     @abc.abstractmethod
     def kv_layout(self, job: PrefillJob) -> KvLayout:
         """How the job's KV cache is laid out on the wire: dtype, layers and tensor shape of this backend's cache."""
@@ -113,9 +124,10 @@ class PrefillBackend(abc.ABC):
         return self.scheduler.num_queued_tokens
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     skip_tokens: int = 0) -> PrefillJob:
+                     skip_tokens: int = 0, media: tuple[MediaSpan, ...] = ()) -> PrefillJob:
         """Wait for KV budget, then queue the prompt; the caller must `release` the job. `skip_tokens`: leading
-        positions the decode worker holds (less than the prompt), computed here but not sent."""
+        positions the decode worker holds (less than the prompt), computed here but not sent; `media`: its images
+        (checked by `check_media` first)."""
         if request_id in self.leases:
             raise DuplicateRequestError(f"request {request_id!r} is already on this prefill worker")
         if not 0 <= skip_tokens < len(prompt_token_ids):
@@ -124,7 +136,7 @@ class PrefillBackend(abc.ABC):
         submitted_at = time.perf_counter()
         reserve = self.pool.blocks_for(len(prompt_token_ids)) * self.pool.block_size
         await self.admission.acquire(request_id, reserve)
-        job = PrefillJob(request_id, prompt_token_ids, sampling, submitted_at, skip_tokens=skip_tokens)
+        job = PrefillJob(request_id, prompt_token_ids, sampling, submitted_at, skip_tokens=skip_tokens, media=media)
         self.leases[request_id] = job
         self._enqueue(job)
         return job

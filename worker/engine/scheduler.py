@@ -19,6 +19,8 @@ class PromptWork(Protocol):
     a preempted sequence's recomputation on a decode worker."""
 
     token_ids: list[int]  # every position to compute
+    cache_token_ids: list[int]  # the same as the prefix cache hashes them (media placeholders stand for the media)
+    media: tuple  # the prompt's MediaSpans, whose encoder output fills their positions
     table: BlockTable
     extra_positions: int  # positions to hold beyond them once computed (a decode worker's next token)
     num_computed: int  # positions whose KV is in the table (cached hits count)
@@ -97,7 +99,7 @@ class PrefillScheduler:
         """Give `work` its cached leading blocks and fresh blocks for the rest (and for what it needs next, so a
         finished one never waits for a block to go on); False if the pool cannot yet."""
         n = len(work.token_ids)
-        work.num_computed = self.pool.cached_prefix(work.token_ids, n - 1, work.table)
+        work.num_computed = self.pool.cached_prefix(work.cache_token_ids, n - 1, work.table)
         if not self.pool.grow(work.table, n + work.extra_positions):
             self.pool.release(work.table)
             work.num_computed = 0
@@ -112,7 +114,7 @@ class PrefillScheduler:
         for chunk in chunks:
             work = chunk.work
             work.num_computed = chunk.end
-            self.pool.register(work.table, work.token_ids, chunk.end)
+            self.pool.register(work.table, work.cache_token_ids, chunk.end)
             if chunk.last:
                 self.remove(work)
                 done.append(work)
@@ -182,13 +184,13 @@ class DecodeScheduler:
         for seq in reversed(self.waiting[1:]):
             if self.pool.can_grow(head.table, head.total_len):
                 return
-            if seq.table.block_ids and (seq.prompt_token_ids or seq.prompt_len == 0):
+            if seq.table.block_ids and seq.can_recompute:
                 self.waiting.remove(seq)
                 self._preempt_blocks(seq, on_preempt)
 
     def _victim(self) -> Sequence | None:
         for seq in reversed(self.running):
-            if seq.prompt_token_ids or seq.prompt_len == 0:  # recomputing needs the prompt's tokens
+            if seq.can_recompute:  # recomputing needs the prompt's tokens (and images)
                 return seq
         return None
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from proto.sampling import SamplingRules
 from worker.engine.block_pool import BlockTable
+from worker.engine.media import MediaSpan, cache_token_ids
 
 
 class StopCause(enum.Enum):
@@ -101,6 +102,23 @@ class Sequence:
     # Its KV blocks, and how many positions of prompt + output have KV in them.
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0
+    # The prompt's images: their identities (and data, when prefilled here); the prompt as the prefix cache hashes it.
+    media: tuple[MediaSpan, ...] = ()
+    prompt_cache_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.prompt_cache_ids = cache_token_ids(self.prompt_token_ids, self.media)
+
+    @property
+    def cache_token_ids(self) -> list[int]:
+        """Prompt and output so far as the prefix cache hashes them."""
+        return self.prompt_cache_ids + self.output_token_ids
+
+    @property
+    def can_recompute(self) -> bool:
+        """Whether this worker can compute its KV again after preemption: it has the prompt, and each image's file
+        (a sequence whose cache came from a prefill worker has only their identities)."""
+        return (bool(self.prompt_token_ids) or self.prompt_len == 0) and all(span.data for span in self.media)
 
     @property
     def num_generated(self) -> int:

@@ -19,6 +19,7 @@ class ModelBackend:
     dtype: str = "auto"
     device: str = "auto"  # auto: the first CUDA device when there is one, else the CPU
     threads: int | None = None  # torch intra-op threads; None: torch's default (one per core)
+    encoder_cache_images: int = 32  # a vision-language model's encoder outputs kept by image content hash; 0: off
 
 
 @dataclass(frozen=True)

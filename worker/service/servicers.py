@@ -23,6 +23,7 @@ from proto.failure_reason import reason_metadata
 from proto.sampling import DEFAULT_SAMPLING
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
 from worker.engine.load import WorkerLoad
+from worker.engine.media import MediaSpan, spans_from_pb
 from worker.engine.messages import KvLayerReady, PrefillDone, PrefillEvent, PrefillFailed
 from worker.engine.prefill_backend import PrefillBackend, PrefillJob
 from worker.engine.sequence import SamplingParams, StopCause, TokenOutput
@@ -77,6 +78,16 @@ async def checked_sampling(engine: PrefillBackend | DecodeBackend, msg: pb.Sampl
     else:
         await asyncio.to_thread(engine.check_sampling, sampling)
     return sampling
+
+
+async def checked_media(engine: PrefillBackend | DecodeBackend, items, prompt_len: int,
+                        with_data: bool) -> tuple[MediaSpan, ...]:
+    """The request's media once its backend takes them (InvalidRequest otherwise); with their data, they are
+    decoded on a thread."""
+    media = spans_from_pb(items, prompt_len, with_data)
+    if media and with_data:
+        await asyncio.to_thread(engine.check_media, media)
+    return media
 
 
 def token_to_pb(output: TokenOutput, event: pb.TokenEvent | None = None) -> pb.TokenEvent:
@@ -203,8 +214,9 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
+            media = await checked_media(self.engine, request.media, len(request.prompt_token_ids), with_data=True)
             job = await self.engine.submit(request.request_id, list(request.prompt_token_ids), sampling,
-                                           skip_tokens=request.decode_cached_tokens)
+                                           skip_tokens=request.decode_cached_tokens, media=media)
         times.submitted = job.submitted_at
         self.metrics.requests.inc()
         try:
@@ -339,8 +351,9 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
                           times: DecodeTimes):
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
+            media = await checked_media(self.engine, request.media, request.prompt_len, request.local_prefill)
             handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
-                                          list(request.prompt_token_ids))
+                                          list(request.prompt_token_ids), media)
         try:
             async with engine_errors_as_status(context):
                 await self.engine.admit(handle)

@@ -23,7 +23,8 @@ def build_engine(options) -> PrefillEngine | DecodeEngine:
         import torch
 
         torch.set_num_threads(options.backend.threads)
-    runner = ModelRunner(options.backend.model_dir, options.backend.dtype, options.backend.device)
+    runner = ModelRunner(options.backend.model_dir, options.backend.dtype, options.backend.device,
+                         options.backend.encoder_cache_images)
     tokens = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token(), runner.device.type)
     pool = paged_pool(runner, tokens, options.block_size, options.prefix_caching)
     if options.role == "prefill":

@@ -52,6 +52,9 @@ class DecodeEngine(DecodeBackend):
     def check_sampling(self, sampling: SamplingParams) -> None:
         self.guidance.check(sampling)
 
+    def check_media(self, media) -> None:
+        self.runner.check_media(media)
+
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread.start()
@@ -208,7 +211,7 @@ class DecodeEngine(DecodeBackend):
         kv.release()
         seq.pending_kv = None
         seq.num_computed = seq.prompt_len
-        self.pool.register(seq.table, seq.prompt_token_ids, seq.prompt_len)
+        self.pool.register(seq.table, seq.prompt_cache_ids, seq.prompt_len)
 
     def _prompt_chunks(self) -> list[Chunk]:
         chunks = []
@@ -252,7 +255,8 @@ class DecodeEngine(DecodeBackend):
         started = time.perf_counter()
         rows = [DecodeRow(seq.output_token_ids[-1], seq.total_len - 1, seq.table) for seq in batch]
         logits = self.runner.forward(rows, [PromptChunk(c.work.token_ids[c.start : c.end], c.start, c.work.table,
-                                                        c.last and isinstance(c.work, LocalPrefill)) for c in chunks])
+                                                        c.last and isinstance(c.work, LocalPrefill), c.work.media)
+                                            for c in chunks])
         now = time.perf_counter()
         self._stepped(batch, len(chunks), started, now)
         self._sample_decode(batch, logits[: len(batch)], started, now)

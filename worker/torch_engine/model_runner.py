@@ -3,6 +3,11 @@
 A forward is one row of tokens: one per decoding sequence, then prompt chunks. Each token's
 position and slot come from its sequence's block table; attention (`paged_attention`) reads and
 writes the pool. Logits are computed only where a token is sampled (`logits_to_keep`).
+
+A vision-language checkpoint (a config with a `vision_config`) loads as the auto image-text class, its text model
+on the paged attention and its vision tower on SDPA; a chunk covering image positions is fed input embeddings with
+the image's encoder output (`vision.VisionEncoder`) in those rows. Only architectures with one position per token
+are served (LLaVA): a decode worker continues them from token ids alone.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from worker.engine.block_pool import BlockPool, BlockTable
+from worker.engine.media import MediaSpan, refuse_media
 from worker.torch_engine.kv_cache import KvCache
 from worker.torch_engine.paged_attention import ATTENTION_NAME, AttentionBatch, PrefillSegment, attention_batch
+from worker.torch_engine.vision import VisionEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,16 @@ def refuse_unsupported_attention(config) -> None:
     if getattr(config, "attn_logit_softcapping", None):
         raise ValueError(f"{config.model_type}: attention logit soft-capping is not supported by pdserve's paged "
                          "attention yet")
+
+
+def refuse_unsupported_vision(config) -> None:
+    """Fail at start-up, naming the reason, for a vision-language model whose text positions are not one per token
+    (multimodal rotary positions, as the Qwen2-VL family's): its decode worker would need them."""
+    text = config.get_text_config()
+    rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
+    if "mrope_section" in rope or not hasattr(config, "image_token_id"):
+        raise ValueError(f"{config.model_type}: only vision-language models with one position per token and an "
+                         "image token (the LLaVA family) are served yet")
 
 
 # Below this many blocks in common, a shared prefix is attended with each row's own blocks (one gather, SDPA).
@@ -87,21 +104,36 @@ class PromptChunk:
     start: int
     table: BlockTable
     logits: bool
+    media: Sequence[MediaSpan] = ()  # the whole prompt's images; those overlapping the chunk fill their rows
+
+    def media_in_chunk(self) -> list[MediaSpan]:
+        end = self.start + len(self.token_ids)
+        return [span for span in self.media if span.offset < end and span.end > self.start]
 
 
 class ModelRunner:
     """Owns the model, the tokenizer and the KV pool's tensors; called only from an engine thread."""
 
-    def __init__(self, model_dir: Path | str, dtype: str = "auto", device: str = "auto"):
+    def __init__(self, model_dir: Path | str, dtype: str = "auto", device: str = "auto", encoder_cache_items: int = 32):
         self.model_dir = Path(model_dir)
         self.device = resolve_device(device)
         hf_logging.disable_progress_bar()  # keep worker logs quiet and line-structured
         kwargs = {} if dtype == "auto" else {"dtype": DTYPES[dtype]}
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_dir, attn_implementation=ATTENTION_NAME, **kwargs).to(self.device).eval()
-        refuse_unsupported_attention(self.model.config)
+        config = AutoConfig.from_pretrained(self.model_dir)
+        self.vision: VisionEncoder | None = None
+        if hasattr(config, "vision_config"):
+            refuse_unsupported_vision(config)
+            self.model = AutoModelForImageTextToText.from_pretrained(
+                self.model_dir, attn_implementation={"text_config": ATTENTION_NAME, "vision_config": "sdpa"},
+                **kwargs).to(self.device).eval()
+            self.vision = VisionEncoder(self.model, AutoProcessor.from_pretrained(self.model_dir), self.device,
+                                        encoder_cache_items)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.model_dir, attn_implementation=ATTENTION_NAME, **kwargs).to(self.device).eval()
+        self.config = self.model.config.get_text_config()  # the language model's: layers, heads, vocabulary
+        refuse_unsupported_attention(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.config = self.model.config
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -111,6 +143,13 @@ class ModelRunner:
         self.block_pool: BlockPool | None = None  # whose blocks `cache` holds (set by `paged_pool`)
         logger.info("loaded %s (%s, %s) on %s", self.model_dir, type(self.model).__name__, self.model.dtype,
                     self.device)
+
+    def check_media(self, media: Sequence[MediaSpan]) -> None:
+        """Raise InvalidRequest unless every item decodes and fits its span (a text model takes none)."""
+        if self.vision is None:
+            refuse_media(media, self.model_dir.name)
+        else:
+            self.vision.check(media)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -204,10 +243,29 @@ class ModelRunner:
         batch.slots = torch.cat(slot_parts).to(self.device)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        inputs = {"input_ids": input_ids}
+        if self.vision is not None and any(chunk.media for chunk in chunks):
+            inputs = {"inputs_embeds": self._embeds_with_media(input_ids, len(decode), chunks)}
         with attention_batch(batch):
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+            out = self.model(**inputs, position_ids=position_ids, use_cache=False,
                              logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))
         return out.logits[0].float()
+
+    def _embeds_with_media(self, input_ids: torch.Tensor, row: int, chunks: Sequence[PromptChunk]) -> torch.Tensor:
+        """The row's token embeddings, with each image's encoder output in the positions of it a chunk computes
+        (`row`: where the first chunk starts in the packed row)."""
+        embeds = self.model.get_input_embeddings()(input_ids)
+        for chunk in chunks:
+            spans = chunk.media_in_chunk()
+            if spans:
+                features = self.vision.embeddings(spans)
+                end = chunk.start + len(chunk.token_ids)
+                for span in spans:
+                    lo, hi = max(span.offset, chunk.start), min(span.end, end)
+                    embeds[0, row + lo - chunk.start : row + hi - chunk.start] = \
+                        features[span.content_hash][lo - span.offset : hi - span.offset].to(embeds.dtype)
+            row += len(chunk.token_ids)
+        return embeds
 
     def _decode_inputs(self, decode: Sequence[DecodeRow], batch: AttentionBatch) -> torch.Tensor:
         """Fill the batch's decode blocks and mask (and the leading blocks all rows share); return the decode

@@ -50,6 +50,9 @@ class PrefillEngine(PrefillBackend):
     def check_sampling(self, sampling: SamplingParams) -> None:
         self.guidance.check(sampling)
 
+    def check_media(self, media) -> None:
+        self.runner.check_media(media)
+
     def kv_layout(self, job: PrefillJob) -> KvLayout:
         # An unsupported dtype keeps its torch name, which the stream header refuses.
         dtype_name = DTYPE_NAMES.get(self.runner.dtype, str(self.runner.dtype))
@@ -107,7 +110,8 @@ class PrefillEngine(PrefillBackend):
         try:
             started = time.perf_counter()
             logits = self.runner.forward(
-                [], [PromptChunk(c.work.token_ids[c.start : c.end], c.start, c.work.table, c.last) for c in chunks],
+                [], [PromptChunk(c.work.token_ids[c.start : c.end], c.start, c.work.table, c.last, c.work.media)
+                 for c in chunks],
                 on_layer if last else None)
             self.metrics.observe_step("prefill", time.perf_counter() - started, len(chunks))
             # The first token is masked to the grammar, from where the replayed tokens left it.

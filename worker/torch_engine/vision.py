@@ -1,0 +1,151 @@
+"""A vision-language model's image side on a worker: decode and preprocess an image (its processor), run the vision
+tower and projector, and keep the output by content hash so an image seen again is not encoded again.
+
+Life cycle of one image of a prompt:
+1. `check` (off the event loop, before the request is admitted): the file decodes as a jpg or png within the
+   pixel bound, and the processor gives it as many positions as the coordinator laid placeholders for; its pixel
+   values wait in a small map for the forward.
+2. `embeddings` (the engine thread, when a chunk computes any of its positions): the encoder cache's entry, or
+   the vision tower's output on its pixel values (decoded again if they were dropped), stored in the cache.
+3. The runner scatters the rows a chunk covers into its input embeddings; positions the prefix cache held are
+   never computed, so an image wholly cached is never encoded.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from worker.engine.errors import InvalidRequest
+from worker.engine.media import MediaSpan
+
+IMAGE_FORMATS = ("JPEG", "PNG")
+# Pixel values of checked images not yet encoded (a request cancelled before its forward leaves its entry behind).
+PREPARED_IMAGES = 64
+
+
+class EncoderCache:
+    """Vision tower outputs by content hash, least recently used dropped first; 0 entries = off."""
+
+    def __init__(self, max_items: int):
+        self.max_items = max_items
+        self._items: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, content_hash: int) -> torch.Tensor | None:
+        found = self._items.get(content_hash)
+        if found is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(content_hash)
+        self.hits += 1
+        return found
+
+    def put(self, content_hash: int, features: torch.Tensor) -> None:
+        if self.max_items <= 0:
+            return
+        self._items[content_hash] = features
+        self._items.move_to_end(content_hash)
+        while len(self._items) > self.max_items:
+            self._items.popitem(last=False)
+
+    def __contains__(self, content_hash: int) -> bool:
+        return content_hash in self._items
+
+
+def decode_image(span: MediaSpan) -> Image.Image:
+    """The span's file as an RGB image; InvalidRequest (naming its field) if it is not a jpg or png that decodes
+    within PIL's decompression-bomb bound."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(span.data))
+            if image.format not in IMAGE_FORMATS:
+                raise InvalidRequest(f"{span.name}: image type {image.format} is not one of jpg, png")
+            image.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
+            Image.DecompressionBombWarning) as exc:
+        if isinstance(exc, InvalidRequest):
+            raise
+        raise InvalidRequest(f"{span.name}: cannot decode the image: {exc}") from None
+    return image.convert("RGB")
+
+
+class VisionEncoder:
+    """A model's image encoder (`get_image_features`) behind its image processor and an encoder cache."""
+
+    def __init__(self, model, processor, device: torch.device, cache_items: int = 32):
+        self.model = model
+        self.processor = processor
+        self.image_processor = processor.image_processor
+        self.device = device
+        self.cache = EncoderCache(cache_items)
+        self._lock = threading.Lock()  # `check` runs on the event loop's threads, `embeddings` on the engine's
+        self._prepared: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def positions_for(self, image: Image.Image) -> int:
+        """Placeholder positions the processor gives an image of this size."""
+        counted = self.processor._get_num_multimodal_tokens(image_sizes=[(image.height, image.width)])
+        return int(counted["num_image_tokens"][0])
+
+    def check(self, media: Sequence[MediaSpan]) -> None:
+        """Decode and preprocess every image the encoder cache lacks; InvalidRequest for a bad one."""
+        for span in media:
+            with self._lock:
+                if span.content_hash in self.cache or span.content_hash in self._prepared:
+                    continue
+            image = decode_image(span)
+            positions = self.positions_for(image)
+            if positions != span.num_tokens:
+                raise InvalidRequest(f"{span.name}: the model gives this image {positions} positions, but the "
+                                     f"prompt holds {span.num_tokens} placeholders for it")
+            pixels = self._pixels(image)
+            with self._lock:
+                self._prepared[span.content_hash] = pixels
+                while len(self._prepared) > PREPARED_IMAGES:
+                    self._prepared.popitem(last=False)
+
+    def _pixels(self, image: Image.Image) -> torch.Tensor:
+        return self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
+
+    @torch.inference_mode()
+    def embeddings(self, spans: Sequence[MediaSpan]) -> dict[int, torch.Tensor]:
+        """Each span's encoder output [num_tokens, hidden] on the device, by content hash: cached, or encoded now
+        (the misses in one vision forward)."""
+        found: dict[int, torch.Tensor] = {}
+        missing: dict[int, torch.Tensor] = {}
+        with self._lock:
+            for span in spans:
+                h = span.content_hash
+                if h in found or h in missing:
+                    continue
+                cached = self.cache.get(h)
+                if cached is not None:
+                    found[h] = cached
+                else:
+                    missing[h] = self._prepared.pop(h, None)
+        for h, pixels in missing.items():
+            if pixels is None:  # dropped from the prepared map: decoded again from its file
+                missing[h] = self._pixels(decode_image(next(s for s in spans if s.content_hash == h)))
+        if missing:
+            pixels = torch.cat(list(missing.values())).to(self.device, self.model.dtype)
+            features = self.model.model.get_image_features(pixel_values=pixels).pooler_output
+            if isinstance(features, torch.Tensor) and features.dim() == 2:  # all images' rows in one tensor
+                features = features.split([next(s.num_tokens for s in spans if s.content_hash == h)
+                                           for h in missing])
+            with self._lock:
+                for h, feats in zip(missing, features):
+                    found[h] = feats
+                    self.cache.put(h, feats)
+        for span in spans:
+            if found[span.content_hash].shape[0] != span.num_tokens:
+                raise InvalidRequest(f"{span.name}: the encoder gave {found[span.content_hash].shape[0]} rows for "
+                                     f"{span.num_tokens} placeholders")
+        return found
