@@ -17,6 +17,7 @@ passed) is classified by its status code alone.
                    UNKNOWN, INTERNAL
   WORKER_FAULT     prefill: CALL_DEADLINE (its first_token_timeout),       yes    prefill     counts
                    KV_LEASE_EXPIRED; without a reason, any other code
+  MOVED            decode: PREEMPTED (it cannot recompute the sequence)    yes    nobody      -
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ class FailureKind(enum.Enum):
     KV_SEND_FAILED = "kv_send_failed"
     KV_NOT_RECEIVED = "kv_not_received"
     WORKER_FAULT = "worker_fault"
+    MOVED = "moved"
 
     def blamed_role(self, stage: str) -> str | None:
         """The role of the instance at fault when `stage` ("prefill" or "decode") failed; None: nobody."""
-        if self in (FailureKind.REQUEST_FAULT, FailureKind.DEADLINE):
+        if self in (FailureKind.REQUEST_FAULT, FailureKind.DEADLINE, FailureKind.MOVED):
             return None
         if self is FailureKind.KV_SEND_FAILED:
             return "decode"
@@ -67,6 +69,7 @@ _KIND_OF_REASON = {
     ("decode", pb.FAILURE_REASON_KV_NOT_RECEIVED): FailureKind.KV_NOT_RECEIVED,
     ("decode", pb.FAILURE_REASON_KV_CORRUPT): FailureKind.KV_NOT_RECEIVED,
     ("decode", pb.FAILURE_REASON_DRAINING): FailureKind.WORKER_GONE,
+    ("decode", pb.FAILURE_REASON_PREEMPTED): FailureKind.MOVED,
     ("prefill", pb.FAILURE_REASON_CALL_DEADLINE): FailureKind.WORKER_FAULT,
     ("prefill", pb.FAILURE_REASON_KV_SEND_FAILED): FailureKind.KV_SEND_FAILED,
     ("prefill", pb.FAILURE_REASON_KV_LEASE_EXPIRED): FailureKind.WORKER_FAULT,

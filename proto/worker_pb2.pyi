@@ -24,6 +24,7 @@ class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_REASON_KV_CORRUPT: _ClassVar[FailureReason]
     FAILURE_REASON_KV_LEASE_EXPIRED: _ClassVar[FailureReason]
     FAILURE_REASON_DRAINING: _ClassVar[FailureReason]
+    FAILURE_REASON_PREEMPTED: _ClassVar[FailureReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
@@ -36,6 +37,7 @@ FAILURE_REASON_KV_NOT_RECEIVED: FailureReason
 FAILURE_REASON_KV_CORRUPT: FailureReason
 FAILURE_REASON_KV_LEASE_EXPIRED: FailureReason
 FAILURE_REASON_DRAINING: FailureReason
+FAILURE_REASON_PREEMPTED: FailureReason
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "has_seed", "max_tokens", "stop", "skip_special_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "return_logprobs", "top_logprobs", "guided", "logit_bias")

@@ -24,6 +24,7 @@ REASONS = [
     ("decode", grpc.StatusCode.DATA_LOSS, pb.FAILURE_REASON_KV_CORRUPT, FailureKind.KV_NOT_RECEIVED),
     ("decode", grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_DRAINING, FailureKind.WORKER_GONE),
     ("decode", grpc.StatusCode.DEADLINE_EXCEEDED, pb.FAILURE_REASON_CALL_DEADLINE, FailureKind.DEADLINE),
+    ("decode", grpc.StatusCode.ABORTED, pb.FAILURE_REASON_PREEMPTED, FailureKind.MOVED),
     ("prefill", grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_KV_SEND_FAILED, FailureKind.KV_SEND_FAILED),
     ("prefill", grpc.StatusCode.DEADLINE_EXCEEDED, pb.FAILURE_REASON_KV_LEASE_EXPIRED, FailureKind.WORKER_FAULT),
     ("prefill", grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_DRAINING, FailureKind.WORKER_GONE),

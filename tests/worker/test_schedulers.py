@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from worker.engine.media import MediaSpan
 from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.kv_budget import KvAdmission, KvBudget, KvCapacityError
 from worker.engine.scheduler import DecodeScheduler, PrefillScheduler
@@ -159,6 +160,23 @@ def test_when_the_pool_runs_dry_the_youngest_sequence_is_preempted_and_the_rest_
     assert preempted == [young] and batch == [old]
     assert young.table.num_blocks == 0 and young.num_computed == 0
     assert sched.num_preemptions == 1
+
+
+def test_a_sequence_whose_images_stayed_on_the_prefill_worker_is_preempted_only_when_no_other_can_be():
+    pool = BlockPool(4, 16)  # 3 usable blocks
+    sched = DecodeScheduler(pool)
+    image = MediaSpan("image", 7, 0, 4)  # its identity only: the cache came from a prefill worker
+    old, young = decoding("old", 16, pool), decoding("young", 15, pool)
+    young.media = (image,)
+    sched.add(old)
+    sched.add(young)
+    sched.schedule(lambda s: None)
+    for _ in range(16):
+        old.output_token_ids.append(3)
+    preempted = []
+    sched.schedule(preempted.append)
+    assert preempted == [old]  # the older one can be recomputed here; the younger cannot
+    assert not young.can_recompute and old.can_recompute
 
 
 def test_budget_refuses_what_does_not_fit():

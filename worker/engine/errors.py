@@ -13,5 +13,10 @@ class InvalidRequest(ValueError):
     outside it, a logit_bias id outside the vocabulary, guided decoding on a backend without a tokenizer."""
 
 
+class SequencePreempted(Exception):
+    """The pool ran dry and the sequence cannot be recomputed here (its images are not on this worker): the
+    coordinator continues it on other workers."""
+
+
 class RequestFailed(Exception):
     """The worker failed the request itself (a forward raised)."""

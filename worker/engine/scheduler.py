@@ -189,10 +189,11 @@ class DecodeScheduler:
                 self._preempt_blocks(seq, on_preempt)
 
     def _victim(self) -> Sequence | None:
+        """The youngest sequence this worker can recompute; else the youngest (`on_preempt` moves it elsewhere)."""
         for seq in reversed(self.running):
             if seq.can_recompute:  # recomputing needs the prompt's tokens (and images)
                 return seq
-        return None
+        return self.running[-1] if self.running else None
 
     def _preempt(self, seq: Sequence, on_preempt: Callable[[Sequence], None]) -> None:
         self.running.remove(seq)

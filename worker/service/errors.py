@@ -10,7 +10,7 @@ import grpc
 from kv_transfer.base import KvTransferError
 from proto import worker_pb2 as pb
 from proto.failure_reason import reason_metadata
-from worker.engine.errors import DuplicateRequestError, InvalidRequest, RequestFailed
+from worker.engine.errors import DuplicateRequestError, InvalidRequest, RequestFailed, SequencePreempted
 from worker.engine.kv_budget import KvCapacityError
 
 STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
@@ -19,9 +19,11 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,  # the coordinator answers the client 400
     KvTransferError: grpc.StatusCode.DATA_LOSS,  # the KV cache was corrupt, truncated or late
     RequestFailed: grpc.StatusCode.INTERNAL,
+    SequencePreempted: grpc.StatusCode.ABORTED,
 }
 # What the code alone leaves open for the coordinator: DATA_LOSS from a KV stream says the prefill side is at fault.
-FAILURE_REASONS: dict[type[Exception], int] = {KvTransferError: pb.FAILURE_REASON_KV_CORRUPT}
+FAILURE_REASONS: dict[type[Exception], int] = {KvTransferError: pb.FAILURE_REASON_KV_CORRUPT,
+                                               SequencePreempted: pb.FAILURE_REASON_PREEMPTED}
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:

@@ -14,7 +14,7 @@ from kv_transfer.base import KvTransferError, TransferredKv
 from kv_transfer.buffer_pool import KvBufferPool
 from kv_transfer.codec import KvAssembler
 from worker.engine.decode_backend import DecodeBackend
-from worker.engine.errors import InvalidRequest, RequestFailed
+from worker.engine.errors import InvalidRequest, RequestFailed, SequencePreempted
 from worker.torch_engine.grammar_masks import Guidance
 from worker.engine.block_pool import BlockPool
 from worker.engine.messages import (AddSequence, CancelSequence, DecodeCommand, LocalPrefill, QueueLocalPrefill,
@@ -172,6 +172,14 @@ class DecodeEngine(DecodeBackend):
         return None
 
     def _preempted(self, seq: Sequence) -> None:
+        if not seq.can_recompute:
+            logger.info("preempted request %s after %d tokens: its images are not here, so it moves on",
+                        seq.request_id, seq.num_generated)
+            self._retire(seq, DecodeState.FAILED)
+            self._fail_soon(seq.request_id, "preempted when the KV pool ran dry; its cache cannot be recomputed on "
+                                            "this worker (its images stayed with the prefill worker)",
+                            SequencePreempted)
+            return
         logger.info("preempted request %s after %d tokens: recomputing it when blocks free up", seq.request_id,
                     seq.num_generated)
         self.local_prefills.add_first(Recompute(seq))
