@@ -29,6 +29,7 @@ from coordinator.routes import PREDICT_ROUTES
 from coordinator.scheduling.kv_index import KvIndex
 from coordinator.scheduling.policies import make_policy
 from coordinator.scheduling.router import Router
+from coordinator.media import MediaFetcher
 from coordinator.state import STATE, CoordinatorState
 from coordinator.tokenization import PromptTokenizer
 from guidance.compiler import compiler_for
@@ -139,6 +140,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     state = app[STATE] = CoordinatorState(
         model.modelName, model.fullTextEnabled, tokenizer, limits, client, registry, router, monitor, pipeline,
         heartbeat_interval_s=health.heartbeat_interval_s, media_dir=Path(model.multimodalInputsDir),
+        media=MediaFetcher(model.mediaFetchTimeout),
         body_limit_mb=config.request_limit.body_limit,
         grammars=compiler_for(tokenizer.tokenizer, cache_size=config.request_limit.grammar_cache_size)[0])
     state.cluster = cluster
@@ -159,6 +161,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         if kv_watch is not None:
             await kv_watch.stop()
         await client.close()
+        await state.media.close()
 
     app.cleanup_ctx.append(background)
     app[METRICS] = metrics

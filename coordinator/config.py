@@ -53,6 +53,8 @@ class ModelConfig(_Section):
                                     "instead of deltas; the final OpenAI chunk carries `full_text`.")
     multimodalInputsDir: str = Field("/data/multimodal_inputs", description="Only local media files under this "
                                      "folder are accepted (paths resolved first: symlinks and `..` included).")
+    mediaFetchTimeout: float = Field(10, gt=0, le=600, description="Seconds fetching one media URL (listed in "
+                                     "ALLOWED_MEDIA_URLS_ENV) may take; past it, 400.")
 
     _name_from_folder: bool = PrivateAttr(False)
 

@@ -98,7 +98,8 @@ class RequestPipeline:
             trace.start_attempt(retries + migrations, migrating)
             try:
                 started = time.monotonic()
-                prompt = request.prompt_token_ids + progress.token_ids
+                # As the prefix caches hash it: a repeated image goes where its blocks are.
+                prompt = request.cache_token_ids() + progress.token_ids
                 placement = self.router.route(prompt, exclude_decode=excluded["decode"],
                                               exclude_prefill=excluded["prefill"])
                 trace.phase("route", started, time.monotonic())

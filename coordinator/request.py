@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coordinator.errors import ApiError
+from kv_events.block_hash import media_cache_tokens
 from proto.sampling import SamplingRules
 
 
@@ -29,6 +30,19 @@ class SamplingOptions(SamplingRules):
     guided: GuidedGrammar | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class MediaInput:
+    """One image of a prompt, fetched: its file, its content hash, and the placeholder positions
+    [offset, offset + num_tokens) its encoder output fills; `source`: the client's field."""
+
+    kind: str
+    data: bytes
+    content_hash: int
+    offset: int
+    num_tokens: int
+    source: str
+
+
 @dataclass
 class GenerationRequest:
     """A tokenized request, ready for routing. `max_tokens` None means the model default."""
@@ -41,6 +55,14 @@ class GenerationRequest:
     priority: int = 5  # 1 highest ... 5 lowest: the order in the coordinator's waiting line
     created: int = field(default_factory=lambda: int(time.time()))
     arrived_at: float = field(default_factory=time.monotonic)
+    media: tuple[MediaInput, ...] = ()  # the prompt's images, in prompt order
+
+    def cache_token_ids(self) -> list[int]:
+        """The prompt as the workers' prefix caches hash it (image placeholders stand for their content)."""
+        if not self.media:
+            return self.prompt_token_ids
+        return media_cache_tokens(self.prompt_token_ids, ((m.offset, m.num_tokens, m.content_hash)
+                                                          for m in self.media))
 
     def continued(self, token_ids: list[int], attempt: int) -> GenerationRequest:
         """The same request resumed on other workers after `token_ids` were already generated:

@@ -12,6 +12,7 @@ from aiohttp import web
 from coordinator.health_monitor import HealthMonitor
 from coordinator.instances import InstanceRegistry
 from coordinator.limits import ModelLimits
+from coordinator.media import MediaFetcher
 from coordinator.pipeline import RequestPipeline
 from coordinator.scheduling.router import Router
 from coordinator.tokenization import PromptTokenizer
@@ -38,6 +39,7 @@ class CoordinatorState:
     pipeline: RequestPipeline
     heartbeat_interval_s: float = 2.0
     media_dir: Path = Path("/data/multimodal_inputs")
+    media: MediaFetcher = field(default_factory=MediaFetcher)  # gets the images a request names
     body_limit_mb: int = 8
     grammars: GrammarCompiler | None = None  # guided-decoding grammars checked before any worker is used
     started_at: int = field(default_factory=lambda: int(time.time()))

@@ -6,13 +6,28 @@ import asyncio
 import time
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from coordinator.request_trace import note_tokenized
 
 
 # Text up to this long is tokenized on the event loop (tens of microseconds, less than a thread hop costs).
 INLINE_CHARS = 2048
+
+
+class ImageTokens:
+    """How a vision-language model lays an image into its prompt: the placeholder its template writes (one token),
+    which its processor expands into one position per image token."""
+
+    def __init__(self, model_dir: Path | str, tokenizer):
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.placeholder: str = self.processor.image_token
+        self.token_id: int = tokenizer.convert_tokens_to_ids(self.placeholder)
+
+    def positions(self, width: int, height: int) -> int:
+        """Prompt positions the model gives an image of this size."""
+        counted = self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)])
+        return int(counted["num_image_tokens"][0])
 
 
 class PromptTokenizer:
@@ -22,12 +37,15 @@ class PromptTokenizer:
     def __init__(self, model_dir: Path | str):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
-        self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 1 << 30))
+        text_config = config.get_text_config()  # a vision-language model's language model
+        self.max_position_embeddings = int(getattr(text_config, "max_position_embeddings", 1 << 30))
         # The model's logits have one row per id of its embedding, which may be wider than the tokenizer.
-        self.vocab_size = int(getattr(config, "vocab_size", None) or len(self.tokenizer))
+        self.vocab_size = int(getattr(text_config, "vocab_size", None) or len(self.tokenizer))
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         # The fast tokenizer's Rust core, when there is one: the same ids without the Python wrapper's cost.
         self._rust = getattr(self.tokenizer, "backend_tokenizer", None)
+        # A vision-language model's image placeholder and counts; None: a text model.
+        self.images = ImageTokens(model_dir, self.tokenizer) if hasattr(config, "vision_config") else None
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as logprobs report it."""

@@ -17,7 +17,8 @@ import grpc
 
 from coordinator.failures import CALL_DEADLINE_DETAILS, WorkerCallError, WorkerFailure
 from coordinator.instances import ReportedLoad
-from coordinator.request import FinishReason, GenerationRequest
+from coordinator.request import FinishReason, GenerationRequest, MediaInput
+from kv_events.block_hash import hash_to_bytes
 from coordinator.token_channels import TokenChannel, TokenChannels
 from kv_transfer.grpc_transport import GRPC_OPTIONS
 from proto import worker_pb2 as pb
@@ -90,6 +91,13 @@ def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingPa
         guided=guided,
         logit_bias=dict(s.logit_bias),
     )
+
+
+def media_to_pb(media: tuple[MediaInput, ...], with_data: bool) -> list[pb.MediaItem]:
+    """A prompt's images as MediaItems: with their files for a prefill, identities only for a decode worker fed
+    by a transfer."""
+    return [pb.MediaItem(kind=m.kind, data=m.data if with_data else b"", content_hash=hash_to_bytes(m.content_hash),
+                         offset=m.offset, num_tokens=m.num_tokens, source=m.source) for m in media]
 
 
 def prefill_result_from_pb(reply: pb.PrefillResponse) -> PrefillResult:
@@ -300,6 +308,7 @@ class WorkerClient:
             prompt_token_ids=request.prompt_token_ids,
             local_prefill=local_prefill,
             traceparent=traceparent,
+            media=media_to_pb(request.media, with_data=local_prefill),
         )
         channel = self.token_channels.open_channel(address)
         # A request too big for one frame goes as a call: the channel would be cut, failing its other requests.
@@ -326,6 +335,7 @@ class WorkerClient:
             kv_transfer_token=kv_transfer_token,
             decode_cached_tokens=decode_cached_tokens,
             traceparent=traceparent,
+            media=media_to_pb(request.media, with_data=True),
         )
         channel = self.token_channels.open_channel(address)
         if channel is not None and message.ByteSize() < MAX_REQUEST_FRAME_BYTES:

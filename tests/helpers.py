@@ -107,14 +107,26 @@ def write_config(path: Path, prefill: list[str], decode: list[str], model_dir: P
     return path
 
 
-def start_coordinator(config_path: Path) -> ServerProcess:
-    return ServerProcess(pdserve_argv("coordinator", "--config", str(config_path)), "pdserve coordinator ready:")
+def start_coordinator(config_path: Path, env: dict | None = None) -> ServerProcess:
+    return ServerProcess(pdserve_argv("coordinator", "--config", str(config_path)), "pdserve coordinator ready:",
+                         env=env)
 
 
 def management_url(coordinator: ServerProcess) -> str:
     """The management URL a coordinator printed before its ready line."""
     line = next(l for l in coordinator.output if l.startswith("pdserve coordinator management:"))
     return line.strip().rsplit(" ", 1)[-1]
+
+
+def serving_decode(coordinator) -> str:
+    """The decode instance that has the one running request."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        body = httpx.get(f"{management_url(coordinator)}/v1/instances", timeout=5).json()
+        busy = [i["address"] for i in body["decode"] if i["outstanding_requests"]]
+        if busy:
+            return busy[0]
+    raise AssertionError("no decode instance took the request")
 
 
 def instance_states(coordinator: ServerProcess) -> dict[str, dict[str, str]]:
@@ -405,16 +417,18 @@ def image_bytes(color: tuple[int, int, int], size: tuple[int, int] = (40, 30), f
     return out.getvalue()
 
 
-def vlm_reference(vlm, parts: list[dict], images: list[bytes], max_new_tokens: int) -> tuple[list[int], list[int]]:
+def vlm_reference(vlm, parts: list[dict] | str, images: list[bytes], max_new_tokens: int) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) of the VLM as transformers runs it: the processor's chat template and
-    expansion, then `generate`. `parts`: one user message's content parts ({"type": "image"} in image order)."""
+    expansion, then `generate`, going on past EOS as `ignore_eos` does. `parts`: one user message's content parts
+    ({"type": "image"} in image order), or a raw prompt text (its images as the processor's placeholder)."""
     from PIL import Image
 
     processor, model = vlm
-    prompt = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    prompt = parts if isinstance(parts, str) else processor.apply_chat_template(
+        [{"role": "user", "content": parts}], add_generation_prompt=True)
     pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
     inputs = processor(images=pictures or None, text=prompt, return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    with torch.inference_mode():  # no EOS id: it does not stop there
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[])
     n = inputs["input_ids"].shape[1]
     return inputs["input_ids"][0].tolist(), out[0, n:].tolist()

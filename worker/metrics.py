@@ -38,6 +38,9 @@ class WorkerMetrics:
         blocks.labels("cached").set_function(lambda: pool.stats().cached_blocks)
         blocks.labels("free").set_function(lambda: pool.stats().free_blocks - pool.stats().cached_blocks)
         r.register(PrefixCacheCounters(pool))
+        vision = getattr(getattr(engine, "runner", None), "vision", None)
+        if vision is not None:
+            r.register(EncoderCacheCounters(vision.cache))
         # side: send (prefill: first byte to the decode worker's ack) or receive (decode: header to last block,
         # verified); transport: tcp (the raw-TCP data port) or grpc (the KvReceiver stream).
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV cache bytes sent (prefill) or received "
@@ -77,6 +80,19 @@ class PrefixCacheCounters:
                                   "cache (not computed again).", value=stats.hit_tokens)
         yield CounterMetricFamily("pdserve_worker_prefix_cache_queried_tokens", "Prompt positions looked up in the "
                                   "prefix cache.", value=stats.queried_tokens)
+
+
+class EncoderCacheCounters:
+    """A vision-language model's encoder cache lookups (images by content hash), read when scraped."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def collect(self):
+        yield CounterMetricFamily("pdserve_worker_encoder_cache_hits", "Images whose encoder output was found "
+                                  "cached (not encoded again).", value=self.cache.hits)
+        yield CounterMetricFamily("pdserve_worker_encoder_cache_misses", "Images encoded (not found cached).",
+                                  value=self.cache.misses)
 
 
 class _NoOp:

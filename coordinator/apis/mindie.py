@@ -61,8 +61,8 @@ class MindieFormatter(TextGenFormatter):
 async def infer(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_request(request, MindieRequest)
-    _, prompt_ids = await tokenize_input(state, req.inputs, "inputs")
-    gen = req.parameters.generation(new_id("infer"), prompt_ids)
+    prompt = await tokenize_input(state, req.inputs, "inputs")
+    gen = req.parameters.generation(new_id("infer"), prompt.token_ids, media=prompt.media)
     formatter = MindieFormatter(req.parameters, gen.sampling.seed, state.full_text)
     return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
 

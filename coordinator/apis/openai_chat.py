@@ -9,7 +9,8 @@ from typing import Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from coordinator.apis import multimodal
+from coordinator.apis.multimodal import MediaRef
+from coordinator.apis.prompts import items_prompt, with_media
 from coordinator.apis.chat_output import ChatOutputParser, ChatPiece, split_whole
 from coordinator.apis.fields import MaxTokens, new_id, read_request
 from coordinator.apis.guided import checked_grammar, tool_call_lark
@@ -110,6 +111,11 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
 
+    def has_content(self) -> bool:
+        """Text, or a part of another kind (an image alone is a question)."""
+        return bool(self.text()) or isinstance(self.content, list) and any(
+            isinstance(p, dict) and p.get("type") != "text" for p in self.content)
+
 
 class ChatCompletionRequest(OpenAIRequest):
     """The body of a chat completion request."""
@@ -180,7 +186,7 @@ class ChatCompletionRequest(OpenAIRequest):
     @field_validator("messages")
     @classmethod
     def _not_blank(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        if not any(m.text() for m in messages):
+        if not any(m.has_content() for m in messages):
             raise ValueError("at least one message must have non-empty content")
         return messages
 
@@ -302,16 +308,30 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_request(request, ChatCompletionRequest, state.tokenizer.vocab_size)
     check_model(body.model, state.model_name)
-    messages = body.template_messages(lambda parts, param: multimodal.text_of_items(parts, param, state.media_dir))
-    state.limits.check_text("".join(m["content"] for m in messages), "messages")
+    refs: list[MediaRef] = []
+    texts: list[str] = []
+
+    def content(parts: list, param: str) -> str | list[dict]:
+        # A message with images keeps its parts, so the template places each image's placeholder.
+        prompt = items_prompt(state, parts, param, require_text=False)
+        if not prompt.media:
+            return prompt.text
+        refs.extend(prompt.media)
+        texts.append(prompt.text)
+        return list(prompt.parts)
+
+    messages = body.template_messages(content)
+    state.limits.check_text("".join(m["content"] for m in messages if isinstance(m["content"], str)) + "".join(texts),
+                            "messages")
     if body.resume_response is not None:
         state.limits.check_text(body.resume_response, "resume_response")
     prompt_ids = await state.tokenizer.encode_chat(messages, body.template_tools(), body.resume_response)
+    prompt_ids, media = await with_media(state, prompt_ids, tuple(refs), "messages")
     state.limits.check_prompt(len(prompt_ids), "messages")
     # A resumed reply is already part of the constrained output: the grammar replays its tokens first.
     replay = state.tokenizer.continuation_ids(body.resume_response) if body.resume_response else ()
     guided = await checked_grammar(state.grammars, body.constraint(), replay, "resume_response")
-    gen = GenerationRequest(new_id("chatcmpl"), prompt_ids, body.sampling(guided), body.max_tokens)
+    gen = GenerationRequest(new_id("chatcmpl"), prompt_ids, body.sampling(guided), body.max_tokens, media=media)
 
     def formatter() -> ChatFormatter:
         return ChatFormatter(gen.request_id, gen.created, state.model_name, state.full_text, body.return_token_ids,

@@ -137,7 +137,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     sampling = body.sampling(guided)
     request_id = new_id("cmpl")
     gens = [GenerationRequest(request_id if len(prompts) == 1 else f"{request_id}-p{g}", p.token_ids, sampling,
-                              body.max_tokens) for g, p in enumerate(prompts)]
+                              body.max_tokens, media=p.media) for g, p in enumerate(prompts)]
 
     def formatter(g: int) -> CompletionFormatter:
         f = CompletionFormatter(request_id, gens[0].created, state.model_name, state.full_text, body.return_token_ids,

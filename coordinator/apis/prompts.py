@@ -10,25 +10,41 @@ from pydantic import AfterValidator, ValidationInfo, WithJsonSchema
 
 from coordinator.apis import multimodal
 from coordinator.apis.fields import check_in_vocab
+from coordinator.errors import ApiError
+from coordinator.media import place_media, truncate_with_media
+from coordinator.request import MediaInput
 from coordinator.state import CoordinatorState
 
 
-def input_text(state: CoordinatorState, value: str | list, param: str) -> str:
-    """A text input, or a list of typed items validated by the multimodal rules."""
-    text = value if isinstance(value, str) else multimodal.text_of_items(value, param, state.media_dir)
-    state.limits.check_text(text, param)
-    return text
+def items_prompt(state: CoordinatorState, value: list, param: str, require_text: bool = True) -> multimodal.ItemsPrompt:
+    """A list of typed items validated by the multimodal rules, for the served model."""
+    images = state.tokenizer.images
+    return multimodal.parse_items(value, param, state.media_dir, images.placeholder if images is not None else None,
+                                  require_text)
+
+
+async def with_media(state: CoordinatorState, prompt_ids: list[int], refs: tuple[multimodal.MediaRef, ...],
+                     param: str) -> tuple[list[int], tuple[MediaInput, ...]]:
+    """The prompt with its images fetched and their placeholders expanded (nothing to do without images)."""
+    if not refs:
+        return prompt_ids, ()
+    files = await state.media.fetch_all(refs)
+    return place_media(prompt_ids, refs, files, state.tokenizer.images, param)
 
 
 async def tokenize_input(state: CoordinatorState, value: str | list, param: str,
-                         keep_last: int | None = None) -> tuple[str, list[int]]:
-    """Validate, tokenize (keeping only the last `keep_last` tokens if asked) and check the prompt limit."""
-    text = input_text(state, value, param)
+                         keep_last: int | None = None) -> Prompt:
+    """Validate, tokenize (keeping only the last `keep_last` tokens if asked), place the images and check the
+    prompt limit (image positions included)."""
+    items = None if isinstance(value, str) else items_prompt(state, value, param)
+    text = value if items is None else items.text
+    state.limits.check_text(text, param)
     prompt_ids = await state.tokenizer.encode_text(text)
+    prompt_ids, media = await with_media(state, prompt_ids, items.media if items is not None else (), param)
     if keep_last is not None:
-        prompt_ids = prompt_ids[-keep_last:]
+        prompt_ids, media = truncate_with_media(prompt_ids, media, keep_last, param)
     state.limits.check_prompt(len(prompt_ids), param)
-    return text, prompt_ids
+    return Prompt(prompt_ids, text, media)
 
 
 # OpenAI completions: a string, a list of strings (a batch), a list of token ids, a list of lists of
@@ -82,10 +98,11 @@ def prompt_batch(value: str | list) -> list[str | list]:
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of a batch, tokenized, with its text (for a token-id prompt, decoded only when asked for)."""
+    """One prompt, tokenized, with its text (for a token-id prompt, decoded only when asked for) and images."""
 
     token_ids: list[int]
     text: str = ""
+    media: tuple[MediaInput, ...] = ()
 
 
 async def tokenize_batch(state: CoordinatorState, value: str | list, param: str, with_text: bool) -> list[Prompt]:
@@ -96,9 +113,12 @@ async def tokenize_batch(state: CoordinatorState, value: str | list, param: str,
     for i, item in enumerate(batch):
         where = param if len(batch) == 1 else f"{param}.{i}"
         if isinstance(item, list) and isinstance(item[0], int):
+            images = state.tokenizer.images
+            if images is not None and images.token_id in item:
+                raise ApiError(400, f"{where}: token id {images.token_id} is the image placeholder; send images as "
+                                    "typed items", param=where)
             state.limits.check_prompt(len(item), where)
             prompts.append(Prompt(item, await state.tokenizer.decode(item) if with_text else ""))
         else:
-            text, ids = await tokenize_input(state, item, where)
-            prompts.append(Prompt(ids, text))
+            prompts.append(await tokenize_input(state, item, where))
     return prompts

@@ -138,10 +138,10 @@ async def serve_tgi(request: web.Request, body, stream: bool, native_shapes: boo
         body = {**body, "stream": stream}
     req = parse_request(TgiRequest, body)
     params = req.parameters
-    text, prompt_ids = await tokenize_input(state, req.inputs, "inputs", keep_last=params.truncate)
+    prompt = await tokenize_input(state, req.inputs, "inputs", keep_last=params.truncate)
     guided = await checked_grammar(state.grammars, params.grammar.constraint() if params.grammar else None)
-    gen = params.generation(new_id("tgi"), prompt_ids, guided=guided)
-    formatter = TgiFormatter(req, text, prompt_ids, gen.sampling.seed, state.full_text,
+    gen = params.generation(new_id("tgi"), prompt.token_ids, guided=guided, media=prompt.media)
+    formatter = TgiFormatter(req, prompt.text, prompt.token_ids, gen.sampling.seed, state.full_text,
                              state.tokenizer.token_text, state.tokenizer.special_ids,
                              list_ids=not native_shapes, wrap_in_list=native_shapes)
     return await serve_generation(request, state.pipeline, gen, formatter, stream)

@@ -182,9 +182,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     check_model(request.match_info["model"], state.model_name)
     req = await read_request(request, TritonGenerateRequest)
-    _, prompt_ids = await tokenize_input(state, req.text_input, "text_input")
+    prompt = await tokenize_input(state, req.text_input, "text_input")
     # The client's id is only echoed: two clients may choose the same one, so workers key on ours.
-    gen = req.parameters.generation(new_id("triton"), prompt_ids)
+    gen = req.parameters.generation(new_id("triton"), prompt.token_ids, media=prompt.media)
     formatter = TritonFormatter(req.id or gen.request_id, state.model_name, req.parameters, state.full_text)
     stream = request.path.endswith("/generate_stream")
     return await serve_generation(request, state.pipeline, gen, formatter, stream)

@@ -70,6 +70,7 @@ async def serve_vllm(request: web.Request, body: dict) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_request(VllmGenerateRequest, body, state.tokenizer.vocab_size)
     check_lora(req.model, state.model_name)
-    text, prompt_ids = await tokenize_input(state, req.prompt, "prompt")
-    gen = GenerationRequest(new_id("vllm"), prompt_ids, req.sampling(), req.max_tokens)
-    return await serve_generation(request, state.pipeline, gen, VllmFormatter(text, state.full_text), req.stream)
+    prompt = await tokenize_input(state, req.prompt, "prompt")
+    gen = GenerationRequest(new_id("vllm"), prompt.token_ids, req.sampling(), req.max_tokens, media=prompt.media)
+    return await serve_generation(request, state.pipeline, gen, VllmFormatter(prompt.text, state.full_text),
+                                  req.stream)

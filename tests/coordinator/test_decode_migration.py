@@ -11,24 +11,13 @@ import time
 
 import httpx
 
-from tests.helpers import (BackgroundStream, instance_states, management_url, reference_tokens, scrape, sse_events,
+from tests.helpers import (BackgroundStream, instance_states, reference_tokens, scrape, serving_decode, sse_events,
                           start_coordinator, start_worker, write_config)
 
 pytestmark = pytest.mark.system
 
 MAX_TOKENS = 800  # long enough to still be streaming when the kill lands, even on an idle machine
 LONG = {"maxIterTimes": MAX_TOKENS, "maxSeqLen": 2048, "maxInputTokenLen": 2048}
-
-
-def serving_decode(coordinator) -> str:
-    """The decode instance that has the one running request."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        body = httpx.get(f"{management_url(coordinator)}/v1/instances", timeout=5).json()
-        busy = [i["address"] for i in body["decode"] if i["outstanding_requests"]]
-        if busy:
-            return busy[0]
-    raise AssertionError("no decode instance took the request")
 
 
 def test_a_stream_whose_decode_worker_dies_continues_on_another_with_the_same_tokens(cluster, tmp_path, hf_model):
