@@ -128,6 +128,6 @@ def parse_items(items: list[Any], param: str, media_dir: Path, image_placeholder
         if ref.kind != "image_url":
             raise ApiError(400, f"{ref.where}.{ref.kind}: the served model takes images only, not "
                                 f"{ref.kind.removesuffix('_url')}", param=param)
-    if not texts and (require_text or not media):
+    if all(part["type"] != "text" for part in parts) and (require_text or not media):
         raise ApiError(400, f"{param}: at least one text item is required", param=param)
     return ItemsPrompt("".join(texts), tuple(parts), tuple(media))

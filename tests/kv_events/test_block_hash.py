@@ -34,3 +34,13 @@ def test_the_hash_and_the_coordinators_index_load_no_torch():
     code = "import sys, kv_events.block_hash, coordinator.scheduling.kv_index; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_media_placeholders_hash_as_their_content_so_only_the_same_image_gives_the_same_blocks():
+    from kv_events.block_hash import media_cache_tokens
+
+    ids = list(range(4)) + [7] * 28
+    red, blue = media_cache_tokens(ids, [(4, 28, 111)]), media_cache_tokens(ids, [(4, 28, 222)])
+    assert red[:4] == ids[:4] and len(set(red[4:])) == 1 and red[4] < 0
+    assert chain_hashes(red, 16) == chain_hashes(media_cache_tokens(ids, [(4, 28, 111)]), 16)
+    assert chain_hashes(red, 16)[0] != chain_hashes(blue, 16)[0] != chain_hashes(ids, 16)[0]

@@ -98,3 +98,22 @@ def test_the_digest_depends_on_the_blocks_held_not_on_their_order():
     assert a.describe("p0:1")["digest"] == b.describe("p0:1")["digest"]
     b.apply("p0:1", kv_blocks_batch("prefill", prompt(16, start=3), seq=1, reset=False))
     assert a.describe("p0:1")["digest"] != b.describe("p0:1")["digest"]
+
+
+def test_a_prompt_with_an_image_matches_the_worker_that_computed_that_image_and_no_other():
+    from coordinator.request import GenerationRequest, MediaInput, SamplingOptions
+    from worker.engine.media import MediaSpan, cache_token_ids
+
+    ids = prompt(8) + [99] * 16 + prompt(24, start=200)  # an image's 16 placeholders at position 8
+
+    def request(content_hash: int) -> GenerationRequest:
+        image = MediaInput("image", b"", content_hash, 8, 16, "messages.0.content.0")
+        return GenerationRequest("r", ids, SamplingOptions(), media=(image,))
+
+    index = KvIndex()
+    # What the worker's block pool registers: its own hashing of the same prompt and image.
+    held = cache_token_ids(ids, (MediaSpan("image", 1234, 8, 16),))
+    assert index.apply("p0:1", kv_blocks_batch("prefill", held))
+    assert index.match(request(1234).cache_token_ids()).prefill == {"p0:1": 32}
+    assert index.match(request(4321).cache_token_ids()).prefill == {}  # the same placeholders, another image
+    assert index.match(ids).prefill == {}  # nor do the bare placeholder ids
