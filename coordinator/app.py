@@ -21,6 +21,7 @@ from coordinator.instances import InstanceRegistry
 from coordinator.kv_event_watch import KvEventWatch
 from coordinator.limits import ModelLimits
 from coordinator.management import MANAGEMENT_ROUTES
+from coordinator.media import MediaFetcher
 from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.pipeline import RequestPipeline
 from coordinator.request_queue import RequestQueue
@@ -29,7 +30,6 @@ from coordinator.routes import PREDICT_ROUTES
 from coordinator.scheduling.kv_index import KvIndex
 from coordinator.scheduling.policies import make_policy
 from coordinator.scheduling.router import Router
-from coordinator.media import MediaFetcher
 from coordinator.state import STATE, CoordinatorState
 from coordinator.tokenization import PromptTokenizer
 from guidance.compiler import compiler_for

@@ -158,6 +158,9 @@ BAD = [
     ([{"type": "video_url", "video_url": {"url": "clip.mp4"}}], r"takes images only, not video"),
     ([image_part("/etc/passwd.png")], r"local files must lie under"),
     ([{"type": "text", "text": "<image> sneaks in"}, image_part("red.png")], r"holds 2 image placeholders"),
+    # 20 images are 320 positions: with this text the prompt passes the cluster's 512, though its text alone does not
+    ([{"type": "text", "text": "one two three " * 25}] + [image_part("red.png")] * 20,
+     r"messages has 5\d\d tokens; the limit is"),
 ]
 
 
