@@ -55,7 +55,9 @@ def coordinator_rows() -> list[list[str]]:
 
 def worker_rows() -> list[list[str]]:
     """Both roles' metrics; a metric only one role registers says so."""
-    engine = SimpleNamespace(admission=SimpleNamespace(budget=None), pool=BlockPool(2, 16))  # read when scraped
+    # Read when scraped; a vision-language model's runner adds its encoder cache's counters.
+    engine = SimpleNamespace(admission=SimpleNamespace(budget=None), pool=BlockPool(2, 16),
+                             runner=SimpleNamespace(vision=SimpleNamespace(cache=SimpleNamespace(hits=0, misses=0))))
     by_role = {role: metric_rows(WorkerMetrics(role, engine).registry) for role in ("prefill", "decode")}
     rows = []
     for name in sorted(by_role["prefill"].keys() | by_role["decode"].keys()):

@@ -89,10 +89,10 @@ class EncoderCacheCounters:
         self.cache = cache
 
     def collect(self):
-        yield CounterMetricFamily("pdserve_worker_encoder_cache_hits", "Images whose encoder output was found "
-                                  "cached (not encoded again).", value=self.cache.hits)
-        yield CounterMetricFamily("pdserve_worker_encoder_cache_misses", "Images encoded (not found cached).",
-                                  value=self.cache.misses)
+        yield CounterMetricFamily("pdserve_worker_encoder_cache_hits", "Vision-language models: images whose "
+                                  "encoder output was found cached (not encoded again).", value=self.cache.hits)
+        yield CounterMetricFamily("pdserve_worker_encoder_cache_misses", "Vision-language models: images encoded "
+                                  "(not found cached).", value=self.cache.misses)
 
 
 class _NoOp:

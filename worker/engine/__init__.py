@@ -4,7 +4,8 @@ block pool (`block_pool`), prefix cache and schedulers (`scheduler`).
 
 Prefill worker, one request's life:
   0. The servicer has the backend `check_sampling` (grammar compiled, replayed tokens followed,
-     logit_bias ids in the vocabulary) on a thread, or refuses the request INVALID_ARGUMENT.
+     logit_bias ids in the vocabulary) and `check_media` (each image decodes and fills its span;
+     a text model takes none) on a thread, or refuses the request INVALID_ARGUMENT.
   1. `PrefillBackend.submit` waits in line until the block pool can hold the prompt, then queues it
      for the engine (a thread here, an event-loop task on the simulated backend).
   2. The engine takes the prompt's cached leading blocks from the prefix cache and prefills the rest
@@ -19,7 +20,8 @@ Prefill worker, one request's life:
      the pool, the full ones cached for later prompts.
 
 Decode worker, one request's life:
-  0. As for prefill: `check_sampling` on a thread, or INVALID_ARGUMENT.
+  0. As for prefill: `check_sampling` (and, for a local prefill, `check_media`) on a thread, or
+     INVALID_ARGUMENT. A sequence fed by a transfer knows its images by identity only (`media`).
   1. `DecodeBackend.register` + `admit`: the coordinator's Decode stream waits in line until the
      pool can hold the prompt and its first token (WAITING_FOR_BUDGET); one that could never fit
      (prompt + max tokens beyond the pool) is refused at once. `hold_cached_prefix` takes the
@@ -35,8 +37,10 @@ Decode worker, one request's life:
   3. Every step runs one packed forward: each running sequence's next token, plus at most one
      budget of prompt chunks. A sequence joins when it has blocks and a seat, takes a block when
      it fills one, and leaves at once when finished or cancelled. When the pool runs dry the
-     youngest running sequence is preempted: its blocks are released (full ones cached) and it is
-     recomputed later and resumed. A guided sequence got its grammar matcher at admission (over
+     youngest running sequence this worker can recompute is preempted: its blocks are released
+     (full ones cached) and it is recomputed later and resumed. One whose images stayed with the
+     prefill worker is preempted only when no other can be, and ends SequencePreempted, for the
+     coordinator to continue elsewhere. A guided sequence got its grammar matcher at admission (over
      the replayed tokens and the first token); the step masks all constrained rows together
      before sampling (`grammar_masks`).
   4. `DecodeBackend.release` (end of the stream, for any reason) frees its budget and its blocks
