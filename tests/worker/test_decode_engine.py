@@ -10,7 +10,8 @@ import torch
 from kv_transfer.base import TransferredKv
 from worker.torch_engine.build import paged_pool
 from worker.torch_engine.decode_engine import DecodeEngine
-from worker.engine.errors import RequestFailed
+from worker.engine.errors import RequestFailed, SequencePreempted
+from worker.engine.media import MediaSpan
 from worker.torch_engine.model_runner import ModelRunner
 from worker.engine.sequence import DecodeState, SamplingParams
 
@@ -152,3 +153,32 @@ async def test_a_long_local_prefill_is_chunked_into_decode_steps_that_keep_the_r
     assert len(prefilling) >= 300 // 32  # chunks of at most 32 tokens, one per step
     assert all(n <= 32 for _, chunks in prefilling for _, n in chunks)
     assert all("running" in batch for batch, _ in prefilling[:-1])  # decoding went on through every chunk
+
+
+async def test_a_sequence_whose_images_stayed_on_the_prefill_worker_moves_on_when_the_pool_runs_dry(runner):
+    engine = DecodeEngine(runner, paged_pool(runner, 4 * 16))  # 4 blocks; each sequence grows to 4 (9 + 40 positions)
+    image = MediaSpan("image", 1234, 2, 4)  # known by identity only: its cache came from a prefill worker
+    handles = []
+    for rid in ("old", "young"):
+        handle = engine.register(rid, len(PROMPT), SamplingParams(max_tokens=40, ignore_eos=True), 64, PROMPT,
+                                 media=(image,))
+        await engine.admit(handle)
+        engine.on_kv(prompt_kv(runner, rid))
+        handles.append(handle)
+    engine.start()
+    try:
+        async def events(handle) -> list:
+            out = []
+            while not out or not (isinstance(out[-1], Exception) or out[-1].finish_reason is not None):
+                out.append(await asyncio.wait_for(handle.events.get(), 30))
+            return out
+
+        old, young = await asyncio.gather(*(events(h) for h in handles))
+        # The younger cannot be recomputed here, so it ends for the coordinator to continue it elsewhere (ABORTED,
+        # FAILURE_REASON_PREEMPTED on the wire); the older one runs to its end.
+        assert isinstance(young[-1], SequencePreempted) and "images stayed with the prefill worker" in str(young[-1])
+        assert len(old) == 40 and old[-1].finish_reason is not None
+    finally:
+        for rid in ("old", "young"):
+            engine.release(rid)
+        engine.shutdown()
