@@ -347,6 +347,17 @@ def kv_blocks_batch(role: str, token_ids: list[int], block_size: int = 16, epoch
                            events=events)
 
 
+def index_matches_workers(coordinator: ServerProcess, workers: list[ServerProcess]):
+    """Every worker's kv_index entry on the coordinator equals the worker's own snapshot (None if not yet)."""
+    listed = httpx.get(f"{management_url(coordinator)}/v1/instances", timeout=10).json()
+    held = {i["address"]: i["kv_index"] for group in listed.values() for i in group}
+    for worker in workers:
+        view, entry = worker_cache_view(worker.address), held.get(worker.address)
+        if entry is None or any(entry[k] != view[k] for k in ("blocks", "digest", "epoch")):
+            return None
+    return held
+
+
 def worker_cache_view(address: str) -> dict:
     """What a worker's prefix cache holds, from its own KvEvents.Watch snapshot, as KvIndex.describe shows an
     instance: block count, XOR digest, epoch, block size."""

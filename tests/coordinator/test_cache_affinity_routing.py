@@ -11,13 +11,13 @@ import pytest
 
 from tests.helpers import (
     ServerProcess,
+    index_matches_workers,
     management_url,
     pdserve_argv,
     scrape,
     start_coordinator,
     start_sim_worker,
     wait_for,
-    worker_cache_view,
     write_config,
 )
 
@@ -31,17 +31,6 @@ STORY = ("Once upon a time there was a lighthouse keeper who counted the ships t
 def sim_worker_on(role: str, port: str) -> ServerProcess:
     return ServerProcess(pdserve_argv("worker", "--role", role, "--port", port, "--simulate"),
                          "pdserve worker ready:", timeout_s=30)
-
-
-def index_matches_workers(coordinator: ServerProcess, workers: list[ServerProcess]):
-    """Every worker's kv_index entry on the coordinator equals the worker's own snapshot (None if not yet)."""
-    listed = httpx.get(f"{management_url(coordinator)}/v1/instances", timeout=10).json()
-    held = {i["address"]: i["kv_index"] for group in listed.values() for i in group}
-    for worker in workers:
-        view, entry = worker_cache_view(worker.address), held.get(worker.address)
-        if entry is None or any(entry[k] != view[k] for k in ("blocks", "digest", "epoch")):
-            return None
-    return held
 
 
 def complete(coordinator: ServerProcess, prompt: str) -> dict:

@@ -15,8 +15,9 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import (BackgroundStream, health, image_bytes, metrics_url, scrape, serving_decode, sse_events,
-                           start_coordinator, start_worker, vlm_reference, write_config)
+from tests.helpers import (BackgroundStream, health, image_bytes, index_matches_workers, metrics_url, scrape,
+                           serving_decode, sse_events, start_coordinator, start_worker, vlm_reference, wait_for,
+                           write_config)
 
 pytestmark = pytest.mark.system
 
@@ -61,7 +62,8 @@ def media_server():
 
 @pytest.fixture(scope="module")
 def vlm_cluster(vlm_dir, media_dir, media_server, tmp_path_factory):
-    """One prefill and two decode VLM workers; a coordinator that disaggregates, one that prefills locally."""
+    """One prefill and two decode VLM workers; a coordinator that disaggregates, one that prefills locally, one
+    that routes on the workers' KV events (cache_affinity)."""
     prefill = start_worker("prefill", vlm_dir)
     decodes = [start_worker("decode", vlm_dir), start_worker("decode", vlm_dir)]
     env = {"ALLOWED_MEDIA_URLS_ENV": f"{media_server}/red.png,{media_server}/stall"}
@@ -72,8 +74,12 @@ def vlm_cluster(vlm_dir, media_dir, media_server, tmp_path_factory):
     local = start_coordinator(write_config(
         folder / "local.json", [prefill.address], addresses, vlm_dir,
         sections={"digs_scheduler_config": {"local_prefill_max_tokens": 4096}}, **overrides), env)
-    yield {"pd": pd, "local": local, "prefill": prefill, "decodes": {d.address: d for d in decodes}}
-    for proc in (pd, local, prefill, *decodes):
+    affinity = start_coordinator(write_config(
+        folder / "affinity.json", [prefill.address], addresses, vlm_dir,
+        sections={"digs_scheduler_config": {"algorithm_type": "cache_affinity"}}, **overrides), env)
+    yield {"pd": pd, "local": local, "affinity": affinity, "prefill": prefill,
+           "decodes": {d.address: d for d in decodes}}
+    for proc in (pd, local, affinity, prefill, *decodes):
         proc.stop()
 
 
@@ -196,6 +202,33 @@ def test_a_repeated_image_hits_the_prefix_cache_and_after_other_text_the_encoder
     chat(address, [{"type": "text", "text": "Before anything else: "}, image_part(green), question])
     assert counters()[0] - hits < 16  # other text first: its blocks differ, the image is computed again...
     assert counters()[1] == encoded + 1 and counters()[2] == missed + 1  # ...from the encoder cache
+
+
+def test_with_cache_affinity_a_repeated_image_goes_to_the_decode_worker_holding_it_and_another_image_does_not(
+        vlm_cluster, media_dir):
+    coordinator, decodes = vlm_cluster["affinity"], list(vlm_cluster["decodes"].values())
+    question = {"type": "text", "text": "Which shapes and colours can you see in this one?"}
+    purple, orange = (image_part("data:image/png;base64," + base64.b64encode(image_bytes(c)).decode())
+                      for c in ((120, 20, 160), (250, 140, 10)))
+
+    def decode_figures(name: str) -> dict[str, float]:
+        figures = scrape(coordinator.address)
+        return {d.address: figures.get((name, (("address", d.address), ("role", "decode"))), 0.0) for d in decodes}
+
+    def grew(name: str, before: dict[str, float]) -> dict[str, float]:
+        after = decode_figures(name)
+        return {address: after[address] - before[address] for address in after}
+
+    routed = decode_figures("pdserve_instance_routed_prompt_tokens_total")
+    chat(coordinator.address, [purple, question])
+    holder = max(grew("pdserve_instance_routed_prompt_tokens_total", routed).items(), key=lambda kv: kv[1])[0]
+    wait_for(lambda: index_matches_workers(coordinator, decodes), 10, "the index to hold the decode workers' blocks")
+    expected = decode_figures("pdserve_instance_expected_cached_tokens_total")
+    chat(coordinator.address, [purple, question])
+    assert grew("pdserve_instance_expected_cached_tokens_total", expected)[holder] >= 32  # the image's blocks
+    expected = decode_figures("pdserve_instance_expected_cached_tokens_total")
+    chat(coordinator.address, [orange, question])  # the same text, another image: nothing from the image on
+    assert all(tokens < 16 for tokens in grew("pdserve_instance_expected_cached_tokens_total", expected).values())
 
 
 def test_a_stream_with_an_image_whose_decode_worker_dies_continues_elsewhere_with_the_same_tokens(
