@@ -127,16 +127,24 @@ def test_openai_chat_with_images_gives_generates_greedy_tokens(vlm_cluster, vlm,
     assert chat(vlm_cluster[route].address, in_folder(content, media_dir)) == expected
 
 
-def test_list_inputs_of_tgi_vllm_triton_and_mindie_take_an_image_after_text(vlm_cluster, vlm, media_dir):
+@pytest.mark.parametrize("route", ["pd", "local"])
+def test_list_inputs_of_every_api_that_takes_them_take_an_image_after_text(vlm_cluster, vlm, media_dir, route):
     items = [{"type": "text", "text": "A photo: "}, {"type": "image_url", "image_url": str(media_dir / "red.png")},
              {"type": "text", "text": " It shows"}]
     _, expected = vlm_reference(vlm, "A photo: <image> It shows", [RED], N)
-    url = vlm_cluster["pd"].address
+    url = vlm_cluster[route].address
     tgi = httpx.post(f"{url}/generate", timeout=60, json={
         "inputs": items, "parameters": {"max_new_tokens": N, "details": True, "decoder_input_details": False}})
     assert tgi.status_code == 200, tgi.text
     assert [t["id"] for t in tgi.json()["details"]["tokens"]] == expected
     text = tgi.json()["generated_text"]
+    if route == "local":
+        return  # the other APIs share everything after the prompt with TGI's
+    completion = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": "pdserve-tiny", "prompt": items, "max_tokens": N, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["token_ids"] == expected
     vllm = httpx.post(f"{url}/generate", timeout=60, json={"prompt": items, "max_tokens": N, "temperature": 0})
     assert vllm.status_code == 200 and vllm.json()["text"] == ["A photo: <image> It shows" + text]
     triton = httpx.post(f"{url}/v2/models/pdserve-tiny/generate", timeout=60, json={
