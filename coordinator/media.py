@@ -19,6 +19,7 @@ import asyncio
 import base64
 import binascii
 import io
+import warnings
 from pathlib import Path
 
 import aiohttp
@@ -102,15 +103,18 @@ def _read_file(path: Path, where: str, limit: int) -> bytes:
 
 
 def image_size(data: bytes, where: str) -> tuple[int, int]:
-    """(width, height) from a jpg or png header; 400 naming `where` for anything else."""
+    """(width, height) from a jpg or png header; 400 naming `where` for anything else, or for more pixels than
+    PIL's decompression-bomb bound (Image.MAX_IMAGE_PIXELS), which the prefill worker would refuse to decode."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            if image.format not in ("JPEG", "PNG"):
-                raise ApiError(400, f"{where}: image type {image.format} is not one of jpg, png")
-            return image.size
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        if isinstance(exc, ApiError):
-            raise
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                if image.format not in ("JPEG", "PNG"):
+                    raise ApiError(400, f"{where}: image type {image.format} is not one of jpg, png")
+                return image.size
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ApiError(400, f"{where}: the image is too large to decode: {exc}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
         raise ApiError(400, f"{where}: not a readable jpg or png image") from None
 
 

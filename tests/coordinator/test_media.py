@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 
 import pytest
 
@@ -51,6 +52,12 @@ def test_a_file_that_is_not_a_jpg_or_png_is_a_400_naming_its_field():
     with pytest.raises(ApiError, match=r"inputs\.0\.image_url: not a readable jpg or png image"):
         image_size(b"\x89PNG garbage", "inputs.0.image_url")
     assert image_size(RED, "x") == (40, 30)
+    from PIL import Image
+
+    with pytest.raises(ApiError, match=r"inputs\.0\.image_url: the image is too large to decode"):
+        huge = io.BytesIO()
+        Image.new("1", (10_000, 10_000)).save(huge, "PNG")  # 100 M pixels, a few kB: past PIL's bomb bound
+        image_size(huge.getvalue(), "inputs.0.image_url")
 
 
 def test_truncation_keeps_whole_images_shifted_and_refuses_to_cut_one():
