@@ -320,6 +320,8 @@ class AttemptRunner:
         kind = failure.kind
         if kind is FailureKind.DEADLINE:
             return AttemptFailed(deadline_error(clocks.timeout))
+        if kind is FailureKind.MOVED:  # the decode worker asked for it: go on elsewhere, nothing counted against it
+            return AttemptFailed(failure.error(), placement.decode, retryable=True)
         role = kind.blamed_role(failure.stage)
         blamed = placement.instance(role) if role is not None else None
         if blamed is not None:

@@ -18,6 +18,7 @@ passed) is classified by its status code alone.
   WORKER_FAULT     prefill: CALL_DEADLINE (its first_token_timeout),       yes    prefill     counts
                    KV_LEASE_EXPIRED; without a reason, any other code
   MOVED            decode: PREEMPTED (it cannot recompute the sequence)    yes    nobody      -
+                   (the request moves off that decode instance all the same)
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ from coordinator.tokenization import ImageTokens
 from kv_events.block_hash import media_content_hash
 
 MAX_REQUEST_MEDIA_BYTES = 24 * 2**20  # under the worker request frame (32 MB)
+# A processor scales an image's shorter side to its input size, so a thin sliver of a few bytes would become a
+# multi-gigabyte array on the prefill worker.
+MAX_ASPECT_RATIO = 50
 FETCH_TIMEOUT_S = 10.0
 _READ_CHUNK = 1 << 16
 
@@ -103,19 +106,24 @@ def _read_file(path: Path, where: str, limit: int) -> bytes:
 
 
 def image_size(data: bytes, where: str) -> tuple[int, int]:
-    """(width, height) from a jpg or png header; 400 naming `where` for anything else, or for more pixels than
-    PIL's decompression-bomb bound (Image.MAX_IMAGE_PIXELS), which the prefill worker would refuse to decode."""
+    """(width, height) from a jpg or png header; 400 naming `where` for anything else, for more pixels than PIL's
+    decompression-bomb bound (Image.MAX_IMAGE_PIXELS), which the prefill worker would refuse to decode, or for
+    sides further apart than MAX_ASPECT_RATIO."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as image:
                 if image.format not in ("JPEG", "PNG"):
                     raise ApiError(400, f"{where}: image type {image.format} is not one of jpg, png")
-                return image.size
+                width, height = image.size
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ApiError(400, f"{where}: the image is too large to decode: {exc}") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
         raise ApiError(400, f"{where}: not a readable jpg or png image") from None
+    if max(width, height) > MAX_ASPECT_RATIO * max(1, min(width, height)):
+        raise ApiError(400, f"{where}: the image is {width}x{height}; its longer side may be at most "
+                            f"{MAX_ASPECT_RATIO} times its shorter")
+    return width, height
 
 
 def place_media(prompt_ids: list[int], refs: tuple[MediaRef, ...], files: list[bytes], images: ImageTokens,

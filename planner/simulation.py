@@ -157,6 +157,7 @@ class _Request:
 
     cache_token_ids = token_ids  # text prompts: hashed as their tokens
     media: ClassVar[tuple] = ()
+    prepared_media: ClassVar[None] = None
     can_recompute: ClassVar[bool] = True
 
     @property
@@ -185,6 +186,7 @@ class _PrefillWork:
     cached_tokens: int = 0
     extra_positions: ClassVar[int] = 0  # its KV leaves with the handoff: nothing grows on a prefill instance
     media: ClassVar[tuple] = ()  # text prompts: hashed as their tokens
+    prepared_media: ClassVar[None] = None
 
     @property
     def cache_token_ids(self) -> _Tokens:

@@ -9,7 +9,7 @@ from typing import Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from coordinator.apis.multimodal import MediaRef
+from coordinator.apis.multimodal import MAX_MEDIA_ITEMS, MediaRef
 from coordinator.apis.prompts import items_prompt, with_media
 from coordinator.apis.chat_output import ChatOutputParser, ChatPiece, split_whole
 from coordinator.apis.fields import MaxTokens, new_id, read_request
@@ -321,6 +321,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return list(prompt.parts)
 
     messages = body.template_messages(content)
+    if len(refs) > MAX_MEDIA_ITEMS:
+        raise ApiError(400, f"messages: at most {MAX_MEDIA_ITEMS} image/video/audio items in all, got {len(refs)}",
+                       param="messages")
     state.limits.check_text("".join(m["content"] for m in messages if isinstance(m["content"], str)) + "".join(texts),
                             "messages")
     if body.resume_response is not None:

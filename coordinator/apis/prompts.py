@@ -25,11 +25,13 @@ def items_prompt(state: CoordinatorState, value: list, param: str, require_text:
 
 async def with_media(state: CoordinatorState, prompt_ids: list[int], refs: tuple[multimodal.MediaRef, ...],
                      param: str) -> tuple[list[int], tuple[MediaInput, ...]]:
-    """The prompt with its images fetched and their placeholders expanded (nothing to do without images)."""
-    if not refs:
+    """The prompt with its images fetched and their placeholders expanded; for a vision-language model, a
+    placeholder without its image is a 400 too (nothing to do for a text model)."""
+    images = state.tokenizer.images
+    if images is None:
         return prompt_ids, ()
-    files = await state.media.fetch_all(refs)
-    return place_media(prompt_ids, refs, files, state.tokenizer.images, param)
+    files = await state.media.fetch_all(refs) if refs else []
+    return place_media(prompt_ids, refs, files, images, param)
 
 
 async def tokenize_input(state: CoordinatorState, value: str | list, param: str,

@@ -44,6 +44,9 @@ def test_each_placeholder_becomes_its_images_positions_with_its_content_hash():
 def test_placeholders_that_do_not_pair_with_the_images_are_a_400():
     with pytest.raises(ApiError, match=r"inputs: the prompt holds 2 image placeholders .* for 1 images"):
         place_media([9, 1, 9], refs(1), [RED], SixteenPerImage(), "inputs")
+    with pytest.raises(ApiError, match=r"prompt: the prompt holds 1 image placeholders .* for 0 images"):
+        place_media([1, 9], (), [], SixteenPerImage(), "prompt")  # typed into a text prompt
+    assert place_media([1, 2], (), [], SixteenPerImage(), "prompt") == ([1, 2], ())
 
 
 def test_a_file_that_is_not_a_jpg_or_png_is_a_400_naming_its_field():
@@ -58,6 +61,8 @@ def test_a_file_that_is_not_a_jpg_or_png_is_a_400_naming_its_field():
         huge = io.BytesIO()
         Image.new("1", (10_000, 10_000)).save(huge, "PNG")  # 100 M pixels, a few kB: past PIL's bomb bound
         image_size(huge.getvalue(), "inputs.0.image_url")
+    with pytest.raises(ApiError, match=r"x: the image is 2000x1; its longer side may be at most 50 times"):
+        image_size(image_bytes((0, 0, 0), (2000, 1)), "x")
 
 
 def test_truncation_keeps_whole_images_shifted_and_refuses_to_cut_one():

@@ -5,6 +5,7 @@ fetched only when listed; bad media are clear 400s naming their field; a repeate
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import json
 import signal
 import threading
@@ -67,7 +68,8 @@ def vlm_cluster(vlm_dir, media_dir, media_server, tmp_path_factory):
     prefill = start_worker("prefill", vlm_dir)
     decodes = [start_worker("decode", vlm_dir), start_worker("decode", vlm_dir)]
     env = {"ALLOWED_MEDIA_URLS_ENV": f"{media_server}/red.png,{media_server}/stall"}
-    overrides = {"multimodalInputsDir": str(media_dir), "mediaFetchTimeout": 1, "maxIterTimes": 300}
+    overrides = {"multimodalInputsDir": str(media_dir), "mediaFetchTimeout": 1, "maxIterTimes": 800,
+                 "maxSeqLen": 2048}
     folder = tmp_path_factory.mktemp("vlm")
     addresses = [d.address for d in decodes]
     pd = start_coordinator(write_config(folder / "pd.json", [prefill.address], addresses, vlm_dir, **overrides), env)
@@ -239,10 +241,34 @@ def test_with_cache_affinity_a_repeated_image_goes_to_the_decode_worker_holding_
     assert all(tokens < 16 for tokens in grew("pdserve_instance_expected_cached_tokens_total", expected).values())
 
 
+def test_image_requests_preempted_on_a_decode_worker_whose_pool_runs_dry_move_to_another_with_the_same_tokens(
+        vlm_cluster, vlm, vlm_dir, tmp_path):
+    # 8 blocks of KV: four of these requests (~30 prompt positions, 90 new tokens each) fit at admission but not as
+    # they grow; one preempted cannot be recomputed there (its image stayed with the prefill worker).
+    small = start_worker("decode", vlm_dir, "--kv-budget-tokens", "128")
+    spare = start_worker("decode", vlm_dir)
+    coordinator = start_coordinator(write_config(tmp_path / "ms_coordinator.json", [vlm_cluster["prefill"].address],
+                                                 [small.address, spare.address], vlm_dir, maxIterTimes=100))
+    colours = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (200, 30, 200), (30, 200, 200),
+               (120, 120, 120), (250, 250, 250)]
+    asks = [[image_part("data:image/png;base64," + base64.b64encode(image_bytes(c)).decode()),
+             {"type": "text", "text": f"Hi {i}"}] for i, c in enumerate(colours)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:  # round robin: half of them on `small`
+            got = list(pool.map(lambda content: chat(coordinator.address, content, 90), asks))
+        for content, colour, tokens in zip(asks, colours, got):
+            assert tokens == vlm_reference(vlm, template_parts(content), [image_bytes(colour)], 90)[1]
+        assert scrape(coordinator.address)[("pdserve_request_migrations_total", ())] >= 1
+        assert health(small.address, "decode").num_preemptions >= 1
+    finally:
+        for proc in (coordinator, small, spare):
+            proc.stop()
+
+
 def test_a_stream_with_an_image_whose_decode_worker_dies_continues_elsewhere_with_the_same_tokens(
         vlm_cluster, vlm, media_dir):
     content, images = CHATS["one image"]
-    total = 300
+    total = 800  # long enough to still be streaming when the kill lands
     _, expected = vlm_reference(vlm, template_parts(content), images, total)
     body = {"model": "pdserve-tiny", "messages": [{"role": "user", "content": in_folder(content, media_dir)}],
             "max_tokens": total, "stream": True, "temperature": 0, "ignore_eos": True, "return_token_ids": True}

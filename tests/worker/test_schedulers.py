@@ -25,6 +25,7 @@ class Prompt:
     cached_tokens: int = 0
     extra_positions: int = 0
     media: tuple = ()
+    prepared_media: None = None
 
     @property
     def cache_token_ids(self) -> list[int]:

@@ -4,6 +4,8 @@ cache's hashes and the encoder cache know images by content."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 
 from embedded_model.vlm_builder import VlmSpec
@@ -12,7 +14,8 @@ from worker.engine.block_pool import BlockTable
 from worker.engine.errors import InvalidRequest
 from worker.engine.media import MediaSpan, cache_token_ids
 from worker.torch_engine.build import paged_pool
-from worker.torch_engine.model_runner import DecodeRow, ModelRunner, PromptChunk
+from worker.engine.scheduler import Chunk
+from worker.torch_engine.model_runner import DecodeRow, ModelRunner
 from tests.helpers import image_bytes, vlm_reference
 
 pytestmark = pytest.mark.system  # loads the embedded VLM twice (seconds)
@@ -36,14 +39,29 @@ def spans_of(prompt: list[int], images: list[bytes], image_id: int) -> tuple[Med
                  for i, (start, data) in enumerate(zip(starts, images)))
 
 
+@dataclass(eq=False)
+class Work:
+    """A prompt as the engines hand it to the runner (a PromptWork's fields the runner reads)."""
+
+    token_ids: list[int]
+    media: tuple[MediaSpan, ...]
+    prepared_media: object
+    table: BlockTable = field(default_factory=BlockTable)
+
+
 def greedy(runner: ModelRunner, prompt: list[int], media, chunk: int = 10_000, cached: bool = False) -> list[int]:
-    pool, table = runner.block_pool, BlockTable()
+    """Prefill as the engines do (their images prepared, then encoded per chunk by `prompt_chunks`), then decode."""
+    pool = runner.block_pool
+    work = Work(prompt, media, runner.prepare_media(media))
     keys = cache_token_ids(prompt, media)
-    start = pool.cached_prefix(keys, len(prompt) - 1, table) if cached else 0
+    start = pool.cached_prefix(keys, len(prompt) - 1, work.table) if cached else 0
+    table = work.table
     assert pool.grow(table, len(prompt) + NUM_NEW)
     while start < len(prompt):
         end = min(len(prompt), start + chunk)
-        logits = runner.forward([], [PromptChunk(prompt[start:end], start, table, end == len(prompt), media)])
+        prompt_chunks, failed = runner.prompt_chunks([Chunk(work, start, end)], lambda c: c.end == len(prompt))
+        assert not failed, failed
+        logits = runner.forward([], prompt_chunks)
         pool.register(table, keys, end)
         start = end
     out = [int(logits[-1].argmax())]
@@ -66,7 +84,6 @@ def test_prompts_with_images_give_generates_greedy_tokens_whole_chunked_and_from
     parts, images = CASES[case]
     prompt, expected = vlm_reference(vlm, parts, images, NUM_NEW)
     media = spans_of(prompt, images, runner.model.config.image_token_id)
-    runner.check_media(media)
     assert greedy(runner, prompt, media) == expected
     assert greedy(runner, prompt, media, chunk=7) == expected  # image rows split across chunks
     assert greedy(runner, prompt, media, cached=True) == expected  # the prefix cache's blocks, then the rest
@@ -76,23 +93,41 @@ def test_the_same_text_with_another_image_never_hits_the_prefix_cache_and_the_en
         runner, vlm):
     parts = [{"type": "image"}, {"type": "text", "text": "Which colour dominates here?"}]
     prompt, _ = vlm_reference(vlm, parts, [RED], 1)
-    red, blue = spans_of(prompt, [RED], runner.model.config.image_token_id), spans_of(prompt, [BLUE], 1224)
+    image_id = runner.model.config.image_token_id
+    red, blue = spans_of(prompt, [RED], image_id), spans_of(prompt, [BLUE], image_id)
+    assert red and blue
     pool = runner.block_pool
     greedy(runner, prompt, red)
     assert pool.cached_prefix(cache_token_ids(prompt, blue), len(prompt) - 1, BlockTable()) == 0
     table = BlockTable()
     assert pool.cached_prefix(cache_token_ids(prompt, red), len(prompt) - 1, table) > red[0].end
     pool.release(table)
-    hits = runner.vision.cache.hits
+    hits, misses = runner.vision.cache.hits, runner.vision.cache.misses
     assert greedy(runner, prompt, red) == greedy(runner, prompt, red)
-    assert runner.vision.cache.hits >= hits + 2
+    assert runner.vision.cache.hits == hits + 2 and runner.vision.cache.misses == misses  # never encoded again
+    assert greedy(runner, prompt, red, chunk=7) == greedy(runner, prompt, red)  # split: the request's own rows
 
 
 def test_a_corrupt_image_or_a_wrong_placeholder_count_is_refused_naming_its_field(runner):
     with pytest.raises(InvalidRequest, match=r"messages\.0\.content\.1: cannot decode the image"):
-        runner.check_media((MediaSpan("image", 1, 0, 16, b"not an image at all", "messages.0.content.1"),))
+        runner.prepare_media((MediaSpan("image", 1, 0, 16, b"not an image at all", "messages.0.content.1"),))
     with pytest.raises(InvalidRequest, match=r"inputs\.2: the model gives this image 16 positions.*holds 9"):
-        runner.check_media((MediaSpan("image", media_content_hash(RED) + 1, 0, 9, RED, "inputs.2"),))
+        runner.prepare_media((MediaSpan("image", media_content_hash(RED) + 1, 0, 9, RED, "inputs.2"),))
     gif = image_bytes((1, 2, 3), fmt="GIF")
     with pytest.raises(InvalidRequest, match=r"image type GIF is not one of jpg, png"):
-        runner.check_media((MediaSpan("image", media_content_hash(gif), 0, 16, gif, "x"),))
+        runner.prepare_media((MediaSpan("image", media_content_hash(gif), 0, 16, gif, "x"),))
+
+
+def test_a_chunk_whose_image_fails_to_encode_comes_back_apart_and_the_others_go_on(runner):
+    good = Work(list(range(3, 40)), (), None)
+    # Never prepared (as if the encoder cache had it when checked, and dropped it since), and not an image.
+    bad_image = MediaSpan("image", 4242, 0, 16, b"garbage", "inputs.0.image_url")
+    bad = Work([1224] * 16 + list(range(3, 10)), (bad_image,), None)
+    for work in (good, bad):
+        assert runner.block_pool.grow(work.table, len(work.token_ids))
+    chunks, failed = runner.prompt_chunks([Chunk(bad, 0, 23), Chunk(good, 0, 37)], lambda c: True)
+    assert [c.token_ids for c in chunks] == [good.token_ids]
+    assert [(c.work, type(exc)) for c, exc in failed] == [(bad, InvalidRequest)]
+    assert runner.forward([], chunks).shape[0] == 1
+    for work in (good, bad):
+        runner.block_pool.release(work.table)

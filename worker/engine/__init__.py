@@ -4,7 +4,7 @@ block pool (`block_pool`), prefix cache and schedulers (`scheduler`).
 
 Prefill worker, one request's life:
   0. The servicer has the backend `check_sampling` (grammar compiled, replayed tokens followed,
-     logit_bias ids in the vocabulary) and `check_media` (each image decodes and fills its span;
+     logit_bias ids in the vocabulary) and `prepare_media` (each image decodes and fills its span;
      a text model takes none) on a thread, or refuses the request INVALID_ARGUMENT.
   1. `PrefillBackend.submit` waits in line until the block pool can hold the prompt, then queues it
      for the engine (a thread here, an event-loop task on the simulated backend).
@@ -20,7 +20,7 @@ Prefill worker, one request's life:
      the pool, the full ones cached for later prompts.
 
 Decode worker, one request's life:
-  0. As for prefill: `check_sampling` (and, for a local prefill, `check_media`) on a thread, or
+  0. As for prefill: `check_sampling` (and, for a local prefill, `prepare_media`) on a thread, or
      INVALID_ARGUMENT. A sequence fed by a transfer knows its images by identity only (`media`).
   1. `DecodeBackend.register` + `admit`: the coordinator's Decode stream waits in line until the
      pool can hold the prompt and its first token (WAITING_FOR_BUDGET); one that could never fit
@@ -39,8 +39,8 @@ Decode worker, one request's life:
      it fills one, and leaves at once when finished or cancelled. When the pool runs dry the
      youngest running sequence this worker can recompute is preempted: its blocks are released
      (full ones cached) and it is recomputed later and resumed. One whose images stayed with the
-     prefill worker is preempted only when no other can be, and ends SequencePreempted, for the
-     coordinator to continue elsewhere. A guided sequence got its grammar matcher at admission (over
+     prefill worker is preempted only when no other can be (a waiting sequence's blocks are taken
+     first), and ends SequencePreempted, for the coordinator to continue elsewhere. A guided sequence got its grammar matcher at admission (over
      the replayed tokens and the first token); the step masks all constrained rows together
      before sampling (`grammar_masks`).
   4. `DecodeBackend.release` (end of the stream, for any reason) frees its budget and its blocks

@@ -109,10 +109,10 @@ class DecodeBackend(abc.ABC):
         """Raise InvalidRequest if this backend cannot honour `sampling`; may compile a grammar, so the
         servicer calls it off the event loop."""
 
-    def check_media(self, media: tuple[MediaSpan, ...]) -> None:
-        """Raise InvalidRequest unless this backend's model can prefill `media` here (local prefill); may decode
-        them, so the servicer calls it off the event loop. A text model takes none."""
+    def prepare_media(self, media: tuple[MediaSpan, ...]) -> Any:
+        """As PrefillBackend.prepare_media, for a local prefill here."""
         refuse_media(media, self.model_name)
+        return None
 
     @abc.abstractmethod
     def _decode_arrived(self, seq: Sequence, kv) -> None:
@@ -128,11 +128,13 @@ class DecodeBackend(abc.ABC):
 
     # asyncio side ------------------------------------------------------------------------
     def register(self, request_id: str, prompt_len: int, sampling: SamplingParams, max_seq_len: int,
-                 prompt_token_ids: list[int] | None = None, media: tuple[MediaSpan, ...] = ()) -> DecodeHandle:
+                 prompt_token_ids: list[int] | None = None, media: tuple[MediaSpan, ...] = (),
+                 prepared_media: Any = None) -> DecodeHandle:
         if request_id in self._handles:
             raise DuplicateRequestError(f"request {request_id!r} is already registered on this decode worker")
         handle = DecodeHandle(Sequence(request_id, prompt_len, sampling, max_seq_len,
-                                       prompt_token_ids=list(prompt_token_ids or []), media=media))
+                                       prompt_token_ids=list(prompt_token_ids or []), media=media,
+                                       prepared_media=prepared_media))
         self._handles[request_id] = handle
         return handle
 

@@ -70,6 +70,10 @@ class LocalPrefill:
         return self.seq.media
 
     @property
+    def prepared_media(self):
+        return self.seq.prepared_media
+
+    @property
     def table(self) -> BlockTable:
         return self.seq.table
 
@@ -94,6 +98,10 @@ class Recompute:
     @property
     def media(self) -> tuple:
         return self.seq.media
+
+    @property
+    def prepared_media(self):
+        return self.seq.prepared_media
 
     @property
     def table(self) -> BlockTable:

@@ -49,6 +49,7 @@ class PrefillJob:
     cached_tokens: int = 0  # of the prompt, found in the prefix cache
     extra_positions: ClassVar[int] = 0  # its KV leaves with the stream: nothing grows here
     media: tuple[MediaSpan, ...] = ()  # the prompt's images, encoded as their positions are computed
+    prepared_media: Any = None  # what `prepare_media` made of them
     cache_token_ids: list[int] = field(default_factory=list)  # the prompt as the prefix cache hashes it
 
     def __post_init__(self):
@@ -102,10 +103,12 @@ class PrefillBackend(abc.ABC):
         """Raise InvalidRequest if this backend cannot honour `sampling`; may compile a grammar, so the
         servicer calls it off the event loop."""
 
-    def check_media(self, media: tuple[MediaSpan, ...]) -> None:
-        """Raise InvalidRequest unless this backend's model can take `media` (each item decodes and fits its
-        span); may decode them, so the servicer calls it off the event loop. A text model takes none."""
+    def prepare_media(self, media: tuple[MediaSpan, ...]) -> Any:
+        """What the forwards need of `media` (decoded and preprocessed images); InvalidRequest unless this backend's
+        model can take them (each item decodes and fits its span). Called off the event loop; a text model takes
+        none."""
         refuse_media(media, self.model_name)
+        return None
 
     @abc.abstractmethod
     def kv_layout(self, job: PrefillJob) -> KvLayout:
@@ -124,10 +127,11 @@ class PrefillBackend(abc.ABC):
         return self.scheduler.num_queued_tokens
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     skip_tokens: int = 0, media: tuple[MediaSpan, ...] = ()) -> PrefillJob:
+                     skip_tokens: int = 0, media: tuple[MediaSpan, ...] = (), prepared_media: Any = None
+                     ) -> PrefillJob:
         """Wait for KV budget, then queue the prompt; the caller must `release` the job. `skip_tokens`: leading
-        positions the decode worker holds (less than the prompt), computed here but not sent; `media`: its images
-        (checked by `check_media` first)."""
+        positions the decode worker holds (less than the prompt), computed here but not sent; `media`: its images,
+        and what `prepare_media` made of them."""
         if request_id in self.leases:
             raise DuplicateRequestError(f"request {request_id!r} is already on this prefill worker")
         if not 0 <= skip_tokens < len(prompt_token_ids):
@@ -136,7 +140,8 @@ class PrefillBackend(abc.ABC):
         submitted_at = time.perf_counter()
         reserve = self.pool.blocks_for(len(prompt_token_ids)) * self.pool.block_size
         await self.admission.acquire(request_id, reserve)
-        job = PrefillJob(request_id, prompt_token_ids, sampling, submitted_at, skip_tokens=skip_tokens, media=media)
+        job = PrefillJob(request_id, prompt_token_ids, sampling, submitted_at, skip_tokens=skip_tokens, media=media,
+                         prepared_media=prepared_media)
         self.leases[request_id] = job
         self._enqueue(job)
         return job

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.sequence import DecodeState, Sequence
@@ -21,6 +21,7 @@ class PromptWork(Protocol):
     token_ids: list[int]  # every position to compute
     cache_token_ids: list[int]  # the same as the prefix cache hashes them (media placeholders stand for the media)
     media: tuple  # the prompt's MediaSpans, whose encoder output fills their positions
+    prepared_media: Any  # what the backend made of them before admission (prepare_media); None without media
     table: BlockTable
     extra_positions: int  # positions to hold beyond them once computed (a decode worker's next token)
     num_computed: int  # positions whose KV is in the table (cached hits count)
@@ -159,7 +160,14 @@ class DecodeScheduler:
                 i += 1
                 continue
             victim = self._victim()
-            if victim is None:  # nothing can be preempted: this one waits a step (others may finish)
+            if victim is None or (victim is seq and not seq.can_recompute):
+                # Nothing to preempt but itself, which would leave this worker: a waiting sequence's blocks are
+                # taken instead, if one holds any; else it waits a step (others may finish).
+                holder = next((w for w in reversed(self.waiting) if w.table.block_ids), None)
+                if holder is not None:
+                    self.waiting.remove(holder)
+                    self._preempt_blocks(holder, on_preempt)
+                    continue
                 i += 1
                 continue
             self._preempt(victim, on_preempt)
@@ -184,7 +192,7 @@ class DecodeScheduler:
         for seq in reversed(self.waiting[1:]):
             if self.pool.can_grow(head.table, head.total_len):
                 return
-            if seq.table.block_ids and seq.can_recompute:
+            if seq.table.block_ids:  # recomputed later, or moved on if it cannot be (on_preempt decides)
                 self.waiting.remove(seq)
                 self._preempt_blocks(seq, on_preempt)
 

@@ -104,6 +104,7 @@ class Sequence:
     num_computed: int = 0
     # The prompt's images: their identities (and data, when prefilled here); the prompt as the prefix cache hashes it.
     media: tuple[MediaSpan, ...] = ()
+    prepared_media: Any = None  # what the backend's prepare_media made of them (a local prefill's)
     prompt_cache_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 import grpc
 
@@ -81,13 +82,13 @@ async def checked_sampling(engine: PrefillBackend | DecodeBackend, msg: pb.Sampl
 
 
 async def checked_media(engine: PrefillBackend | DecodeBackend, items, prompt_len: int,
-                        with_data: bool) -> tuple[MediaSpan, ...]:
-    """The request's media once its backend takes them (InvalidRequest otherwise); with their data, they are
-    decoded on a thread."""
+                        with_data: bool) -> tuple[tuple[MediaSpan, ...], Any]:
+    """The request's media once its backend takes them (InvalidRequest otherwise), and what it made of them; with
+    their data, they are decoded and preprocessed on a thread."""
     media = spans_from_pb(items, prompt_len, with_data)
     if media and with_data:
-        await asyncio.to_thread(engine.check_media, media)
-    return media
+        return media, await asyncio.to_thread(engine.prepare_media, media)
+    return media, None
 
 
 def token_to_pb(output: TokenOutput, event: pb.TokenEvent | None = None) -> pb.TokenEvent:
@@ -214,9 +215,10 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
-            media = await checked_media(self.engine, request.media, len(request.prompt_token_ids), with_data=True)
+            media, prepared = await checked_media(self.engine, request.media, len(request.prompt_token_ids), True)
             job = await self.engine.submit(request.request_id, list(request.prompt_token_ids), sampling,
-                                           skip_tokens=request.decode_cached_tokens, media=media)
+                                           skip_tokens=request.decode_cached_tokens, media=media,
+                                           prepared_media=prepared)
         times.submitted = job.submitted_at
         self.metrics.requests.inc()
         try:
@@ -351,9 +353,10 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
                           times: DecodeTimes):
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
-            media = await checked_media(self.engine, request.media, request.prompt_len, request.local_prefill)
+            media, prepared = await checked_media(self.engine, request.media, request.prompt_len,
+                                                  request.local_prefill)
             handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
-                                          list(request.prompt_token_ids), media)
+                                          list(request.prompt_token_ids), media, prepared)
         try:
             async with engine_errors_as_status(context):
                 await self.engine.admit(handle)

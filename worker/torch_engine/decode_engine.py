@@ -20,7 +20,7 @@ from worker.engine.block_pool import BlockPool
 from worker.engine.messages import (AddSequence, CancelSequence, DecodeCommand, LocalPrefill, QueueLocalPrefill,
                                     Recompute, Stop)
 from worker.engine.scheduler import Chunk
-from worker.torch_engine.model_runner import DecodeRow, ModelRunner, PromptChunk
+from worker.torch_engine.model_runner import DecodeRow, ModelRunner
 from worker.engine.output import OutputProcessor
 from worker.torch_engine.sampling import choose_batch
 from worker.engine.sequence import DecodeState, SamplingParams, Sequence, TokenLogprobs, TokenOutput
@@ -52,8 +52,8 @@ class DecodeEngine(DecodeBackend):
     def check_sampling(self, sampling: SamplingParams) -> None:
         self.guidance.check(sampling)
 
-    def check_media(self, media) -> None:
-        self.runner.check_media(media)
+    def prepare_media(self, media):
+        return self.runner.prepare_media(media)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -262,9 +262,19 @@ class DecodeEngine(DecodeBackend):
     def _step(self, batch: list[Sequence], chunks: list[Chunk]) -> None:
         started = time.perf_counter()
         rows = [DecodeRow(seq.output_token_ids[-1], seq.total_len - 1, seq.table) for seq in batch]
-        logits = self.runner.forward(rows, [PromptChunk(c.work.token_ids[c.start : c.end], c.start, c.work.table,
-                                                        c.last and isinstance(c.work, LocalPrefill), c.work.media)
-                                            for c in chunks])
+        prompt_chunks, broken = self.runner.prompt_chunks(chunks, lambda c: c.last and isinstance(c.work, LocalPrefill))
+        if broken:  # their images failed to encode: those requests fail, the rest of the step runs
+            for chunk, exc in broken:
+                self.local_prefills.remove(chunk.work)
+                if not chunk.work.seq.is_finished:
+                    self._retire(chunk.work.seq, DecodeState.FAILED)
+                    invalid = isinstance(exc, InvalidRequest)
+                    self._fail_soon(chunk.work.seq.request_id, f"encoding its images failed: {exc}",
+                                    InvalidRequest if invalid else RequestFailed)
+            chunks = [c for c in chunks if all(c is not b for b, _ in broken)]
+            if not batch and not chunks:
+                return
+        logits = self.runner.forward(rows, prompt_chunks)
         now = time.perf_counter()
         self._stepped(batch, len(chunks), started, now)
         self._sample_decode(batch, logits[: len(batch)], started, now)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,7 +25,8 @@ from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.media import MediaSpan, refuse_media
 from worker.torch_engine.kv_cache import KvCache
 from worker.torch_engine.paged_attention import ATTENTION_NAME, AttentionBatch, PrefillSegment, attention_batch
-from worker.torch_engine.vision import VisionEncoder
+from worker.engine.scheduler import Chunk
+from worker.torch_engine.vision import PreparedMedia, VisionEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +56,17 @@ def refuse_unsupported_attention(config) -> None:
                          "attention yet")
 
 
+SERVED_VISION_MODELS = frozenset({"llava"})
+
+
 def refuse_unsupported_vision(config) -> None:
-    """Fail at start-up, naming the reason, for a vision-language model whose text positions are not one per token
-    (multimodal rotary positions, as the Qwen2-VL family's): its decode worker would need them."""
-    text = config.get_text_config()
-    rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
-    if "mrope_section" in rope or not hasattr(config, "image_token_id"):
-        raise ValueError(f"{config.model_type}: only vision-language models with one position per token and an "
-                         "image token (the LLaVA family) are served yet")
+    """Fail at start-up, naming the reason, for a vision-language architecture the runner was not built for: only
+    LLaVA's is served (one position per token, fixed-size images, causal attention over them). Others need what it
+    lacks: multimodal rotary positions (Qwen2-VL), image sizes for tiling (LLaVA-NeXT), bidirectional attention
+    over the image prefix (PaliGemma)."""
+    if config.model_type not in SERVED_VISION_MODELS:
+        raise ValueError(f"{config.model_type}: of vision-language models only {sorted(SERVED_VISION_MODELS)} "
+                         "(one position per token, fixed-size images) are served yet")
 
 
 # Below this many blocks in common, a shared prefix is attended with each row's own blocks (one gather, SDPA).
@@ -104,11 +108,8 @@ class PromptChunk:
     start: int
     table: BlockTable
     logits: bool
-    media: Sequence[MediaSpan] = ()  # the whole prompt's images; those overlapping the chunk fill their rows
-
-    def media_in_chunk(self) -> list[MediaSpan]:
-        end = self.start + len(self.token_ids)
-        return [span for span in self.media if span.offset < end and span.end > self.start]
+    media: Sequence[MediaSpan] = ()  # the images overlapping the chunk, whose encoder rows fill their positions
+    features: dict[int, torch.Tensor] = field(default_factory=dict)  # those images' encoder output, by content hash
 
 
 class ModelRunner:
@@ -144,12 +145,33 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) on %s", self.model_dir, type(self.model).__name__, self.model.dtype,
                     self.device)
 
-    def check_media(self, media: Sequence[MediaSpan]) -> None:
-        """Raise InvalidRequest unless every item decodes and fits its span (a text model takes none)."""
+    def prepare_media(self, media: Sequence[MediaSpan]) -> PreparedMedia | None:
+        """What a request's images need for its forwards; InvalidRequest unless every item decodes and fits its
+        span (a text model takes none)."""
         if self.vision is None:
             refuse_media(media, self.model_dir.name)
-        else:
-            self.vision.check(media)
+            return None
+        return self.vision.prepare(media)
+
+    def prompt_chunks(self, chunks: Sequence[Chunk], sample: Callable[[Chunk], bool]
+                      ) -> tuple[list[PromptChunk], list[tuple[Chunk, Exception]]]:
+        """The forward's PromptChunks for scheduled chunks (`sample`: logits after it), each with the encoder rows of
+        the images it covers; chunks whose images fail to encode come back apart, with the error, so that only
+        their requests fail."""
+        prompt_chunks, failed = [], []
+        for chunk in chunks:
+            work = chunk.work
+            media = [s for s in work.media if s.offset < chunk.end and s.end > chunk.start] if work.media else ()
+            features = {}
+            if media:
+                try:
+                    features = self.vision.embeddings(media, work.prepared_media or PreparedMedia())
+                except Exception as exc:  # noqa: BLE001 (a bad image, or the encoder's own failure: its request's)
+                    failed.append((chunk, exc))
+                    continue
+            prompt_chunks.append(PromptChunk(work.token_ids[chunk.start : chunk.end], chunk.start, work.table,
+                                             sample(chunk), media, features))
+        return prompt_chunks, failed
 
     @property
     def dtype(self) -> torch.dtype:
@@ -244,7 +266,7 @@ class ModelRunner:
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         inputs = {"input_ids": input_ids}
-        if self.vision is not None and any(chunk.media for chunk in chunks):
+        if any(chunk.media for chunk in chunks):
             inputs = {"inputs_embeds": self._embeds_with_media(input_ids, len(decode), chunks)}
         with attention_batch(batch):
             out = self.model(**inputs, position_ids=position_ids, use_cache=False,
@@ -256,14 +278,11 @@ class ModelRunner:
         (`row`: where the first chunk starts in the packed row)."""
         embeds = self.model.get_input_embeddings()(input_ids)
         for chunk in chunks:
-            spans = chunk.media_in_chunk()
-            if spans:
-                features = self.vision.embeddings(spans)
-                end = chunk.start + len(chunk.token_ids)
-                for span in spans:
-                    lo, hi = max(span.offset, chunk.start), min(span.end, end)
-                    embeds[0, row + lo - chunk.start : row + hi - chunk.start] = \
-                        features[span.content_hash][lo - span.offset : hi - span.offset].to(embeds.dtype)
+            end = chunk.start + len(chunk.token_ids)
+            for span in chunk.media:
+                lo, hi = max(span.offset, chunk.start), min(span.end, end)
+                embeds[0, row + lo - chunk.start : row + hi - chunk.start] = \
+                    chunk.features[span.content_hash][lo - span.offset : hi - span.offset].to(embeds.dtype)
             row += len(chunk.token_ids)
         return embeds
 

@@ -14,7 +14,7 @@ from worker.engine.errors import InvalidRequest
 from worker.torch_engine.grammar_masks import Guidance
 from worker.engine.block_pool import BlockPool
 from worker.engine.messages import KvLayerReady, PrefillDone, PrefillEvent, PrefillFailed
-from worker.torch_engine.model_runner import ModelRunner, PromptChunk
+from worker.torch_engine.model_runner import ModelRunner
 from worker.engine.prefill_backend import KvLayout, PrefillBackend, PrefillJob
 from worker.engine.scheduler import Chunk
 from worker.torch_engine.sampling import choose_batch
@@ -50,8 +50,8 @@ class PrefillEngine(PrefillBackend):
     def check_sampling(self, sampling: SamplingParams) -> None:
         self.guidance.check(sampling)
 
-    def check_media(self, media) -> None:
-        self.runner.check_media(media)
+    def prepare_media(self, media):
+        return self.runner.prepare_media(media)
 
     def kv_layout(self, job: PrefillJob) -> KvLayout:
         # An unsupported dtype keeps its torch name, which the stream header refuses.
@@ -98,6 +98,16 @@ class PrefillEngine(PrefillBackend):
             with self._cond:
                 self._forward_failed(refused)
             chunks = [c for c in chunks if c not in refused]
+        prompt_chunks, broken = self.runner.prompt_chunks(chunks, lambda c: c.last)
+        if broken:  # their images failed to encode: those requests fail, the rest of the forward runs
+            with self._cond:
+                self._forward_failed([c for c, _ in broken])
+            for chunk, exc in broken:
+                self._emit(chunk.work, PrefillFailed(f"encoding its images failed: {exc}",
+                                                     invalid=isinstance(exc, InvalidRequest)))
+            chunks = [c for c in chunks if all(c is not b for b, _ in broken)]
+            if not chunks:
+                return
         last = [c for c in chunks if c.last]
         # Where each finishing prompt's KV to send lies, once for all its layers.
         sent = [(c.work, self.runner.kv_slots(c.work.table, c.work.skip_tokens, c.work.num_tokens)) for c in last]
@@ -109,10 +119,7 @@ class PrefillEngine(PrefillBackend):
 
         try:
             started = time.perf_counter()
-            logits = self.runner.forward(
-                [], [PromptChunk(c.work.token_ids[c.start : c.end], c.start, c.work.table, c.last, c.work.media)
-                 for c in chunks],
-                on_layer if last else None)
+            logits = self.runner.forward([], prompt_chunks, on_layer if last else None)
             self.metrics.observe_step("prefill", time.perf_counter() - started, len(chunks))
             # The first token is masked to the grammar, from where the replayed tokens left it.
             picks = choose_batch(logits, [c.work for c in last], self.runner.eos_token_ids, self.guidance.masks)

@@ -2,11 +2,13 @@
 tower and projector, and keep the output by content hash so an image seen again is not encoded again.
 
 Life cycle of one image of a prompt:
-1. `check` (off the event loop, before the request is admitted): the file decodes as a jpg or png within the
+1. `prepare` (off the event loop, before the request is admitted): the file decodes as a jpg or png within the
    pixel bound, and the processor gives it as many positions as the coordinator laid placeholders for; its pixel
-   values wait in a small map for the forward.
-2. `embeddings` (the engine thread, when a chunk computes any of its positions): the encoder cache's entry, or
-   the vision tower's output on its pixel values (decoded again if they were dropped), stored in the cache.
+   values stay with the request (`PreparedMedia`) until its forward. An image the encoder cache holds is skipped.
+2. `embeddings` (the engine thread, before a forward in which a chunk computes any of its positions): the
+   request's own output, the encoder cache's, or the vision tower's on its pixel values (decoded again if the
+   cache dropped it since step 1), stored in both. The engine does this per request, so an image that fails
+   fails its own request only.
 3. The runner scatters the rows a chunk covers into its input embeddings; positions the prefix cache held are
    never computed, so an image wholly cached is never encoded.
 """
@@ -18,6 +20,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -26,8 +29,6 @@ from worker.engine.errors import InvalidRequest
 from worker.engine.media import MediaSpan
 
 IMAGE_FORMATS = ("JPEG", "PNG")
-# Pixel values of checked images not yet encoded (a request cancelled before its forward leaves its entry behind).
-PREPARED_IMAGES = 64
 
 
 class EncoderCache:
@@ -78,6 +79,15 @@ def decode_image(span: MediaSpan) -> Image.Image:
     return image.convert("RGB")
 
 
+@dataclass
+class PreparedMedia:
+    """One request's images as its forwards need them: pixel values of those the encoder cache lacked when it was
+    checked, and the encoder output once computed (so an image split across chunks is encoded once)."""
+
+    pixels: dict[int, torch.Tensor] = field(default_factory=dict)
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class VisionEncoder:
     """A model's image encoder (`get_image_features`) behind its image processor and an encoder cache."""
 
@@ -87,52 +97,55 @@ class VisionEncoder:
         self.image_processor = processor.image_processor
         self.device = device
         self.cache = EncoderCache(cache_items)
-        self._lock = threading.Lock()  # `check` runs on the event loop's threads, `embeddings` on the engine's
-        self._prepared: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()  # `prepare` runs on the event loop's threads, `embeddings` on the engine's
 
     def positions_for(self, image: Image.Image) -> int:
         """Placeholder positions the processor gives an image of this size."""
         counted = self.processor._get_num_multimodal_tokens(image_sizes=[(image.height, image.width)])
         return int(counted["num_image_tokens"][0])
 
-    def check(self, media: Sequence[MediaSpan]) -> None:
+    def prepare(self, media: Sequence[MediaSpan]) -> PreparedMedia:
         """Decode and preprocess every image the encoder cache lacks; InvalidRequest for a bad one."""
+        prepared = PreparedMedia()
         for span in media:
             with self._lock:
-                if span.content_hash in self.cache or span.content_hash in self._prepared:
+                if span.content_hash in self.cache or span.content_hash in prepared.pixels:
                     continue
             image = decode_image(span)
-            positions = self.positions_for(image)
+            try:
+                positions = self.positions_for(image)
+                pixels = self._pixels(image)
+            except (ValueError, TypeError, RuntimeError, MemoryError) as exc:
+                raise InvalidRequest(f"{span.name}: the model's processor cannot take this image: {exc}") from None
             if positions != span.num_tokens:
                 raise InvalidRequest(f"{span.name}: the model gives this image {positions} positions, but the "
                                      f"prompt holds {span.num_tokens} placeholders for it")
-            pixels = self._pixels(image)
-            with self._lock:
-                self._prepared[span.content_hash] = pixels
-                while len(self._prepared) > PREPARED_IMAGES:
-                    self._prepared.popitem(last=False)
+            prepared.pixels[span.content_hash] = pixels
+        return prepared
 
     def _pixels(self, image: Image.Image) -> torch.Tensor:
         return self.image_processor(images=[image], return_tensors="pt")["pixel_values"]
 
     @torch.inference_mode()
-    def embeddings(self, spans: Sequence[MediaSpan]) -> dict[int, torch.Tensor]:
-        """Each span's encoder output [num_tokens, hidden] on the device, by content hash: cached, or encoded now
-        (the misses in one vision forward)."""
+    def embeddings(self, spans: Sequence[MediaSpan], prepared: PreparedMedia) -> dict[int, torch.Tensor]:
+        """Each span's encoder output [num_tokens, hidden] on the device, by content hash: the request's own, the
+        encoder cache's, or encoded now (the misses in one vision forward)."""
         found: dict[int, torch.Tensor] = {}
-        missing: dict[int, torch.Tensor] = {}
+        missing: dict[int, torch.Tensor | None] = {}
         with self._lock:
             for span in spans:
                 h = span.content_hash
                 if h in found or h in missing:
                     continue
-                cached = self.cache.get(h)
-                if cached is not None:
-                    found[h] = cached
+                own = prepared.features.get(h)
+                if own is None:
+                    own = self.cache.get(h)
+                if own is not None:
+                    found[h] = prepared.features[h] = own
                 else:
-                    missing[h] = self._prepared.pop(h, None)
+                    missing[h] = prepared.pixels.pop(h, None)
         for h, pixels in missing.items():
-            if pixels is None:  # dropped from the prepared map: decoded again from its file
+            if pixels is None:  # cached when checked, evicted since: decoded again from its file
                 missing[h] = self._pixels(decode_image(next(s for s in spans if s.content_hash == h)))
         if missing:
             pixels = torch.cat(list(missing.values())).to(self.device, self.model.dtype)
@@ -142,7 +155,8 @@ class VisionEncoder:
                                            for h in missing])
             with self._lock:
                 for h, feats in zip(missing, features):
-                    found[h] = feats
+                    feats = feats.clone()  # its own storage: a view would keep the whole batch's output alive
+                    found[h] = prepared.features[h] = feats
                     self.cache.put(h, feats)
         for span in spans:
             if found[span.content_hash].shape[0] != span.num_tokens:
