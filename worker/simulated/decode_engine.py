@@ -88,7 +88,7 @@ class SimulatedDecodeEngine(RunsOnEventLoop, RefusesTokenConstraints, DecodeBack
                 if seq.num_computed < seq.prompt_len:  # its cache arrived: now in its blocks
                     seq.num_computed = seq.prompt_len
                     if seq.prompt_token_ids:
-                        self.pool.register(seq.table, seq.prompt_token_ids, seq.prompt_len)
+                        self.pool.register(seq.table, seq.prompt_cache_ids, seq.prompt_len)
             chunks = self.local_prefills.next_chunks()
             if not batch and not chunks:
                 await asyncio.sleep(0.005)  # waiting for blocks that only a release can free
