@@ -6,7 +6,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from coordinator.request_trace import note_tokenized
 
@@ -20,6 +20,8 @@ class ImageTokens:
     which its processor expands into one position per image token."""
 
     def __init__(self, model_dir: Path | str, tokenizer):
+        from transformers import AutoProcessor  # its import costs a text model's coordinator 2 s of start-up
+
         self.processor = AutoProcessor.from_pretrained(model_dir)
         self.placeholder: str = self.processor.image_token
         self.token_id: int = tokenizer.convert_tokens_to_ids(self.placeholder)
