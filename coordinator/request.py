@@ -61,8 +61,7 @@ class GenerationRequest:
         """The prompt as the workers' prefix caches hash it (image placeholders stand for their content)."""
         if not self.media:
             return self.prompt_token_ids
-        return media_cache_tokens(self.prompt_token_ids, ((m.offset, m.num_tokens, m.content_hash)
-                                                          for m in self.media))
+        return media_cache_tokens(self.prompt_token_ids, self.media)
 
     def continued(self, token_ids: list[int], attempt: int) -> GenerationRequest:
         """The same request resumed on other workers after `token_ids` were already generated:

@@ -70,12 +70,12 @@ def media_stand_in(content_hash: int) -> int:
     return -1 - (content_hash & _LOW_63)
 
 
-def media_cache_tokens(token_ids: Sequence[int], spans: Iterable[tuple[int, int, int]]) -> list[int]:
-    """`token_ids` as the prefix cache hashes them: each media span (offset, num_tokens, content hash) replaced by
-    its stand-in."""
+def media_cache_tokens(token_ids: Sequence[int], media: Iterable) -> list[int]:
+    """`token_ids` as the prefix cache hashes them: each media item's span (its `offset`, `num_tokens` and
+    `content_hash`: a worker's MediaSpan, a coordinator's MediaInput) replaced by its stand-in."""
     ids = list(token_ids)
-    for offset, num_tokens, content_hash in spans:
-        ids[offset : offset + num_tokens] = [media_stand_in(content_hash)] * num_tokens
+    for item in media:
+        ids[item.offset : item.offset + item.num_tokens] = [media_stand_in(item.content_hash)] * item.num_tokens
     return ids
 
 

@@ -37,10 +37,13 @@ def test_the_hash_and_the_coordinators_index_load_no_torch():
 
 
 def test_media_placeholders_hash_as_their_content_so_only_the_same_image_gives_the_same_blocks():
+    from collections import namedtuple
+
     from kv_events.block_hash import media_cache_tokens
 
+    Span = namedtuple("Span", "offset num_tokens content_hash")  # what a MediaSpan or a MediaInput carries
     ids = list(range(4)) + [7] * 28
-    red, blue = media_cache_tokens(ids, [(4, 28, 111)]), media_cache_tokens(ids, [(4, 28, 222)])
+    red, blue = media_cache_tokens(ids, [Span(4, 28, 111)]), media_cache_tokens(ids, [Span(4, 28, 222)])
     assert red[:4] == ids[:4] and len(set(red[4:])) == 1 and red[4] < 0
-    assert chain_hashes(red, 16) == chain_hashes(media_cache_tokens(ids, [(4, 28, 111)]), 16)
+    assert chain_hashes(red, 16) == chain_hashes(media_cache_tokens(ids, [Span(4, 28, 111)]), 16)
     assert chain_hashes(red, 16)[0] != chain_hashes(blue, 16)[0] != chain_hashes(ids, 16)[0]

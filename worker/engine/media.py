@@ -72,4 +72,4 @@ def cache_token_ids(prompt_token_ids: list[int], media: Sequence[MediaSpan]) -> 
     """The prompt as the prefix cache hashes it (media placeholders stand for their content hash)."""
     if not media:
         return prompt_token_ids
-    return media_cache_tokens(prompt_token_ids, ((s.offset, s.num_tokens, s.content_hash) for s in media))
+    return media_cache_tokens(prompt_token_ids, media)

@@ -44,8 +44,26 @@ class PrefillFailed:
 PrefillEvent = KvLayerReady | PrefillDone | PrefillFailed
 
 
+class SequenceWork:
+    """A decode worker's PromptWork over a sequence's own blocks: its images and table are the sequence's."""
+
+    seq: Sequence
+
+    @property
+    def media(self) -> tuple:
+        return self.seq.media
+
+    @property
+    def prepared_media(self):
+        return self.seq.prepared_media
+
+    @property
+    def table(self) -> BlockTable:
+        return self.seq.table
+
+
 @dataclass(eq=False)
-class LocalPrefill:
+class LocalPrefill(SequenceWork):
     """A prompt the decode worker prefills itself (conditional disaggregation); a PromptWork over the sequence's
     own blocks, whose last chunk samples the first token."""
 
@@ -65,21 +83,9 @@ class LocalPrefill:
     def cache_token_ids(self) -> list[int]:
         return self.seq.prompt_cache_ids
 
-    @property
-    def media(self) -> tuple:
-        return self.seq.media
-
-    @property
-    def prepared_media(self):
-        return self.seq.prepared_media
-
-    @property
-    def table(self) -> BlockTable:
-        return self.seq.table
-
 
 @dataclass(eq=False)
-class Recompute:
+class Recompute(SequenceWork):
     """A preempted sequence's KV computed again (prompt and every output token but the last, which the next decode
     step feeds), after which it rejoins the batch."""
 
@@ -94,18 +100,6 @@ class Recompute:
     def __post_init__(self):
         self.token_ids = self.seq.token_ids[:-1]
         self.cache_token_ids = self.seq.cache_token_ids[:-1]
-
-    @property
-    def media(self) -> tuple:
-        return self.seq.media
-
-    @property
-    def prepared_media(self):
-        return self.seq.prepared_media
-
-    @property
-    def table(self) -> BlockTable:
-        return self.seq.table
 
 
 # Event loop -> real decode engine thread (its inbox).

@@ -248,16 +248,19 @@ class DecodeEngine(DecodeBackend):
         decode rows fail: this worker failed, not the KV it was sent, so the coordinator blames it and moves them."""
         if chunks:
             for chunk in chunks:
-                self.local_prefills.remove(chunk.work)
-                if not chunk.work.seq.is_finished:
-                    self._retire(chunk.work.seq, DecodeState.FAILED)
-                    self._fail_soon(chunk.work.seq.request_id, f"local prefill failed on the worker: {exc}",
-                                    RequestFailed)
+                self._fail_prompt(chunk, f"local prefill failed on the worker: {exc}", RequestFailed)
             return
         for seq in batch:
             if not seq.is_finished:
                 self._retire(seq, DecodeState.FAILED)
                 self._fail_soon(seq.request_id, "decode step failed on the worker", RequestFailed)
+
+    def _fail_prompt(self, chunk: Chunk, message: str, error: type[Exception]) -> None:
+        """A prompt chunk's work leaves the queue and its sequence fails (unless it already ended)."""
+        self.local_prefills.remove(chunk.work)
+        if not chunk.work.seq.is_finished:
+            self._retire(chunk.work.seq, DecodeState.FAILED)
+            self._fail_soon(chunk.work.seq.request_id, message, error)
 
     def _step(self, batch: list[Sequence], chunks: list[Chunk]) -> None:
         started = time.perf_counter()
@@ -265,12 +268,8 @@ class DecodeEngine(DecodeBackend):
         prompt_chunks, broken = self.runner.prompt_chunks(chunks, lambda c: c.last and isinstance(c.work, LocalPrefill))
         if broken:  # their images failed to encode: those requests fail, the rest of the step runs
             for chunk, exc in broken:
-                self.local_prefills.remove(chunk.work)
-                if not chunk.work.seq.is_finished:
-                    self._retire(chunk.work.seq, DecodeState.FAILED)
-                    invalid = isinstance(exc, InvalidRequest)
-                    self._fail_soon(chunk.work.seq.request_id, f"encoding its images failed: {exc}",
-                                    InvalidRequest if invalid else RequestFailed)
+                self._fail_prompt(chunk, f"encoding its images failed: {exc}",
+                                  InvalidRequest if isinstance(exc, InvalidRequest) else RequestFailed)
             chunks = [c for c in chunks if all(c is not b for b, _ in broken)]
             if not batch and not chunks:
                 return

@@ -68,14 +68,12 @@ def decode_image(span: MediaSpan) -> Image.Image:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(span.data))
-            if image.format not in IMAGE_FORMATS:
-                raise InvalidRequest(f"{span.name}: image type {image.format} is not one of jpg, png")
             image.load()
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError,
             Image.DecompressionBombWarning) as exc:
-        if isinstance(exc, InvalidRequest):
-            raise
         raise InvalidRequest(f"{span.name}: cannot decode the image: {exc}") from None
+    if image.format not in IMAGE_FORMATS:
+        raise InvalidRequest(f"{span.name}: image type {image.format} is not one of jpg, png")
     return image.convert("RGB")
 
 
@@ -130,13 +128,11 @@ class VisionEncoder:
     def embeddings(self, spans: Sequence[MediaSpan], prepared: PreparedMedia) -> dict[int, torch.Tensor]:
         """Each span's encoder output [num_tokens, hidden] on the device, by content hash: the request's own, the
         encoder cache's, or encoded now (the misses in one vision forward)."""
+        span_of = {span.content_hash: span for span in spans}
         found: dict[int, torch.Tensor] = {}
         missing: dict[int, torch.Tensor | None] = {}
         with self._lock:
-            for span in spans:
-                h = span.content_hash
-                if h in found or h in missing:
-                    continue
+            for h in span_of:
                 own = prepared.features.get(h)
                 if own is None:
                     own = self.cache.get(h)
@@ -146,20 +142,19 @@ class VisionEncoder:
                     missing[h] = prepared.pixels.pop(h, None)
         for h, pixels in missing.items():
             if pixels is None:  # cached when checked, evicted since: decoded again from its file
-                missing[h] = self._pixels(decode_image(next(s for s in spans if s.content_hash == h)))
+                missing[h] = self._pixels(decode_image(span_of[h]))
         if missing:
             pixels = torch.cat(list(missing.values())).to(self.device, self.model.dtype)
             features = self.model.model.get_image_features(pixel_values=pixels).pooler_output
             if isinstance(features, torch.Tensor) and features.dim() == 2:  # all images' rows in one tensor
-                features = features.split([next(s.num_tokens for s in spans if s.content_hash == h)
-                                           for h in missing])
+                features = features.split([span_of[h].num_tokens for h in missing])
             with self._lock:
                 for h, feats in zip(missing, features):
                     feats = feats.clone()  # its own storage: a view would keep the whole batch's output alive
                     found[h] = prepared.features[h] = feats
                     self.cache.put(h, feats)
-        for span in spans:
-            if found[span.content_hash].shape[0] != span.num_tokens:
-                raise InvalidRequest(f"{span.name}: the encoder gave {found[span.content_hash].shape[0]} rows for "
-                                     f"{span.num_tokens} placeholders")
+        for h, span in span_of.items():
+            if found[h].shape[0] != span.num_tokens:
+                raise InvalidRequest(f"{span.name}: the encoder gave {found[h].shape[0]} rows for {span.num_tokens} "
+                                     "placeholders")
         return found
