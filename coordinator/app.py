@@ -34,6 +34,8 @@ from coordinator.state import STATE, CoordinatorState
 from coordinator.tokenization import PromptTokenizer
 from guidance.compiler import compiler_for
 from coordinator.trust import TRUST, CoordinatorTrust
+from coordinator.vllm.client import VllmClient
+from coordinator.vllm.kv_events import VllmKvEventWatch
 from coordinator.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -98,7 +100,10 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     )
     health = config.health_config
     trust = CoordinatorTrust.from_config(config)
-    client = WorkerClient(trust.worker_tls, trust.worker_secret)
+    engine = config.instances.engine
+    # vLLM instances are spoken to over their OpenAI API (coordinator/vllm/), pdserve workers over gRPC.
+    client = (VllmClient(config.instances.urls(), trust.worker_tls, trust.worker_secret) if engine == "vllm"
+              else WorkerClient(trust.worker_tls, trust.worker_secret))
     registry = InstanceRegistry([i.address for i in config.instances.prefill],
                                 [i.address for i in config.instances.decode],
                                 failure_threshold=health.failure_threshold,
@@ -107,7 +112,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     # cache_affinity routes on an exact index of the workers' prefix caches, fed by their KV events.
     kv_watch = None
     if scheduling.algorithm_type == "cache_affinity":
-        kv_watch = KvEventWatch(KvIndex(), client)
+        kv_watch = (VllmKvEventWatch(KvIndex(), config.instances.kv_event_endpoints()) if engine == "vllm"
+                    else KvEventWatch(KvIndex(), client))
     router = Router(registry, make_policy(scheduling, kv_watch.index if kv_watch is not None else None),
                     scheduling.local_prefill_max_tokens)
     metrics = CoordinatorMetrics()
@@ -145,6 +151,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         grammars=compiler_for(tokenizer.tokenizer, cache_size=config.request_limit.grammar_cache_size)[0])
     state.cluster = cluster
     state.kv_watch = kv_watch
+    state.engine = engine
 
     async def background(app: web.Application):
         if kv_watch is not None:

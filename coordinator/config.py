@@ -89,21 +89,71 @@ def check_host_port(value: str) -> str:
 
 
 class InstanceConfig(_Section):
-    """One worker the coordinator may route to."""
+    """One worker the coordinator may route to: a pdserve worker (gRPC) or a vLLM instance (HTTP)."""
 
-    address: str = Field(description="host:port of the worker's gRPC server.")
+    engine: Literal["pdserve", "vllm"] = Field(
+        "pdserve", description="pdserve: a `pdserve worker` reached over gRPC at `address`; vllm: a `vllm serve` "
+        "instance reached over its OpenAI API at `url` (a prefill instance started with kv_role kv_producer, a "
+        "decode instance with kv_consumer: docs/vllm-engines.md).")
+    address: str = Field("", description="pdserve: host:port of the worker's gRPC server. vllm: taken from "
+                         "`url` (how /v1/instances and the metrics name the instance).")
+    url: str = Field("", description="vllm: the instance's base URL, http://host:port or https://host:port "
+                     "(https with tls_config.worker_grpc's CA and client certificate).")
+    kv_events: str = Field("", description="vllm, for cache_affinity: where to subscribe to its KV events "
+                           "(ZMQ; its --kv-events-config endpoint, which vLLM binds when it is tcp://*:PORT or "
+                           "ipc://PATH): tcp://host:port or ipc://PATH; empty = routed on its load alone.")
 
-    @field_validator("address")
-    @classmethod
-    def _host_port(cls, value: str) -> str:
-        return check_host_port(value)
+    @model_validator(mode="after")
+    def _engine_fields(self) -> InstanceConfig:
+        if self.engine == "pdserve":
+            if self.url or self.kv_events:
+                raise ValueError("url and kv_events are for engine vllm; a pdserve worker has an address")
+            check_host_port(self.address)
+            return self
+        scheme, sep, rest = self.url.partition("://")
+        if scheme not in ("http", "https") or not sep:
+            raise ValueError(f"engine vllm needs url http://host:port or https://host:port, got {self.url!r}")
+        derived = check_host_port(rest.rstrip("/"))
+        if self.address and self.address != derived:
+            raise ValueError(f"address {self.address!r} differs from url's host:port {derived!r}: leave it out")
+        self.address, self.url = derived, self.url.rstrip("/")
+        if self.kv_events:
+            kscheme, ksep, krest = self.kv_events.partition("://")
+            if not ksep or kscheme not in ("tcp", "ipc") or not krest:
+                raise ValueError(f"kv_events must be tcp://host:port or ipc://PATH, got {self.kv_events!r}")
+            if kscheme == "tcp":
+                check_host_port(krest)
+        return self
 
 
 class InstancesConfig(_Section):
     """The static instance lists; workers started with `--coordinator` register on top of them."""
 
-    prefill: list[InstanceConfig] = Field([], description='Static prefill workers, each {"address": "host:port"}.')
-    decode: list[InstanceConfig] = Field([], description='Static decode workers, each {"address": "host:port"}.')
+    prefill: list[InstanceConfig] = Field([], description='Static prefill instances: {"address": "host:port"} for '
+                                          'a pdserve worker, {"engine": "vllm", "url": URL} for a vLLM instance.')
+    decode: list[InstanceConfig] = Field([], description="Static decode instances, as `prefill`.")
+
+    @model_validator(mode="after")
+    def _one_engine(self) -> InstancesConfig:
+        # The two sides of a transfer must speak one protocol: a pdserve prefill cannot feed a vLLM decode.
+        engines = {i.engine for i in self.prefill + self.decode}
+        if len(engines) > 1:
+            raise ValueError("every instance must have the same engine (pdserve or vllm): a KV transfer runs "
+                             "between two instances of one engine")
+        return self
+
+    @property
+    def engine(self) -> str:
+        """The engine of every instance: pdserve when none is listed (workers then register)."""
+        return next((i.engine for i in self.prefill + self.decode), "pdserve")
+
+    def urls(self) -> dict[str, str]:
+        """Each vLLM instance's base URL by its address."""
+        return {i.address: i.url for i in self.prefill + self.decode if i.engine == "vllm"}
+
+    def kv_event_endpoints(self) -> dict[str, str]:
+        """Each vLLM instance's KV events endpoint by its address, where it gave one."""
+        return {i.address: i.kv_events for i in self.prefill + self.decode if i.kv_events}
 
 
 class HealthConfig(_Section):
@@ -256,6 +306,16 @@ class CoordinatorConfig(_Section):
         if self.tls_config.etcd.tls_passwd:
             raise ValueError("tls_config.etcd.tls_passwd: etcd's HTTP client cannot read an encrypted key; give "
                              "it an unencrypted tls_key (a Secret mounted for the coordinator only)")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_urls_match_the_worker_link(self) -> CoordinatorConfig:
+        tls = self.tls_config.worker_grpc.tls_enable
+        for address, url in self.instances.urls().items():
+            if url.startswith("https://") != tls:
+                raise ValueError(f"instances: vLLM instance {url}: https:// goes with tls_config.worker_grpc "
+                                 f"(tls_enable, ca_cert, and a client certificate for --ssl-cert-reqs 2), http:// "
+                                 f"without it")
         return self
 
 

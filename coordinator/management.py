@@ -101,6 +101,9 @@ def refuse_taking_over(request: web.Request, body: InstanceIdentity) -> None:
 async def register(request: web.Request) -> web.Response:
     require_proof(request)
     state = request.app[STATE]
+    if state.engine != "pdserve":
+        raise ApiError(409, f"this coordinator drives {state.engine} instances (instances in its config): a pdserve "
+                            "worker cannot join them, a KV transfer runs between two instances of one engine")
     body = parse_request(Registration, await read_json(request))
     refuse_taking_over(request, body)
     instance = state.registry.register(body.role, body.address, body.metrics_url)

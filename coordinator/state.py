@@ -16,6 +16,8 @@ from coordinator.media import MediaFetcher
 from coordinator.pipeline import RequestPipeline
 from coordinator.scheduling.router import Router
 from coordinator.tokenization import PromptTokenizer
+from coordinator.vllm.client import VllmClient
+from coordinator.vllm.kv_events import VllmKvEventWatch
 from coordinator.worker_client import WorkerClient
 from guidance.compiler import GrammarCompiler
 
@@ -32,7 +34,7 @@ class CoordinatorState:
     full_text: bool
     tokenizer: PromptTokenizer
     limits: ModelLimits
-    client: WorkerClient
+    client: WorkerClient | VllmClient  # the engine's: pdserve workers over gRPC, or vLLM instances over HTTP
     registry: InstanceRegistry
     router: Router
     health_monitor: HealthMonitor
@@ -44,7 +46,8 @@ class CoordinatorState:
     grammars: GrammarCompiler | None = None  # guided-decoding grammars checked before any worker is used
     started_at: int = field(default_factory=lambda: int(time.time()))
     cluster: ClusterNode | None = None  # with backup_config.etcd_endpoints: the coordinators on etcd
-    kv_watch: KvEventWatch | None = None  # with cache_affinity: the workers' KV events, into its index
+    kv_watch: KvEventWatch | VllmKvEventWatch | None = None  # with cache_affinity: KV events, into its index
+    engine: str = "pdserve"  # of every instance: "vllm" takes no registrations (config.InstancesConfig)
 
     def instances(self) -> dict:
         """Every instance as GET /v1/instances shows it: with what the KV index holds of it, when there is one."""

@@ -112,7 +112,8 @@ def _up(args: argparse.Namespace) -> int:
                                             restart_backoff_s=args.restart_backoff,
                                             max_start_failures=args.max_start_failures,
                                             worker_threads=args.worker_threads,
-                                            worker_args=tuple(shlex.split(args.worker_args))))
+                                            worker_args=tuple(shlex.split(args.worker_args)),
+                                            engine=args.engine, vllm_venv=args.vllm_venv))
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -239,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-threads", type=int, default=None, metavar="N",
                    help="each worker's torch threads (default: the machine's cores shared among the workers, at "
                         "least 1 each, so workers on one machine do not oversubscribe its cores)")
+    p.add_argument("--engine", default="pdserve", choices=["pdserve", "vllm"],
+                   help="vllm: the workers are vLLM instances (prefill kv_producer, decode kv_consumer, over NIXL) "
+                        "from the vLLM environment; --worker-args then holds `vllm serve` flags")
+    p.add_argument("--vllm-venv", default=None, metavar="DIR",
+                   help="the vLLM environment for --engine vllm (default: $PDSERVE_VLLM_VENV, else .vllm-venv at "
+                        "the repository root, made by `make vllm-env`)")
     p.set_defaults(func=_up)
 
     p = sub.add_parser("build-model", help="build a tiny Llama checkpoint offline (with --vlm: a tiny LLaVA)")

@@ -26,6 +26,7 @@ from launcher.supervisor import Child, GaveUp, RestartPolicy, StartFailed, Stopp
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 180.0
+VLLM_START_TIMEOUT_S = 420.0  # vLLM instances starting side by side take minutes on a small machine
 WORKER_READY = "pdserve worker ready:"
 COORDINATOR_READY = "pdserve coordinator ready:"
 COORDINATOR_MANAGEMENT = "pdserve coordinator management"
@@ -46,7 +47,9 @@ class ClusterOptions:
     restart_backoff_s: float = 0.5  # --restart-backoff: the first restart's delay, doubling up to 10 s
     max_start_failures: int = 5  # --max-start-failures: failed restarts in a row before giving up
     worker_threads: int | None = None  # --worker-threads; None: the cores shared among the workers
-    worker_args: tuple[str, ...] = ()  # --worker-args: more `pdserve worker` flags for every worker
+    worker_args: tuple[str, ...] = ()  # --worker-args: more `pdserve worker` flags (vllm: `vllm serve` flags)
+    engine: str = "pdserve"  # --engine: pdserve workers, or vLLM instances (launcher/vllm_fleet.py)
+    vllm_venv: str | None = None  # --vllm-venv: the vLLM environment (default: vllm_fleet.default_vllm_venv)
 
     def threads_per_worker(self) -> int:
         """Each worker's torch threads: workers sharing a machine's cores, rather than each taking them all."""
@@ -84,7 +87,7 @@ def _wait_healthy(supervisor: Supervisor, url: str, timeout_s: float, context=No
     raise RuntimeError(f"{url} did not become healthy within {timeout_s}s")
 
 
-def _cluster_config(options: ClusterOptions, prefill: list[str], decode: list[str], model_dir: str,
+def _cluster_config(options: ClusterOptions, prefill: list[dict], decode: list[dict], model_dir: str,
                     security: ClusterSecurity) -> dict:
     from coordinator.config import load_config
 
@@ -97,10 +100,31 @@ def _cluster_config(options: ClusterOptions, prefill: list[str], decode: list[st
             base["http_config"]["manage_port"] = 0  # beside a chosen port, let the system pick one
     base.setdefault("model_config", {})
     base["model_config"]["modelWeightPath"] = model_dir
-    base["instances"] = {"prefill": [{"address": a} for a in prefill], "decode": [{"address": a} for a in decode]}
+    base["instances"] = {"prefill": prefill, "decode": decode}
     for section, values in security.coordinator_sections().items():
         base.setdefault(section, {}).update(values)
     return base
+
+
+def _workers(options: ClusterOptions, base: list[str], model_dir: str,
+             security: ClusterSecurity) -> list[tuple[Child, dict | None]]:
+    """The worker children, `pdserve worker`s or vLLM instances, each with its instance entry when known before
+    it starts (a pdserve worker's is its address, known once it is ready)."""
+    if options.engine == "vllm":
+        from launcher.vllm_fleet import default_vllm_venv, plan_instances
+
+        venv = Path(options.vllm_venv) if options.vllm_venv else default_vllm_venv()
+        return [(Child(f"{instance.role} vllm {instance.index}",
+                       instance.argv(venv, model_dir, str(security.run_dir / "worker-secret"), security.tls_dir,
+                                     options.worker_args, verbose=options.log_level in ("debug", "info")),
+                       WORKER_READY), instance.entry(security.scheme))
+                for instance in plan_instances(options.num_prefill, options.num_decode, security.run_dir)]
+    return [(Child(f"{role} worker {i}", base + ["worker", "--role", role, "--model", model_dir, "--host", HOST,
+                                                 "--port", "0", "--security-config", str(security.worker_security_file),
+                                                 "--threads", str(options.threads_per_worker()), *options.worker_args],
+                   WORKER_READY, on_ready=_pin_worker_port), None)
+            for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode))
+            for i in range(count)]
 
 
 def run_local_cluster(options: ClusterOptions) -> int:
@@ -118,25 +142,21 @@ def run_local_cluster(options: ClusterOptions) -> int:
 
     supervisor = Supervisor(RestartPolicy(first_backoff_s=options.restart_backoff_s,
                                           max_start_failures=options.max_start_failures,
-                                          start_timeout_s=START_TIMEOUT_S))
+                                          start_timeout_s=VLLM_START_TIMEOUT_S if options.engine == "vllm"
+                                          else START_TIMEOUT_S))
     supervisor.install_signal_handlers()
     base = pdserve_command() + (["--log-level", options.log_level] if options.log_level else [])
     config_file = None
     run_dir = tempfile.TemporaryDirectory(prefix="pdserve-run-")
     try:
         security = ClusterSecurity.prepare(Path(run_dir.name), options.tls_dir, options.api_keys_file)
-        workers = [Child(f"{role} worker {i}", base + ["worker", "--role", role, "--model", model_dir, "--host", HOST,
-                                                       "--port", "0", "--security-config",
-                                                       str(security.worker_security_file),
-                                                       "--threads", str(options.threads_per_worker()),
-                                                       *options.worker_args],
-                         WORKER_READY, on_ready=_pin_worker_port)
-                   for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode))
-                   for i in range(count)]
-        print(f"pdserve: starting {len(workers)} workers ...", flush=True)
-        supervisor.start(workers)
-        prefill = [c.address for c in workers if c.name.startswith("prefill")]
-        decode = [c.address for c in workers if c.name.startswith("decode")]
+        workers = _workers(options, base, model_dir, security)
+        print(f"pdserve: starting {len(workers)} {'vLLM instances' if options.engine == 'vllm' else 'workers'} "
+              "...", flush=True)
+        supervisor.start([child for child, _ in workers])
+        entries = [(child.name, entry or {"address": child.address}) for child, entry in workers]
+        prefill = [entry for name, entry in entries if name.startswith("prefill")]
+        decode = [entry for name, entry in entries if name.startswith("decode")]
         config = _cluster_config(options, prefill, decode, model_dir, security)
         fd, config_file = tempfile.mkstemp(prefix="pdserve-", suffix=".json")
         os.close(fd)

@@ -1,0 +1,46 @@
+"""A vLLM instance's load, read from its Prometheus /metrics as the ReportedLoad a pdserve worker reports.
+
+  vllm:num_requests_running        -> num_running
+  vllm:num_requests_waiting        -> num_waiting
+  vllm:kv_cache_usage_perc         -> kv_used_tokens (its fraction of the capacity)
+  vllm:cache_config_info{kv_cache_size_tokens=...}  -> kv_capacity_tokens (num_gpu_blocks x block_size when absent)
+Each is summed over the instance's engines (data-parallel ranks). `load_balance` and `cache_affinity` then
+weigh a vLLM instance exactly as a pdserve worker.
+"""
+
+from __future__ import annotations
+
+import re
+
+from coordinator.instances import ReportedLoad
+from coordinator.worker_client import HealthReport
+
+_SAMPLE = re.compile(r"^(vllm:[a-z_]+)(\{[^}]*\})?\s+(\S+)", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+
+
+def _capacity(labels: dict[str, str]) -> int:
+    tokens = labels.get("kv_cache_size_tokens", "")
+    if tokens.isdigit():
+        return int(tokens)
+    blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+    return int(blocks) * int(size) if blocks.isdigit() and size.isdigit() else 0
+
+
+def health_report(metrics_text: str) -> HealthReport:
+    """The load in a vLLM /metrics page (module docstring); a page without vLLM's gauges reads as idle."""
+    sums = dict.fromkeys(_GAUGES, 0.0)
+    capacities: list[int] = []
+    for name, labels, value in _SAMPLE.findall(metrics_text):
+        if name in sums:
+            sums[name] += float(value)
+        elif name == "vllm:cache_config_info":
+            capacities.append(_capacity(dict(_LABEL.findall(labels))))
+    capacity = sum(capacities)
+    # Usage is a fraction per engine; the engines of one instance share a cache configuration.
+    per_engine = capacity // len(capacities) if capacities else 0
+    used = round(sums["vllm:kv_cache_usage_perc"] * per_engine)
+    return HealthReport(ReportedLoad(num_running=int(sums["vllm:num_requests_running"]),
+                                     num_waiting=int(sums["vllm:num_requests_waiting"]),
+                                     kv_used_tokens=used, kv_capacity_tokens=capacity), draining=False)
