@@ -94,7 +94,7 @@ class InstanceConfig(_Section):
     engine: Literal["pdserve", "vllm"] = Field(
         "pdserve", description="pdserve: a `pdserve worker` reached over gRPC at `address`; vllm: a `vllm serve` "
         "instance reached over its OpenAI API at `url` (a prefill instance started with kv_role kv_producer, a "
-        "decode instance with kv_consumer: docs/vllm-engines.md).")
+        "decode instance with kv_consumer: docs/operating/vllm-engines.md).")
     address: str = Field("", description="pdserve: host:port of the worker's gRPC server. vllm: taken from "
                          "`url` (how /v1/instances and the metrics name the instance).")
     url: str = Field("", description="vllm: the instance's base URL, http://host:port or https://host:port "

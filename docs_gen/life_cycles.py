@@ -20,6 +20,8 @@ LIFE_CYCLES = (
     ("A token channel", "worker/service/token_channel.py"),
     ("A worker's KV events subscription", "worker/service/kv_event_log.py"),
     ("A coordinator's watch of one worker's KV events", "coordinator/kv_event_watch.py"),
+    ("A request on vLLM instances", "coordinator/vllm/client.py"),
+    ("A coordinator's subscription to one vLLM instance's KV events", "coordinator/vllm/kv_events.py"),
     ("A coordinator's leadership on etcd", "coordinator/cluster/leadership.py"),
     ("A worker's registration on etcd", "coordinator/cluster/registry_sync.py"),
 )

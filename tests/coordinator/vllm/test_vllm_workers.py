@@ -1,12 +1,14 @@
-"""vLLM instances as workers, with real vLLM processes (the CPU build, `make vllm-env`): `pdserve up --engine vllm`
-with two prefill and two decode instances over NIXL, driven through every client API and compared with one vLLM
-instance; then a prefill instance and a decode instance are killed. The kills come last (file order)."""
+"""vLLM instances as workers, with real vLLM processes (the CPU build, `make vllm-env`): `pdserve up --engine vllm
+--tls` with two prefill and two decode instances over NIXL, mutual TLS and the API key on every link, driven
+through every client API and compared with one vLLM instance; then a prefill instance and a decode instance are
+killed. The kills come last (file order)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import ssl
 import time
 from pathlib import Path
 
@@ -14,8 +16,10 @@ import httpx
 import pytest
 
 from launcher.vllm_fleet import default_vllm_venv
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.helpers import (ServerProcess, cmdline, descendants, management_url, pdserve_argv, registration_headers,
-                           scrape, sse_events, wait_for)
+                           sse_events, wait_for)
 
 pytestmark = [pytest.mark.system, pytest.mark.vllm]
 
@@ -27,8 +31,14 @@ LONG_PROMPT = " ".join(f"item {i} is {i * 7 % 13};" for i in range(60))
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir, tmp_path_factory):
-    """`pdserve up --engine vllm --prefill 2 --decode 2`: health checks rare, so only requests find a dead instance."""
+def tls_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm-tls")
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, tls_dir, tmp_path_factory):
+    """`pdserve up --engine vllm --tls --prefill 2 --decode 2`: health checks rare, so only requests find a dead
+    instance."""
     venv = default_vllm_venv()
     if not (venv / "bin" / "python").exists():
         pytest.skip(f"no vLLM environment at {venv}: `make test-vllm` makes it (`make vllm-env`)")
@@ -41,7 +51,7 @@ def fleet(model_dir, tmp_path_factory):
         "exception_config": {"first_token_timeout": 120, "infer_timeout": 300},
     }))
     up = ServerProcess(pdserve_argv("up", "--engine", "vllm", "--prefill", "2", "--decode", "2", "--model",
-                                    str(model_dir), "--config", str(base), "--predict-port", "0"),
+                                    str(model_dir), "--config", str(base), "--predict-port", "0", "--tls", str(tls_dir)),
                        "pdserve ready:", timeout_s=600)
     try:
         yield up
@@ -49,8 +59,16 @@ def fleet(model_dir, tmp_path_factory):
         up.stop(timeout_s=30)
 
 
-def instances(fleet) -> dict[str, list[dict]]:
-    return httpx.get(f"{management_url(fleet)}/v1/instances", timeout=10, headers=registration_headers(fleet)).json()
+@pytest.fixture(scope="module")
+def https(tls_dir) -> httpx.Client:
+    """A client of the cluster's CA with its client certificate: every port of the fleet asks for one."""
+    with httpx.Client(verify=str(tls_dir / "ca.pem"), cert=(str(tls_dir / "client.pem"),
+                                                            str(tls_dir / "client-key.pem"))) as client:
+        yield client
+
+
+def instances(fleet, https) -> dict[str, list[dict]]:
+    return https.get(f"{management_url(fleet)}/v1/instances", headers=registration_headers(fleet)).json()
 
 
 def vllm_instance(fleet, role: str, index: int = 0) -> dict:
@@ -65,12 +83,14 @@ def vllm_instance(fleet, role: str, index: int = 0) -> dict:
     return found[index]
 
 
-def direct(fleet, path: str, body: dict) -> dict:
-    """The answer of one vLLM instance on its own (the first prefill instance: no transfer without
-    kv_transfer_params), the reference for pdserve's."""
-    instance = vllm_instance(fleet, "prefill")
-    reply = httpx.post(f"http://127.0.0.1:{instance['port']}{path}", json=body, timeout=120,
-                       headers={"Authorization": f"Bearer {instance['key']}"})
+def direct(fleet, https, path: str, body: dict) -> dict:
+    """The answer of one vLLM instance on its own (a healthy prefill instance: no transfer without
+    kv_transfer_params), the reference for pdserve's; https with the client certificate and the API key."""
+    healthy = next(i for i in instances(fleet, https)["prefill"] if i["state"] == "healthy")
+    instance = vllm_instance_at(fleet, "prefill", healthy["address"])
+    body = {key: value for key, value in body.items() if key != "model"}  # vLLM serves the folder's path
+    reply = https.post(f"https://127.0.0.1:{instance['port']}{path}", json=body,
+                      headers={"Authorization": f"Bearer {instance['key']}"})
     assert reply.status_code == 200, reply.text
     return reply.json()
 
@@ -84,8 +104,10 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def counter(fleet, name: str) -> float:
-    return sum(v for (metric, _), v in scrape(fleet.address).items() if metric == name)
+def counter(fleet, https, name: str) -> float:
+    text = https.get(f"{fleet.address}/metrics").text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name)
 
 
 def vllm_instance_at(fleet, role: str, address: str) -> dict:
@@ -93,70 +115,70 @@ def vllm_instance_at(fleet, role: str, address: str) -> dict:
     return next(vllm_instance(fleet, role, i) for i in (0, 1) if vllm_instance(fleet, role, i)["port"] == port)
 
 
-def test_greedy_output_through_every_api_matches_one_vllm_instance(fleet):
+def test_greedy_output_through_every_api_matches_one_vllm_instance(fleet, https):
     url = fleet.address
-    expected = direct(fleet, "/v1/completions", {"prompt": PROMPT, "max_tokens": N, "temperature": 0,
+    expected = direct(fleet, https, "/v1/completions", {"prompt": PROMPT, "max_tokens": N, "temperature": 0,
                                                  "ignore_eos": True, "return_token_ids": True})["choices"][0]
-    completion = httpx.post(f"{url}/v1/completions", timeout=120, json={
+    completion = https.post(f"{url}/v1/completions", json={
         "model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True})
     assert completion.status_code == 200, completion.text
     assert completion.json()["choices"][0]["token_ids"] == expected["token_ids"]
     text = expected["text"]
     assert completion.json()["choices"][0]["text"] == text
-    stream = httpx.post(f"{url}/v1/completions", timeout=120, json={
+    stream = https.post(f"{url}/v1/completions", json={
         "model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True,
         "stream": True})
     chunks = [json.loads(e) for e in sse_events(stream.content) if e != "[DONE]"]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
-    tgi = httpx.post(f"{url}/generate", timeout=120, json={"inputs": PROMPT, "parameters": {
+    tgi = https.post(f"{url}/generate", json={"inputs": PROMPT, "parameters": {
         "max_new_tokens": N, "details": True, "decoder_input_details": False}})
     assert tgi.status_code == 200 and tgi.json()["generated_text"] == text, tgi.text
     assert [t["id"] for t in tgi.json()["details"]["tokens"]] == expected["token_ids"]
-    tgi_stream = httpx.post(f"{url}/generate_stream", timeout=120, json={"inputs": PROMPT, "parameters": {
+    tgi_stream = https.post(f"{url}/generate_stream", json={"inputs": PROMPT, "parameters": {
         "max_new_tokens": N}})
     assert json.loads(sse_events(tgi_stream.content)[-1])["generated_text"] == text
-    native = httpx.post(f"{url}/generate", timeout=120, json={"prompt": PROMPT, "max_tokens": N, "temperature": 0})
+    native = https.post(f"{url}/generate", json={"prompt": PROMPT, "max_tokens": N, "temperature": 0})
     assert native.status_code == 200 and native.json()["text"] == [PROMPT + text], native.text
-    triton = httpx.post(f"{url}/v2/models/pdserve-tiny/generate", timeout=120, json={
+    triton = https.post(f"{url}/v2/models/pdserve-tiny/generate", json={
         "text_input": PROMPT, "parameters": {"max_new_tokens": N}})
     assert triton.status_code == 200 and triton.json()["text_output"] == text, triton.text
-    mindie = httpx.post(f"{url}/infer", timeout=120, json={"inputs": PROMPT, "stream": False,
+    mindie = https.post(f"{url}/infer", json={"inputs": PROMPT, "stream": False,
                                                            "parameters": {"max_new_tokens": N}})
     assert mindie.status_code == 200 and mindie.json()["generated_text"] == text, mindie.text
 
 
-def test_chat_matches_one_vllm_instance_applying_the_same_template(fleet):
+def test_chat_matches_one_vllm_instance_applying_the_same_template(fleet, https):
     messages = [{"role": "user", "content": "Name three colours."}]
-    expected = direct(fleet, "/v1/chat/completions", {"messages": messages, "max_tokens": N, "temperature": 0,
+    expected = direct(fleet, https, "/v1/chat/completions", {"messages": messages, "max_tokens": N, "temperature": 0,
                                                       "ignore_eos": True})
-    chat = httpx.post(f"{fleet.address}/v1/chat/completions", timeout=120, json={
+    chat = https.post(f"{fleet.address}/v1/chat/completions", json={
         "model": "pdserve-tiny", "messages": messages, "max_tokens": N, "temperature": 0, "ignore_eos": True})
     assert chat.status_code == 200, chat.text
     assert chat.json()["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
     assert chat.json()["usage"] == {k: expected["usage"][k] for k in chat.json()["usage"]}
 
 
-def test_max_iter_times_caps_a_request_at_max_iter_times_plus_one_tokens(fleet):
-    reply = httpx.post(f"{fleet.address}/v1/completions", timeout=300, json={
+def test_max_iter_times_caps_a_request_at_max_iter_times_plus_one_tokens(fleet, https):
+    reply = https.post(f"{fleet.address}/v1/completions", json={
         "model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": MAX_ITER_TIMES + 50, "temperature": 0,
         "ignore_eos": True})
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == MAX_ITER_TIMES + 1
 
 
-def test_sampling_logprobs_and_stops_reach_the_engine(fleet):
-    expected = direct(fleet, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+def test_sampling_logprobs_and_stops_reach_the_engine(fleet, https):
+    expected = direct(fleet, https, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
                                                  "logprobs": 2, "return_tokens_as_token_ids": True,
                                                  "return_token_ids": True})["choices"][0]
-    reply = httpx.post(f"{fleet.address}/v1/completions", timeout=120, json={
+    reply = https.post(f"{fleet.address}/v1/completions", json={
         "model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 2,
         "return_token_ids": True}).json()["choices"][0]
     assert reply["token_ids"] == expected["token_ids"]
     assert reply["logprobs"]["token_logprobs"] == pytest.approx(expected["logprobs"]["token_logprobs"], abs=1e-4)
     assert all(len(top) == 2 for top in reply["logprobs"]["top_logprobs"])
     stop = expected["text"][3:8]
-    stopped = httpx.post(f"{fleet.address}/v1/completions", timeout=120, json={
+    stopped = https.post(f"{fleet.address}/v1/completions", json={
         "model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stop": [stop]}).json()
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stop not in stopped["choices"][0]["text"]
@@ -169,62 +191,62 @@ def test_sampling_logprobs_and_stops_reach_the_engine(fleet):
     ("/infer", {"inputs": "hi", "parameters": {"temperature": -1}}, 422),
     ("/v2/models/pdserve-tiny/generate", {"text_input": "hi", "parameters": {"top_p": 7}}, 400),
 ])
-def test_bad_input_is_a_4xx_in_the_apis_own_format(fleet, path, body, status):
-    reply = httpx.post(f"{fleet.address}{path}", json=body, timeout=60)
+def test_bad_input_is_a_4xx_in_the_apis_own_format(fleet, https, path, body, status):
+    reply = https.post(f"{fleet.address}{path}", json=body)
     assert 400 <= reply.status_code < 500, reply.text
     assert "error" in reply.json()
     if path.startswith("/v1/"):
         assert reply.json()["error"]["message"]
     # The fleet serves on: a good request right after.
-    assert httpx.post(f"{fleet.address}/generate", timeout=60, json={
+    assert https.post(f"{fleet.address}/generate", json={
         "inputs": "hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 
-def test_a_pdserve_worker_cannot_register_beside_vllm_instances(fleet):
-    reply = httpx.post(f"{management_url(fleet)}/v1/instances/register", timeout=10, headers=registration_headers(fleet),
+def test_a_pdserve_worker_cannot_register_beside_vllm_instances(fleet, https):
+    reply = https.post(f"{management_url(fleet)}/v1/instances/register", headers=registration_headers(fleet),
                        json={"role": "decode", "address": "127.0.0.1:9"})
     assert reply.status_code == 409 and "vllm" in reply.json()["error"]["message"]
 
 
-def test_load_comes_from_vllm_metrics_and_blocks_from_its_kv_events(fleet):
+def test_load_comes_from_vllm_metrics_and_blocks_from_its_kv_events(fleet, https):
     body = {"model": "pdserve-tiny", "prompt": LONG_PROMPT, "max_tokens": 2, "temperature": 0}
-    assert httpx.post(f"{fleet.address}/v1/completions", json=body, timeout=120).status_code == 200
-    listed = instances(fleet)
+    assert https.post(f"{fleet.address}/v1/completions", json=body).status_code == 200
+    listed = instances(fleet, https)
     for group in listed.values():
         for instance in group:
             assert instance["state"] == "healthy"
             assert instance["reported"]["kv_capacity_tokens"] > 0  # vllm:cache_config_info
     # The prefill instance that ran the prompt announced its blocks; the index holds them in pdserve's hashes.
-    wait_for(lambda: any((i.get("kv_index") or {}).get("blocks", 0) >= 2 for i in instances(fleet)["prefill"]),
+    wait_for(lambda: any((i.get("kv_index") or {}).get("blocks", 0) >= 2 for i in instances(fleet, https)["prefill"]),
              what="the prefill instance's blocks in the KV index")
-    before = counter(fleet, "pdserve_instance_expected_cached_tokens_total")
-    assert httpx.post(f"{fleet.address}/v1/completions", json=body, timeout=120).status_code == 200
-    assert counter(fleet, "pdserve_instance_expected_cached_tokens_total") >= before + 256
+    before = counter(fleet, https, "pdserve_instance_expected_cached_tokens_total")
+    assert https.post(f"{fleet.address}/v1/completions", json=body).status_code == 200
+    assert counter(fleet, https, "pdserve_instance_expected_cached_tokens_total") >= before + 256
 
 
-def test_a_killed_prefill_instance_fails_no_request_it_was_routed(fleet):
+def test_a_killed_prefill_instance_fails_no_request_it_was_routed(fleet, https):
     body = {"model": "pdserve-tiny", "prompt": LONG_PROMPT + " again", "max_tokens": 8, "temperature": 0}
-    first = httpx.post(f"{fleet.address}/v1/completions", json=body, timeout=120)
+    first = https.post(f"{fleet.address}/v1/completions", json=body)
     assert first.status_code == 200
     # The prefill instance that holds the prompt's blocks is where cache_affinity sends it again: kill it first.
-    holder = max(instances(fleet)["prefill"], key=lambda i: (i.get("kv_index") or {}).get("blocks", 0))
+    holder = max(instances(fleet, https)["prefill"], key=lambda i: (i.get("kv_index") or {}).get("blocks", 0))
     victim = vllm_instance_at(fleet, "prefill", holder["address"])
-    retries = counter(fleet, "pdserve_prefill_retries_total")
+    retries = counter(fleet, https, "pdserve_prefill_retries_total")
     kill_tree(victim["pid"])
-    again = httpx.post(f"{fleet.address}/v1/completions", json=body, timeout=120)
+    again = https.post(f"{fleet.address}/v1/completions", json=body)
     assert again.status_code == 200, again.text
     assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
-    assert counter(fleet, "pdserve_prefill_retries_total") >= retries + 1
-    assert {i["address"]: i["state"] for i in instances(fleet)["prefill"]}[holder["address"]] == "unhealthy"
+    assert counter(fleet, https, "pdserve_prefill_retries_total") >= retries + 1
+    assert {i["address"]: i["state"] for i in instances(fleet, https)["prefill"]}[holder["address"]] == "unhealthy"
 
 
-def test_a_decode_instance_killed_mid_stream_hands_the_stream_on_unchanged(fleet):
+def test_a_decode_instance_killed_mid_stream_hands_the_stream_on_unchanged(fleet, https):
     body = {"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": MAX_ITER_TIMES, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    expected = direct(fleet, "/v1/completions", {**body, "stream": False})["choices"][0]["text"]
-    migrations = counter(fleet, "pdserve_request_migrations_total")
+    expected = direct(fleet, https, "/v1/completions", {**body, "stream": False})["choices"][0]["text"]
+    migrations = counter(fleet, https, "pdserve_request_migrations_total")
     texts: list[str] = []
-    with httpx.stream("POST", f"{fleet.address}/v1/completions", json=body, timeout=300) as reply:
+    with https.stream("POST", f"{fleet.address}/v1/completions", json=body) as reply:
         killed = False
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -232,9 +254,9 @@ def test_a_decode_instance_killed_mid_stream_hands_the_stream_on_unchanged(fleet
             chunk = json.loads(line[6:])
             texts.extend(c["text"] for c in chunk["choices"])
             if not killed and len(texts) >= 20:
-                serving = next(i for i in instances(fleet)["decode"] if i["outstanding_requests"])
+                serving = next(i for i in instances(fleet, https)["decode"] if i["outstanding_requests"])
                 kill_tree(vllm_instance_at(fleet, "decode", serving["address"])["pid"])
                 killed = True
     assert killed
     assert "".join(texts) == expected
-    assert counter(fleet, "pdserve_request_migrations_total") >= migrations + 1
+    assert counter(fleet, https, "pdserve_request_migrations_total") >= migrations + 1
