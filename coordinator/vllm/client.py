@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 import aiohttp
+import orjson
 
 from coordinator.failures import CALL_DEADLINE_DETAILS, WorkerCallError, WorkerFailure
 from coordinator.request import GenerationRequest
@@ -99,7 +100,7 @@ class VllmClient:
         return self._session
 
     def _headers(self, traceparent: str = "") -> dict[str, str]:
-        headers = {}
+        headers = {"Content-Type": "application/json"}
         if self._secret is not None:
             headers["Authorization"] = f"Bearer {self._secret.value}"
         if traceparent:
@@ -158,12 +159,12 @@ class VllmClient:
         lost = self._in_flight.enter(address)
         try:
             async with asyncio.timeout(timeout):
-                async with self._http().post(self._url(address, path), json=body, ssl=self._ssl(),
+                async with self._http().post(self._url(address, path), data=orjson.dumps(body), ssl=self._ssl(),
                                              headers=self._headers(traceparent)) as resp:
-                    text = await resp.text()
+                    raw = await resp.read()
                     if resp.status != 200:
-                        raise _status_error(stage, address, resp.status, text)
-                    return json.loads(text)
+                        raise _status_error(stage, address, resp.status, raw.decode(errors="replace"))
+                    return orjson.loads(raw)
         except TimeoutError:
             raise _failure(stage, address, "DEADLINE_EXCEEDED", CALL_DEADLINE_DETAILS,
                            pb.FAILURE_REASON_CALL_DEADLINE) from None
@@ -279,7 +280,7 @@ class VllmDecodeStream:
             body["kv_transfer_params"] = await self._handoff
         client = self._client
         self._last = time.monotonic()
-        response = await client._http().post(client._url(self.address, "/v1/completions"), json=body,
+        response = await client._http().post(client._url(self.address, "/v1/completions"), data=orjson.dumps(body),
                                              ssl=client._ssl(), headers=client._headers(self._traceparent))
         if response.status != 200:
             text = await response.text()
@@ -301,7 +302,7 @@ class VllmDecodeStream:
                 self._ended = True
                 return None
             now = time.monotonic()
-            events = self._reader.events(json.loads(line[5:]), (now - self._last) * 1000)
+            events = self._reader.events(orjson.loads(line[5:]), (now - self._last) * 1000)
             if events:
                 self._last = now
                 self._pending.extend(events[1:])

@@ -62,8 +62,9 @@ def fleet(model_dir, tls_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def https(tls_dir) -> httpx.Client:
     """A client of the cluster's CA with its client certificate: every port of the fleet asks for one."""
-    with httpx.Client(verify=str(tls_dir / "ca.pem"), cert=(str(tls_dir / "client.pem"),
-                                                            str(tls_dir / "client-key.pem"))) as client:
+    context = ssl.create_default_context(cafile=str(tls_dir / "ca.pem"))
+    context.load_cert_chain(str(tls_dir / "client.pem"), str(tls_dir / "client-key.pem"))
+    with httpx.Client(verify=context, timeout=300) as client:
         yield client
 
 
