@@ -9,8 +9,9 @@ Needs the vLLM environment (`make vllm-env`); `vllm-router` is installed into it
 2. The pdserve coordinator (engine vllm, round_robin) and `vllm-router --vllm-pd-disaggregation --prefill URL
    --decode URL` start in front of them, both routing every request through the same NIXL handshake.
 3. The same closed-loop load goes through each in turn, `--rounds` times (alternating, so drift in the machine
-   hits both): `--concurrency` clients, each sending streamed /v1/completions of a fresh ~`--prompt-tokens`
-   prompt and `--max-tokens` tokens (ignore_eos) until `--requests` are done.
+   hits both): `--concurrency` clients, each sending streamed /v1/completions of a ~`--prompt-tokens` prompt of
+   random words and `--max-tokens` tokens (ignore_eos) until `--requests` are done. Every round of every stack
+   has prompts of its own, so neither finds the other's in vLLM's prefix caches.
 4. Per round: the router process's CPU seconds per request (its whole process tree), TTFT (to the first body byte)
    p50 / p90 at the client, and output tokens/s. The table gives each stack's median round and pdserve's
    ratios; the issue's target: CPU per request at most 1.5x the Rust router's, TTFT and tokens/s within 10%.
@@ -97,7 +98,7 @@ async def run_round(stack: str, url: str, pid: int, args, seed: int) -> Round:
     rng = random.Random(seed)
     client = StreamClient(url)
     bodies = [client.request("/v1/completions", json.dumps({
-        "prompt": prompt(rng, args.prompt_tokens), "max_tokens": args.max_tokens, "temperature": 0,
+        "model": args.name, "prompt": prompt(rng, args.prompt_tokens), "max_tokens": args.max_tokens, "temperature": 0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode())
         for _ in range(args.requests)]
     ttfts: list[float] = []
@@ -163,16 +164,19 @@ def main() -> None:
     if args.model is None:
         from embedded_model import ensure_default_model
         args.model = str(ensure_default_model())
+    args.name = Path(args.model).name  # what the coordinator serves it as, and vLLM too (for vllm-router's clients)
     router_exe = ensure_router(args.vllm_venv)
     from launcher.vllm_fleet import plan_instances
 
     with tempfile.TemporaryDirectory(prefix="bench-vllm-router-") as tmp:
         started: list[Process] = []
+        router = None
         try:
             instances = plan_instances(1, 1, Path(tmp))
             print("starting a vLLM prefill + decode pair ...", flush=True)
             for instance in instances:
-                started.append(Process(instance.argv(args.vllm_venv, args.model), "pdserve worker ready:",
+                started.append(Process(instance.argv(args.vllm_venv, args.model, served_name=args.name),
+                                       "pdserve worker ready:",
                                        cpus={instance.index % (os.cpu_count() or 1)}))
             prefill, decode = (f"http://127.0.0.1:{i.port}" for i in instances)
             config = Path(tmp) / "coordinator.json"
@@ -188,25 +192,31 @@ def main() -> None:
             router_port = free_port()
             router = subprocess.Popen([str(router_exe), "--vllm-pd-disaggregation", "--prefill", prefill,
                                        "--decode", decode, "--host", "127.0.0.1", "--port", str(router_port),
-                                       "--policy", "round_robin", "--log-level", "warning"],
+                                       "--policy", "round_robin", "--log-level", "warning",
+                                       # its metrics exporter binds 0.0.0.0:29000 unless told otherwise
+                                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             router_url = f"http://127.0.0.1:{router_port}"
             wait_http(router_url + "/health", 60)
             stacks = {"pdserve": (coordinator.address, coordinator.proc.pid), "vllm-router": (router_url, router.pid)}
-            for name, (url, pid) in stacks.items():  # warm both paths (NIXL handshakes, connections)
+            for seed, (name, (url, pid)) in enumerate(stacks.items()):  # warm both paths (handshakes, connections)
                 warm = argparse.Namespace(**{**vars(args), "requests": args.concurrency})
-                asyncio.run(run_round(name, url, pid, warm, seed=0))
+                asyncio.run(run_round(name, url, pid, warm, seed=seed))
             rounds: dict[str, list[Round]] = {name: [] for name in stacks}
             for i in range(args.rounds):
                 for name, (url, pid) in (stacks.items() if i % 2 == 0 else reversed(stacks.items())):
-                    result = asyncio.run(run_round(name, url, pid, args, seed=1000 + i))
+                    # Prompts of their own per round and stack: the same ones again would hit vLLM's prefix
+                    # caches for whichever stack came second.
+                    seed = 1000 + 2 * i + list(stacks).index(name)
+                    result = asyncio.run(run_round(name, url, pid, args, seed=seed))
                     rounds[name].append(result)
                     print(f"round {i + 1} {name}: {result.cpu_ms_per_request:.2f} CPU ms/request, TTFT p50 "
                           f"{result.ttft_p50_ms:.0f} ms, {result.tokens_per_s:.1f} tokens/s", flush=True)
-            router.terminate()
-            router.wait(timeout=30)
             print_table(args, {name: median_round(r) for name, r in rounds.items()})
         finally:
+            if router is not None:
+                router.terminate()
+                router.wait(timeout=30)
             for process in reversed(started):
                 process.stop()
 

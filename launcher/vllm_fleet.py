@@ -41,8 +41,9 @@ class VllmInstance:
     kv_events: str
 
     def argv(self, venv: Path, model_dir: str, api_key_file: str = "", tls_dir: Path | None = None,
-             extra: tuple[str, ...] = (), verbose: bool = False) -> list[str]:
-        """The command that starts it (launcher/vllm_serve.py under the vLLM venv)."""
+             extra: tuple[str, ...] = (), verbose: bool = False, served_name: str = "") -> list[str]:
+        """The command that starts it (launcher/vllm_serve.py under the vLLM venv); `served_name`: the `model` its
+        own clients pass (the folder's path when empty)."""
         python = venv / "bin" / "python"
         if not python.exists():
             raise ValueError(f"{python} does not exist: make the vLLM environment first (`make vllm-env`)")
@@ -51,6 +52,8 @@ class VllmInstance:
                 "--side-channel-port", str(self.side_channel_port), "--kv-events", self.kv_events, "--cores", cores]
         if api_key_file:
             argv += ["--api-key-file", api_key_file]
+        if served_name:
+            argv += ["--served-model-name", served_name]
         if tls_dir is not None:
             argv += ["--ssl-certfile", str(tls_dir / "server.pem"), "--ssl-keyfile", str(tls_dir / "server-key.pem"),
                      "--ssl-ca-certs", str(tls_dir / "ca.pem")]

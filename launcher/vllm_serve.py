@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "tcp://*:PORT); empty = none")
     p.add_argument("--cores", default="auto", help="VLLM_CPU_OMP_THREADS_BIND: cores for its OMP threads")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
+    p.add_argument("--served-model-name", default="", help="the name clients of the instance itself pass as `model` "
+                   "(pdserve sends none); default: the model folder's path")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--api-key-file", default="", help="file whose first line is the key vLLM requires (--api-key)")
@@ -67,6 +69,8 @@ def serve_command(args: argparse.Namespace) -> list[str]:
                "--kv-transfer-config", json.dumps(kv_transfer), "--disable-uvicorn-access-log",
                # pdserve's guided decoding hands over llguidance grammars: only the guidance backend reads them.
                "--structured-outputs-config", json.dumps({"backend": "guidance"})]
+    if args.served_model_name:
+        command += ["--served-model-name", args.served_model_name]
     if args.kv_events:
         command += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                       "endpoint": args.kv_events})]

@@ -34,6 +34,9 @@ from security.tls import LinkTls
 
 ACCEPTED = DecodeAccepted("")
 DONE = b"data: [DONE]"
+# /metrics is ~80 KB per instance: read for the load at most this often; a probe in between (the silence
+# watch's) asks /health alone and keeps the last load.
+METRICS_MAX_AGE_S = 1.0
 
 
 def _failure(stage: str, address: str, code: str, details: str, reason: int = 0) -> WorkerCallError:
@@ -91,6 +94,7 @@ class VllmClient:
         self._session: aiohttp.ClientSession | None = None
         self._handoffs: dict[str, asyncio.Future] = {}  # request id -> the prefill's kv_transfer_params
         self._in_flight = _InFlight()
+        self._loads: dict[str, tuple[float, HealthReport]] = {}  # address -> (when read, the load it gave)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -176,7 +180,7 @@ class VllmClient:
             self._in_flight.leave(address)
 
     async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
-        """vLLM's /health for liveness, its /metrics for the load (load.py)."""
+        """vLLM's /health for liveness, its /metrics for the load (load.py; at most every METRICS_MAX_AGE_S)."""
         lost = self._in_flight.enter(address)
         http, ssl, headers = self._http(), self._ssl(), self._headers()
         try:
@@ -184,10 +188,15 @@ class VllmClient:
                 async with http.get(self._url(address, "/health"), ssl=ssl, headers=headers) as resp:
                     if resp.status != 200:
                         raise _status_error(role, address, resp.status, await resp.text())
+                known = self._loads.get(address)
+                if known is not None and time.monotonic() - known[0] < METRICS_MAX_AGE_S:
+                    return known[1]
                 async with http.get(self._url(address, "/metrics"), ssl=ssl, headers=headers) as resp:
                     if resp.status != 200:
                         raise _status_error(role, address, resp.status, await resp.text())
-                    return health_report(await resp.text())
+                    report = health_report(await resp.text())
+                self._loads[address] = (time.monotonic(), report)
+                return report
         except TimeoutError:
             raise _failure(role, address, "DEADLINE_EXCEEDED", "health check timed out") from None
         except aiohttp.ClientError as exc:
@@ -202,7 +211,8 @@ class VllmClient:
         self._in_flight.lose(address, reason)
 
     async def forget(self, address: str) -> None:
-        """Nothing to close: connections are pooled per host by the session."""
+        """Forget its last load (connections are pooled per host by the session: nothing to close)."""
+        self._loads.pop(address, None)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -263,6 +273,10 @@ class VllmDecodeStream:
         except AbortedByEngine:
             self.cancel()
             raise _failure("decode", self.address, "INTERNAL", "vLLM aborted the request") from None
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            self.cancel()
+            raise _failure("decode", self.address, "INTERNAL", f"an event vLLM streamed is not a completion "
+                           f"chunk: {exc}") from None
         except asyncio.CancelledError:
             error = _lost_instead(lost, "decode", self.address)
             if isinstance(error, WorkerCallError):
@@ -291,18 +305,19 @@ class VllmDecodeStream:
     async def _next_event(self) -> pb.TokenEvent | None:
         content = self._response.content
         while True:
-            line = await content.readline()
-            if not line:  # the connection ended without [DONE]
+            # One read per server-sent event (vLLM ends each with a blank line), not one per line.
+            event = await content.readuntil(b"\n\n")
+            if not event.endswith(b"\n\n"):  # the connection ended without [DONE], maybe inside an event
                 self._ended = True
                 return None
-            line = line.strip()
-            if not line.startswith(b"data:"):
+            event = event.strip()
+            if not event.startswith(b"data:"):
                 continue
-            if line == DONE:
+            if event == DONE:
                 self._ended = True
                 return None
             now = time.monotonic()
-            events = self._reader.events(orjson.loads(line[5:]), (now - self._last) * 1000)
+            events = self._reader.events(orjson.loads(event[5:]), (now - self._last) * 1000)
             if events:
                 self._last = now
                 self._pending.extend(events[1:])

@@ -153,3 +153,10 @@ async def test_no_listener_is_unavailable_and_a_slow_stream_hits_its_deadline(vl
         await stream.read()
     assert late.value.failure.code == "DEADLINE_EXCEEDED"
     assert late.value.failure.kind is FailureKind.DEADLINE
+
+
+async def test_a_stream_cut_inside_an_event_ends_without_a_final_token(vllm, client):
+    vllm.decode_chunks = [chunk([7], "a"), b'data: {"choices": [{"ind']
+    stream = client.open_decode(vllm.address, request(), 3, 64, timeout=10, local_prefill=True)
+    await stream.read()
+    assert [e.token_id for e in await read_all(stream)] == [7]
