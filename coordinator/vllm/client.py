@@ -175,7 +175,9 @@ class VllmClient:
         except aiohttp.ClientError as exc:
             raise _failure(stage, address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
         except asyncio.CancelledError:
-            raise _lost_instead(lost, stage, address) from None
+            if (error := _lost_instead(lost, stage, address)) is None:
+                raise
+            raise error from None
         finally:
             self._in_flight.leave(address)
 
@@ -202,7 +204,9 @@ class VllmClient:
         except aiohttp.ClientError as exc:
             raise _failure(role, address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
         except asyncio.CancelledError:
-            raise _lost_instead(lost, role, address) from None
+            if (error := _lost_instead(lost, role, address)) is None:
+                raise
+            raise error from None
         finally:
             self._in_flight.leave(address)
 
@@ -219,12 +223,13 @@ class VllmClient:
             await self._session.close()
 
 
-def _lost_instead(lost: list[str], stage: str, address: str) -> BaseException:
-    """What a call cancelled while in flight ends with: its instance's loss, or its own task's cancellation."""
+def _lost_instead(lost: list[str], stage: str, address: str) -> WorkerCallError | None:
+    """What a call cancelled while in flight ends with: its instance's loss, or None when the cancellation is its
+    own task's (to be raised on)."""
     task = asyncio.current_task()
     if lost and task is not None and task.uncancel() == 0:
         return _failure(stage, address, "UNAVAILABLE", lost[0])
-    return asyncio.CancelledError()
+    return None
 
 
 class VllmDecodeStream:
@@ -278,9 +283,9 @@ class VllmDecodeStream:
             raise _failure("decode", self.address, "INTERNAL", f"an event vLLM streamed is not a completion "
                            f"chunk: {exc}") from None
         except asyncio.CancelledError:
-            error = _lost_instead(lost, "decode", self.address)
-            if isinstance(error, WorkerCallError):
-                self.cancel()
+            if (error := _lost_instead(lost, "decode", self.address)) is None:
+                raise
+            self.cancel()
             raise error from None
         finally:
             self._client._in_flight.leave(self.address)
