@@ -215,10 +215,13 @@ def main() -> None:
             print_table(args, {name: median_round(r) for name, r in rounds.items()})
         finally:
             if router is not None:
-                router.terminate()
-                router.wait(timeout=30)
+                router.kill()
+                router.wait()
             for process in reversed(started):
-                process.stop()
+                try:
+                    process.stop()
+                except subprocess.TimeoutExpired:  # the rest must still be stopped
+                    process.proc.kill()
 
 
 if __name__ == "__main__":

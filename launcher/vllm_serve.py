@@ -103,9 +103,15 @@ def serve_environment(args: argparse.Namespace) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    parent = os.getpid()
+
+    def die_with_parent() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # this wrapper died before prctl: nothing would stop the child
+            os._exit(1)
+
     child = subprocess.Popen(serve_command(args), env=serve_environment(args), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, errors="replace",
-                             preexec_fn=lambda: libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM))
+                             stderr=subprocess.STDOUT, text=True, errors="replace", preexec_fn=die_with_parent)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     ready = False

@@ -21,10 +21,11 @@ from collections.abc import Callable
 
 import aiohttp
 import orjson
+from aiohttp.http_exceptions import HttpProcessingError
 
 from coordinator.failures import CALL_DEADLINE_DETAILS, WorkerCallError, WorkerFailure
 from coordinator.request import GenerationRequest
-from coordinator.vllm.completions import (AbortedByEngine, ChunkReader, UnsupportedOnVllm, completion_body,
+from coordinator.vllm.completions import (ChunkReader, EngineError, UnsupportedOnVllm, completion_body,
                                           prefill_body)
 from coordinator.vllm.load import health_report
 from coordinator.worker_client import DecodeAccepted, HealthReport, PrefillResult
@@ -34,6 +35,9 @@ from security.tls import LinkTls
 
 ACCEPTED = DecodeAccepted("")
 DONE = b"data: [DONE]"
+# The first event of a stream repeats the prompt's ids (return_token_ids): aiohttp's default bound (128 KiB) would
+# fail a prompt of some 20k tokens.
+MAX_EVENT_BYTES = 64 << 20
 # /metrics is ~80 KB per instance: read for the load at most this often; a probe in between (the silence
 # watch's) asks /health alone and keeps the last load.
 METRICS_MAX_AGE_S = 1.0
@@ -169,11 +173,11 @@ class VllmClient:
                     if resp.status != 200:
                         raise _status_error(stage, address, resp.status, raw.decode(errors="replace"))
                     return orjson.loads(raw)
+        except aiohttp.ClientError as exc:  # first: a connect timeout is a TimeoutError too, but says the host is gone
+            raise _failure(stage, address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
         except TimeoutError:
             raise _failure(stage, address, "DEADLINE_EXCEEDED", CALL_DEADLINE_DETAILS,
                            pb.FAILURE_REASON_CALL_DEADLINE) from None
-        except aiohttp.ClientError as exc:
-            raise _failure(stage, address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
         except asyncio.CancelledError:
             if (error := _lost_instead(lost, stage, address)) is None:
                 raise
@@ -199,10 +203,10 @@ class VllmClient:
                     report = health_report(await resp.text())
                 self._loads[address] = (time.monotonic(), report)
                 return report
+        except aiohttp.ClientError as exc:  # first: a connect timeout is a TimeoutError too
+            raise _failure(role, address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
         except TimeoutError:
             raise _failure(role, address, "DEADLINE_EXCEEDED", "health check timed out") from None
-        except aiohttp.ClientError as exc:
-            raise _failure(role, address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
         except asyncio.CancelledError:
             if (error := _lost_instead(lost, role, address)) is None:
                 raise
@@ -266,19 +270,23 @@ class VllmDecodeStream:
                 if self._response is None:
                     await self._send()
                 return await self._next_event()
+        except aiohttp.ClientError as exc:  # first: a connect timeout is a TimeoutError too
+            self.cancel()
+            raise _failure("decode", self.address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
         except TimeoutError:
             self.cancel()
             raise _failure("decode", self.address, "DEADLINE_EXCEEDED", CALL_DEADLINE_DETAILS,
                            pb.FAILURE_REASON_CALL_DEADLINE) from None
-        except aiohttp.ClientError as exc:
-            self.cancel()
-            raise _failure("decode", self.address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
         except UnsupportedOnVllm as exc:
             raise _failure("decode", self.address, "INVALID_ARGUMENT", str(exc)) from None
-        except AbortedByEngine:
+        except EngineError as exc:
             self.cancel()
-            raise _failure("decode", self.address, "INTERNAL", "vLLM aborted the request") from None
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            # A request fault (a grammar vLLM refused) is the client's 400; anything else, mid-stream after a
+            # transfer, is read as a KV cache that did not arrive (ABORTED: KV_NOT_RECEIVED), as its commonest
+            # cause is: another prefill instance is tried.
+            code = "INVALID_ARGUMENT" if exc.status in (400, 422) else "ABORTED"
+            raise _failure("decode", self.address, code, f"vLLM failed the request: {exc}") from None
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, HttpProcessingError) as exc:
             self.cancel()
             raise _failure("decode", self.address, "INTERNAL", f"an event vLLM streamed is not a completion "
                            f"chunk: {exc}") from None
@@ -302,8 +310,10 @@ class VllmDecodeStream:
         response = await client._http().post(client._url(self.address, "/v1/completions"), data=orjson.dumps(body),
                                              ssl=client._ssl(), headers=client._headers(self._traceparent))
         if response.status != 200:
-            text = await response.text()
-            response.release()
+            try:
+                text = await response.text()
+            finally:
+                response.close()  # on every path: a deadline or a loss may interrupt the read
             raise _status_error("decode", self.address, response.status, text)
         self._response = response
 
@@ -311,7 +321,7 @@ class VllmDecodeStream:
         content = self._response.content
         while True:
             # One read per server-sent event (vLLM ends each with a blank line), not one per line.
-            event = await content.readuntil(b"\n\n")
+            event = await content.readuntil(b"\n\n", max_size=MAX_EVENT_BYTES)
             if not event.endswith(b"\n\n"):  # the connection ended without [DONE], maybe inside an event
                 self._ended = True
                 return None

@@ -23,8 +23,13 @@ class UnsupportedOnVllm(ValueError):
     """The request asks for something a vLLM instance cannot be told."""
 
 
-class AbortedByEngine(Exception):
-    """vLLM ended the stream with finish_reason "abort" (its engine dropped the request)."""
+class EngineError(Exception):
+    """vLLM failed the request inside its stream: an `error` event, or finish_reason "abort"; `status` is the HTTP
+    status the error names (None for an abort)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 def completion_body(request: GenerationRequest, max_tokens: int, request_id: str) -> dict:
@@ -92,6 +97,11 @@ class ChunkReader:
         """The chunk's tokens; the chunk's text goes with its last one, the finish reason too."""
         choices = chunk.get("choices") or ()
         if not choices:
+            error = chunk.get("error")
+            if error:  # after its 200, vLLM reports a failed request as an event: a KV load that failed, say
+                detail = error if isinstance(error, dict) else {"message": str(error)}
+                status = detail.get("code")
+                raise EngineError(str(detail.get("message") or detail), status if isinstance(status, int) else None)
             return []  # the usage chunk
         choice = choices[0]
         token_ids = choice.get("token_ids") or ()
@@ -119,7 +129,7 @@ def _finish(reason: str | None, stop_reason) -> tuple[int, str] | None:
     if reason is None:
         return None
     if reason == "abort":
-        raise AbortedByEngine()
+        raise EngineError("vLLM aborted the request")
     if reason == "length":
         return pb.FINISH_REASON_LENGTH, ""
     if isinstance(stop_reason, str):

@@ -114,8 +114,8 @@ class VllmEventTranslator:
         events = []
         for vllm_hash, ours in zip(fields["block_hashes"], hashes):
             self._hashes[vllm_hash] = ours
-            events.append(pb.KvBlockEvent(hash=hash_to_bytes(ours), parent_hash=hash_to_bytes(parent) if parent else b"",
-                                          num_tokens=self.block_size))
+            events.append(pb.KvBlockEvent(hash=hash_to_bytes(ours), num_tokens=self.block_size,
+                                          parent_hash=hash_to_bytes(parent) if parent else b""))
             parent = ours
         return events
 

@@ -160,3 +160,15 @@ async def test_a_stream_cut_inside_an_event_ends_without_a_final_token(vllm, cli
     stream = client.open_decode(vllm.address, request(), 3, 64, timeout=10, local_prefill=True)
     await stream.read()
     assert [e.token_id for e in await read_all(stream)] == [7]
+
+
+@pytest.mark.parametrize("code, kind", [(500, FailureKind.KV_NOT_RECEIVED), (400, FailureKind.REQUEST_FAULT)])
+async def test_an_error_vllm_streams_after_its_200_is_a_failure_that_names_it(vllm, client, code, kind):
+    vllm.decode_chunks = [chunk([7], "a"), b'data: {"error": {"message": "KV load failed", "code": %d}}\n\n' % code,
+                          b"data: [DONE]\n\n"]
+    stream = client.open_decode(vllm.address, request(), 3, 64, timeout=10, local_prefill=True)
+    await stream.read()
+    await stream.read()
+    with pytest.raises(WorkerCallError, match="KV load failed") as failed:
+        await stream.read()
+    assert failed.value.failure.kind is kind

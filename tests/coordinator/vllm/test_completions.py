@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.request import GenerationRequest, GuidedGrammar, MediaInput, SamplingOptions
-from coordinator.vllm.completions import (REMOTE_DECODE, AbortedByEngine, ChunkReader, UnsupportedOnVllm,
+from coordinator.vllm.completions import (REMOTE_DECODE, ChunkReader, EngineError, UnsupportedOnVllm,
                                           completion_body, prefill_body)
 from proto import worker_pb2 as pb
 
@@ -78,9 +78,12 @@ def test_finish_reasons_map_onto_pdserves(finish, stop_reason, reason, matched):
     assert (event.finish_reason, event.matched_stop) == (reason, matched)
 
 
-def test_an_aborted_request_is_an_error_not_an_end():
-    with pytest.raises(AbortedByEngine):
+def test_an_aborted_request_or_an_error_event_is_an_error_not_an_end():
+    with pytest.raises(EngineError, match="aborted"):
         ChunkReader(None).events(chunk([1], finish="abort"), 0.0)
+    with pytest.raises(EngineError, match="KV load failed") as error:
+        ChunkReader(None).events({"error": {"message": "KV load failed", "code": 500}}, 0.0)
+    assert error.value.status == 500
 
 
 def test_logprobs_keep_the_asked_number_of_alternatives_best_first():

@@ -51,7 +51,8 @@ def fleet(model_dir, tls_dir, tmp_path_factory):
         "exception_config": {"first_token_timeout": 120, "infer_timeout": 300},
     }))
     up = ServerProcess(pdserve_argv("up", "--engine", "vllm", "--prefill", "2", "--decode", "2", "--model",
-                                    str(model_dir), "--config", str(base), "--predict-port", "0", "--tls", str(tls_dir)),
+                                    str(model_dir), "--config", str(base), "--predict-port", "0",
+                                    "--tls", str(tls_dir)),
                        "pdserve ready:", timeout_s=600)
     try:
         yield up
