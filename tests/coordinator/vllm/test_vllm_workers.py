@@ -1,7 +1,7 @@
 """vLLM instances as workers, with real vLLM processes (the CPU build, `make vllm-env`): `pdserve up --engine vllm
 --tls` with two prefill and two decode instances over NIXL, mutual TLS and the API key on every link, driven
-through every client API and compared with one vLLM instance; then a prefill instance and a decode instance are
-killed. The kills come last (file order)."""
+through every client API and compared with one vLLM instance; then a prefill instance is killed, a decode
+instance frozen mid-stream (SIGSTOP) and another killed. The faults come last (file order)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,13 @@ import json
 import os
 import signal
 import ssl
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-
-from launcher.vllm_fleet import default_vllm_venv
 from prometheus_client.parser import text_string_to_metric_families
 
+from launcher.vllm_fleet import default_vllm_venv
 from tests.helpers import (ServerProcess, cmdline, descendants, management_url, pdserve_argv, registration_headers,
                            sse_events, wait_for)
 
@@ -37,8 +35,7 @@ def tls_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(model_dir, tls_dir, tmp_path_factory):
-    """`pdserve up --engine vllm --tls --prefill 2 --decode 2`: health checks rare, so only requests find a dead
-    instance."""
+    """`pdserve up --engine vllm --tls --prefill 2 --decode 2`."""
     venv = default_vllm_venv()
     if not (venv / "bin" / "python").exists():
         pytest.skip(f"no vLLM environment at {venv}: `make test-vllm` makes it (`make vllm-env`)")
@@ -46,7 +43,8 @@ def fleet(model_dir, tls_dir, tmp_path_factory):
     base.write_text(json.dumps({
         "model_config": {"modelName": "pdserve-tiny", "maxSeqLen": 2048, "maxInputTokenLen": 1024,
                          "maxIterTimes": MAX_ITER_TIMES},
-        "health_config": {"check_interval_s": 600},
+        # A health check every 2 s brings a resumed instance back; a dead one is found by the requests sent to it.
+        "health_config": {"check_interval_s": 2},
         "digs_scheduler_config": {"algorithm_type": "cache_affinity"},
         "exception_config": {"first_token_timeout": 120, "infer_timeout": 300},
     }))
@@ -242,23 +240,50 @@ def test_a_killed_prefill_instance_fails_no_request_it_was_routed(fleet, https):
     assert {i["address"]: i["state"] for i in instances(fleet, https)["prefill"]}[holder["address"]] == "unhealthy"
 
 
-def test_a_decode_instance_killed_mid_stream_hands_the_stream_on_unchanged(fleet, https):
+def stream_and_then(fleet, https, act) -> tuple[str, str]:
+    """A long greedy stream through pdserve, `act(decode instance)` called on the vLLM decode instance serving it
+    after its 20th token; the stream's text, and one vLLM instance's alone for the same request."""
     body = {"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": MAX_ITER_TIMES, "temperature": 0,
             "ignore_eos": True, "stream": True}
     expected = direct(fleet, https, "/v1/completions", {**body, "stream": False})["choices"][0]["text"]
-    migrations = counter(fleet, https, "pdserve_request_migrations_total")
     texts: list[str] = []
+    acted = False
     with https.stream("POST", f"{fleet.address}/v1/completions", json=body) as reply:
-        killed = False
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            texts.extend(c["text"] for c in chunk["choices"])
-            if not killed and len(texts) >= 20:
+            texts.extend(c["text"] for c in json.loads(line[6:])["choices"])
+            if not acted and len(texts) >= 20:
                 serving = next(i for i in instances(fleet, https)["decode"] if i["outstanding_requests"])
-                kill_tree(vllm_instance_at(fleet, "decode", serving["address"])["pid"])
-                killed = True
-    assert killed
-    assert "".join(texts) == expected
+                act(vllm_instance_at(fleet, "decode", serving["address"]))
+                acted = True
+    assert acted
+    return "".join(texts), expected
+
+
+def test_a_frozen_decode_instance_is_declared_lost_and_its_stream_goes_on_unchanged(fleet, https):
+    migrations = counter(fleet, https, "pdserve_request_migrations_total")
+    frozen: list[int] = []
+
+    def freeze(instance: dict) -> None:
+        frozen.extend([instance["pid"], *descendants(instance["pid"])])
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+
+    try:
+        text, expected = stream_and_then(fleet, https, freeze)
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    assert text == expected
+    assert counter(fleet, https, "pdserve_request_migrations_total") >= migrations + 1
+    # The silence watch took it out; resumed, it passes a health check and is routed to again.
+    wait_for(lambda: all(i["state"] == "healthy" for i in instances(fleet, https)["decode"]), timeout_s=30,
+             what="the resumed decode instance healthy again")
+
+
+def test_a_decode_instance_killed_mid_stream_hands_the_stream_on_unchanged(fleet, https):
+    migrations = counter(fleet, https, "pdserve_request_migrations_total")
+    text, expected = stream_and_then(fleet, https, lambda instance: kill_tree(instance["pid"]))
+    assert text == expected
     assert counter(fleet, https, "pdserve_request_migrations_total") >= migrations + 1
