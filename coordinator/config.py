@@ -88,6 +88,18 @@ def check_host_port(value: str) -> str:
     return value
 
 
+def _split_url(value: str, schemes: tuple[str, ...], form: str) -> tuple[str, str]:
+    """(scheme, what follows "://") of `value` when its scheme is one of `schemes` and something follows, else a
+    ValueError naming the `form` it must have."""
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in schemes or not rest:
+        raise ValueError(f"must be {form}, got {value!r}")
+    return scheme, rest
+
+
+_HTTP_URL = ("http", "https"), "http://host:port or https://host:port"
+
+
 class InstanceConfig(_Section):
     """One worker the coordinator may route to: a pdserve worker (gRPC) or a vLLM instance (HTTP)."""
 
@@ -113,10 +125,7 @@ class InstanceConfig(_Section):
     def _base_url(cls, value: str) -> str:
         if not value:
             return value
-        scheme, sep, rest = value.partition("://")
-        if scheme not in ("http", "https") or not sep:
-            raise ValueError(f"must be http://host:port or https://host:port, got {value!r}")
-        check_host_port(rest.rstrip("/"))
+        check_host_port(_split_url(value, *_HTTP_URL)[1].rstrip("/"))
         return value.rstrip("/")
 
     @field_validator("kv_events")
@@ -124,9 +133,7 @@ class InstanceConfig(_Section):
     def _zmq_endpoint(cls, value: str) -> str:
         if not value:
             return value
-        scheme, sep, rest = value.partition("://")
-        if not sep or scheme not in ("tcp", "ipc") or not rest:
-            raise ValueError(f"must be tcp://host:port or ipc://PATH, got {value!r}")
+        scheme, rest = _split_url(value, ("tcp", "ipc"), "tcp://host:port or ipc://PATH")
         if scheme == "tcp":
             check_host_port(rest)
         return value
@@ -285,10 +292,7 @@ class BackupConfig(_Section):
     @classmethod
     def _urls(cls, endpoints: list[str]) -> list[str]:
         for url in endpoints:
-            scheme, sep, rest = url.partition("://")
-            if scheme not in ("http", "https") or not sep:
-                raise ValueError(f"must be http://host:port or https://host:port, got {url!r}")
-            check_host_port(rest.rstrip("/"))
+            check_host_port(_split_url(url, *_HTTP_URL)[1].rstrip("/"))
         return [url.rstrip("/") for url in endpoints]
 
     @field_validator("key_prefix")

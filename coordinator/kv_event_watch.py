@@ -41,21 +41,16 @@ class EventsLost(Exception):
     """A batch's numbering showed that events were missed: the subscription starts over."""
 
 
-class KvEventWatch:
-    """One subscription per routable instance, fed into `index` (life cycle above)."""
+class InstanceFollowers:
+    """One task per routable instance that `_follows` says to follow, started as the pools admit the instance and
+    cancelled as they evict it (its entries in `index` dropped); a subclass says how to follow one (`_follow`)."""
 
-    def __init__(self, index: KvIndex, client: WorkerClient, retry_s: float = RETRY_S,
-                 max_retry_s: float = MAX_RETRY_S):
+    def __init__(self, index: KvIndex):
         self.index = index
-        self.client = client
-        self.retry_s = retry_s
-        self.max_retry_s = max_retry_s
         self._tasks: dict[str, asyncio.Task] = {}
-        self._channel_opened: dict[str, asyncio.Event] = {}
 
     def start(self, registry: InstanceRegistry) -> None:
         """Follow every routable instance from now on (the pools admit and evict them as they change)."""
-        self.client.token_channels.on_open.append(self._opened)
         for role in ROLES:
             registry.pool(role).watch(self)
 
@@ -66,20 +61,49 @@ class KvEventWatch:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _follows(self, instance: Instance) -> bool:
+        return True
+
+    async def _follow(self, instance: Instance) -> None:
+        raise NotImplementedError
+
+    def _current(self, address: str, task: asyncio.Task | None) -> bool:
+        """Whether `task` still follows `address` (an evicted instance's late batches must not bring it back)."""
+        return self._tasks.get(address) is task
+
     # the pools' side (PoolWatcher) ---------------------------------------------------------------------
     def admit(self, instance: Instance) -> None:
-        if instance.address not in self._tasks:
-            self._tasks[instance.address] = asyncio.get_running_loop().create_task(self._follow(instance.address))
+        if instance.address not in self._tasks and self._follows(instance):
+            self._tasks[instance.address] = asyncio.get_running_loop().create_task(self._follow(instance))
 
     def evict(self, instance: Instance) -> None:
         task = self._tasks.pop(instance.address, None)
         if task is not None:
             task.cancel()
-        self._channel_opened.pop(instance.address, None)
         self.index.drop(instance.address)
 
     def update(self, instance: Instance) -> None:
         pass  # load changes say nothing about the cache
+
+
+class KvEventWatch(InstanceFollowers):
+    """One subscription per routable worker, fed into `index` (life cycle above)."""
+
+    def __init__(self, index: KvIndex, client: WorkerClient, retry_s: float = RETRY_S,
+                 max_retry_s: float = MAX_RETRY_S):
+        super().__init__(index)
+        self.client = client
+        self.retry_s = retry_s
+        self.max_retry_s = max_retry_s
+        self._channel_opened: dict[str, asyncio.Event] = {}
+
+    def start(self, registry: InstanceRegistry) -> None:
+        self.client.token_channels.on_open.append(self._opened)
+        super().start(registry)
+
+    def evict(self, instance: Instance) -> None:
+        self._channel_opened.pop(instance.address, None)
+        super().evict(instance)
 
     def _opened(self, address: str, channel: TokenChannel) -> None:
         opened = self._channel_opened.get(address)
@@ -87,7 +111,8 @@ class KvEventWatch:
             opened.set()
 
     # one instance ------------------------------------------------------------------------------------
-    async def _follow(self, address: str) -> None:
+    async def _follow(self, instance: Instance) -> None:
+        address = instance.address
         delay = self.retry_s
         while True:
             opened = self._channel_opened[address] = asyncio.Event()
@@ -115,10 +140,6 @@ class KvEventWatch:
             self.index.drop(address)
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_retry_s)
-
-    def _current(self, address: str, task: asyncio.Task | None) -> bool:
-        """Whether `task` still follows `address` (an evicted instance's late batches must not bring it back)."""
-        return self._tasks.get(address) is task
 
     async def _follow_call(self, address: str, opened: asyncio.Event) -> bool:
         """Follow a Watch call until it ends (False) or a token channel opens to take over (True)."""

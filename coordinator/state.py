@@ -17,13 +17,12 @@ from coordinator.pipeline import RequestPipeline
 from coordinator.scheduling.router import Router
 from coordinator.tokenization import PromptTokenizer
 from coordinator.vllm.client import VllmClient
-from coordinator.vllm.kv_events import VllmKvEventWatch
 from coordinator.worker_client import WorkerClient
 from guidance.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
     from coordinator.cluster.node import ClusterNode
-    from coordinator.kv_event_watch import KvEventWatch
+    from coordinator.kv_event_watch import InstanceFollowers
 
 
 @dataclass
@@ -46,7 +45,7 @@ class CoordinatorState:
     grammars: GrammarCompiler | None = None  # guided-decoding grammars checked before any worker is used
     started_at: int = field(default_factory=lambda: int(time.time()))
     cluster: ClusterNode | None = None  # with backup_config.etcd_endpoints: the coordinators on etcd
-    kv_watch: KvEventWatch | VllmKvEventWatch | None = None  # with cache_affinity: KV events, into its index
+    kv_watch: InstanceFollowers | None = None  # with cache_affinity: the instances' KV events, into its index
     engine: str = "pdserve"  # of every instance: "vllm" takes no registrations (config.InstancesConfig)
 
     def instances(self) -> dict:

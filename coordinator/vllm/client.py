@@ -87,6 +87,38 @@ class _InFlight:
             task.cancel()
 
 
+class _Call:
+    """One call to an instance, as `async with`: bounded by `timeout_s`, failed at once when the instance is declared
+    lost, and aiohttp's failures, the deadline and the loss raised as the WorkerCallError a pdserve worker's would
+    be. Anything else raised inside goes through untouched."""
+
+    __slots__ = ("_in_flight", "_stage", "_address", "_timeout_s", "_timeout", "_lost")
+
+    def __init__(self, in_flight: _InFlight, stage: str, address: str, timeout_s: float):
+        self._in_flight, self._stage, self._address, self._timeout_s = in_flight, stage, address, timeout_s
+
+    async def __aenter__(self) -> None:
+        self._lost = self._in_flight.enter(self._address)
+        self._timeout = asyncio.timeout(max(self._timeout_s, 0.0))
+        await self._timeout.__aenter__()
+
+    async def __aexit__(self, kind, exc, tb) -> bool:
+        stage, address = self._stage, self._address
+        try:
+            try:
+                await self._timeout.__aexit__(kind, exc, tb)
+            except TimeoutError:
+                raise _failure(stage, address, "DEADLINE_EXCEEDED", CALL_DEADLINE_DETAILS,
+                               pb.FAILURE_REASON_CALL_DEADLINE) from None
+            if isinstance(exc, aiohttp.ClientError):  # a connect timeout is one too: the host is gone, not the time
+                raise _failure(stage, address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
+            if isinstance(exc, asyncio.CancelledError) and (error := _lost_instead(self._lost, stage, address)):
+                raise error from None
+            return False
+        finally:
+            self._in_flight.leave(address)
+
+
 class VllmClient:
     """HTTP calls to vLLM instances (base URL by address), https with the worker link's TLS, the worker secret as
     the API key; the same calls and results as WorkerClient (module docstring)."""
@@ -162,57 +194,35 @@ class VllmClient:
             handoff.set_result(params)
         return PrefillResult(token_ids[0], elapsed_ms, kv_bytes=0, kv_transfer_ms=0.0, forward_ms=elapsed_ms)
 
+    def _call(self, stage: str, address: str, timeout_s: float) -> _Call:
+        return _Call(self._in_flight, stage, address, timeout_s)
+
     async def _post_json(self, stage: str, address: str, path: str, body: dict, timeout: float,
                          traceparent: str) -> dict:
-        lost = self._in_flight.enter(address)
-        try:
-            async with asyncio.timeout(timeout):
-                async with self._http().post(self._url(address, path), data=orjson.dumps(body), ssl=self._ssl(),
-                                             headers=self._headers(traceparent)) as resp:
-                    raw = await resp.read()
-                    if resp.status != 200:
-                        raise _status_error(stage, address, resp.status, raw.decode(errors="replace"))
-                    return orjson.loads(raw)
-        except aiohttp.ClientError as exc:  # first: a connect timeout is a TimeoutError too, but says the host is gone
-            raise _failure(stage, address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
-        except TimeoutError:
-            raise _failure(stage, address, "DEADLINE_EXCEEDED", CALL_DEADLINE_DETAILS,
-                           pb.FAILURE_REASON_CALL_DEADLINE) from None
-        except asyncio.CancelledError:
-            if (error := _lost_instead(lost, stage, address)) is None:
-                raise
-            raise error from None
-        finally:
-            self._in_flight.leave(address)
+        async with self._call(stage, address, timeout):
+            async with self._http().post(self._url(address, path), data=orjson.dumps(body), ssl=self._ssl(),
+                                         headers=self._headers(traceparent)) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise _status_error(stage, address, resp.status, raw.decode(errors="replace"))
+                return orjson.loads(raw)
 
     async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
         """vLLM's /health for liveness, its /metrics for the load (load.py; at most every METRICS_MAX_AGE_S)."""
-        lost = self._in_flight.enter(address)
         http, ssl, headers = self._http(), self._ssl(), self._headers()
-        try:
-            async with asyncio.timeout(timeout):
-                async with http.get(self._url(address, "/health"), ssl=ssl, headers=headers) as resp:
-                    if resp.status != 200:
-                        raise _status_error(role, address, resp.status, await resp.text())
-                known = self._loads.get(address)
-                if known is not None and time.monotonic() - known[0] < METRICS_MAX_AGE_S:
-                    return known[1]
-                async with http.get(self._url(address, "/metrics"), ssl=ssl, headers=headers) as resp:
-                    if resp.status != 200:
-                        raise _status_error(role, address, resp.status, await resp.text())
-                    report = health_report(await resp.text())
-                self._loads[address] = (time.monotonic(), report)
-                return report
-        except aiohttp.ClientError as exc:  # first: a connect timeout is a TimeoutError too
-            raise _failure(role, address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
-        except TimeoutError:
-            raise _failure(role, address, "DEADLINE_EXCEEDED", "health check timed out") from None
-        except asyncio.CancelledError:
-            if (error := _lost_instead(lost, role, address)) is None:
-                raise
-            raise error from None
-        finally:
-            self._in_flight.leave(address)
+        async with self._call(role, address, timeout):
+            async with http.get(self._url(address, "/health"), ssl=ssl, headers=headers) as resp:
+                if resp.status != 200:
+                    raise _status_error(role, address, resp.status, await resp.text())
+            known = self._loads.get(address)
+            if known is not None and time.monotonic() - known[0] < METRICS_MAX_AGE_S:
+                return known[1]
+            async with http.get(self._url(address, "/metrics"), ssl=ssl, headers=headers) as resp:
+                if resp.status != 200:
+                    raise _status_error(role, address, resp.status, await resp.text())
+                report = health_report(await resp.text())
+            self._loads[address] = (time.monotonic(), report)
+            return report
 
     async def lose(self, address: str, reason: str) -> None:
         """The instance at `address` was declared lost: its calls in flight fail as UNAVAILABLE with `reason`."""
@@ -264,19 +274,14 @@ class VllmDecodeStream:
             return self._pending.pop(0)
         if self._ended:
             return None
-        lost = self._client._in_flight.enter(self.address)
         try:
-            async with asyncio.timeout_at(self._loop_deadline()):
+            async with self._client._call("decode", self.address, self._deadline - time.monotonic()):
                 if self._response is None:
                     await self._send()
                 return await self._next_event()
-        except aiohttp.ClientError as exc:  # first: a connect timeout is a TimeoutError too
+        except WorkerCallError:  # the connection, the deadline, the loss, or the prefill it waited on
             self.cancel()
-            raise _failure("decode", self.address, "UNAVAILABLE", f"{type(exc).__name__}: {exc}") from None
-        except TimeoutError:
-            self.cancel()
-            raise _failure("decode", self.address, "DEADLINE_EXCEEDED", CALL_DEADLINE_DETAILS,
-                           pb.FAILURE_REASON_CALL_DEADLINE) from None
+            raise
         except UnsupportedOnVllm as exc:
             raise _failure("decode", self.address, "INVALID_ARGUMENT", str(exc)) from None
         except EngineError as exc:
@@ -290,16 +295,6 @@ class VllmDecodeStream:
             self.cancel()
             raise _failure("decode", self.address, "INTERNAL", f"an event vLLM streamed is not a completion "
                            f"chunk: {exc}") from None
-        except asyncio.CancelledError:
-            if (error := _lost_instead(lost, "decode", self.address)) is None:
-                raise
-            self.cancel()
-            raise error from None
-        finally:
-            self._client._in_flight.leave(self.address)
-
-    def _loop_deadline(self) -> float:
-        return asyncio.get_running_loop().time() + max(self._deadline - time.monotonic(), 0.0)
 
     async def _send(self) -> None:
         body = completion_body(self._request, self._max_tokens, self._request.request_id)

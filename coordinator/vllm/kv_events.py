@@ -27,7 +27,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from coordinator.instances import ROLES, Instance, InstanceRegistry
+from coordinator.instances import Instance
+from coordinator.kv_event_watch import InstanceFollowers
 from coordinator.scheduling.kv_index import KvIndex
 from kv_events.block_hash import ROOT_HASH, chain_hashes, hash_to_bytes
 from proto import worker_pb2 as pb
@@ -128,43 +129,23 @@ class VllmEventTranslator:
         return events
 
 
-class VllmKvEventWatch:
+class VllmKvEventWatch(InstanceFollowers):
     """A ZMQ subscription per routable vLLM instance with a `kv_events` endpoint, fed into `index`."""
 
     def __init__(self, index: KvIndex, endpoints: dict[str, str]):
-        self.index = index
+        super().__init__(index)
         self.endpoints = endpoints
         self._context = zmq.asyncio.Context()
-        self._tasks: dict[str, asyncio.Task] = {}
-
-    def start(self, registry: InstanceRegistry) -> None:
-        for role in ROLES:
-            registry.pool(role).watch(self)
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await super().stop()
         self._context.term()
 
-    def admit(self, instance: Instance) -> None:
-        endpoint = self.endpoints.get(instance.address)
-        if endpoint and instance.address not in self._tasks:
-            self._tasks[instance.address] = asyncio.get_running_loop().create_task(
-                self._follow(instance.address, instance.role, endpoint))
+    def _follows(self, instance: Instance) -> bool:
+        return bool(self.endpoints.get(instance.address))
 
-    def evict(self, instance: Instance) -> None:
-        task = self._tasks.pop(instance.address, None)
-        if task is not None:
-            task.cancel()
-        self.index.drop(instance.address)
-
-    def update(self, instance: Instance) -> None:
-        pass  # load changes say nothing about the cache
-
-    async def _follow(self, address: str, role: str, endpoint: str) -> None:
+    async def _follow(self, instance: Instance) -> None:
+        address, role, endpoint = instance.address, instance.role, self.endpoints[instance.address]
         follower = asyncio.current_task()
         while True:
             socket = self._context.socket(zmq.SUB)
@@ -175,7 +156,7 @@ class VllmKvEventWatch:
             try:
                 while True:
                     parts = await socket.recv_multipart()
-                    if len(parts) != 3 or self._tasks.get(address) is not follower:
+                    if len(parts) != 3 or not self._current(address, follower):
                         continue
                     for batch in translator.batch(int.from_bytes(parts[1], "big"), parts[2]):
                         if not self.index.apply(address, batch):
