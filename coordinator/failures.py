@@ -19,6 +19,8 @@ passed) is classified by its status code alone.
                    KV_LEASE_EXPIRED; without a reason, any other code
   MOVED            decode: PREEMPTED (it cannot recompute the sequence)    yes    nobody      -
                    (the request moves off that decode instance all the same)
+  WORKER_FAULT     LORA_UNAVAILABLE (the adapter's folder is missing or    yes    the caller  counts
+                   changed on that worker), either stage
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ _KIND_OF_REASON = {
     ("prefill", pb.FAILURE_REASON_KV_SEND_FAILED): FailureKind.KV_SEND_FAILED,
     ("prefill", pb.FAILURE_REASON_KV_LEASE_EXPIRED): FailureKind.WORKER_FAULT,
     ("prefill", pb.FAILURE_REASON_DRAINING): FailureKind.WORKER_GONE,
+    ("decode", pb.FAILURE_REASON_LORA_UNAVAILABLE): FailureKind.WORKER_FAULT,
+    ("prefill", pb.FAILURE_REASON_LORA_UNAVAILABLE): FailureKind.WORKER_FAULT,
 }
 
 

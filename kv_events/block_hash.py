@@ -2,7 +2,9 @@
 
 Defined once here, and computed the same way by a worker's block pool (its prefix cache) and by the
 coordinator (which looks a prompt up in the blocks the workers announce). Two blocks share a hash only if the
-whole prefix up to their end is the same tokens, so a hit on block i is a hit on blocks 0..i. An image (or
+whole prefix up to their end is the same tokens, so a hit on block i is a hit on blocks 0..i. A LoRA adapter
+changes every position's KV: a prompt run under one has each token id offset by a salt from the adapter's
+identity (`lora_cache_tokens`), so it never meets the base model's or another adapter's blocks. An image (or
 other media) changes the KV of the positions it fills without changing their placeholder ids, so those ids are
 hashed as stand-ins made from the media's content hash (`media_cache_tokens`): the same image and text hit, a
 different image never does. `extra` folds in anything else that changes a block's KV; the model and dtype are a
@@ -77,6 +79,23 @@ def media_cache_tokens(token_ids: Sequence[int], media: Iterable) -> list[int]:
     for item in media:
         ids[item.offset : item.offset + item.num_tokens] = [media_stand_in(item.content_hash)] * item.num_tokens
     return ids
+
+
+_SALT_BITS = 31  # token ids are below 2**31: salted ids (salt << 31) + id never meet another salt's or a plain id
+
+
+def lora_salt(digest: int) -> int:
+    """The offset a LoRA adapter's identity (`adapters.peft_folder.adapter_digest`) adds to each prompt token id."""
+    return (1 + (digest & ((1 << _SALT_BITS) - 2))) << _SALT_BITS
+
+
+def lora_cache_tokens(token_ids: Sequence[int], digest: int | None) -> list[int]:
+    """`token_ids` (media stand-ins already in place) as the prefix cache hashes them under the adapter whose
+    identity is `digest` (None: the base model, unchanged). Stand-ins stay: the salted text around them decides."""
+    if digest is None:
+        return token_ids if isinstance(token_ids, list) else list(token_ids)
+    salt = lora_salt(digest)
+    return [t + salt if t >= 0 else t for t in token_ids]
 
 
 def hash_to_bytes(h: int) -> bytes:

@@ -18,6 +18,10 @@ if TYPE_CHECKING:  # torch-backed; this module itself stays torch-free for the s
 logger = logging.getLogger(__name__)
 
 
+def _adapter(digest: bytes) -> str:
+    return f"LoRA adapter {digest.hex()}" if digest else "the base model"
+
+
 class KvSink:
     """Opens a verifier per incoming stream, hands finished caches to `on_kv` and failures to `on_failure`.
 
@@ -48,13 +52,17 @@ class KvSink:
         Receivers name the request to `reject` only once this has returned: a refused stream must not
         fail the genuine request it names.
         """
-        if not self.tokens.redeem(header.request_id, header.transfer_token):
+        lora_digest = self.tokens.redeem_for(header.request_id, header.transfer_token)
+        if lora_digest is None:
             if self._on_refused is not None:
                 self._on_refused(header.request_id)
             raise KvStreamRefused(f"KV stream for request {header.request_id!r} refused: missing/invalid or "
                                   "already used transfer token")
         opened_at = time.perf_counter()
         try:
+            if header.lora_digest != lora_digest:
+                raise KvTransferError(f"KV stream for request {header.request_id!r} was computed under "
+                                      f"{_adapter(header.lora_digest)}; this request runs under {_adapter(lora_digest)}")
             verifier = self._assembler(header, self.max_bytes, self.pool)
         except KvTransferError as exc:
             # The genuine sender's header is unusable and its token is spent: no cache can come now.

@@ -47,15 +47,17 @@ class RawKvLayer:
 
 
 def header(request_id: str, dtype_name: str, num_layers: int, shape: tuple[int, ...],
-           transfer_token: str = "", first_position: int = 0) -> pb.KvHeader:
+           transfer_token: str = "", first_position: int = 0, lora_digest: bytes = b"") -> pb.KvHeader:
     """The header of a stream of `num_layers` key/value pairs of `shape` in `dtype_name` (positions from
     `first_position` on: the decode worker holds the ones before), carrying the decode worker's one-time
-    `transfer_token` for the request (without it the stream is refused)."""
+    `transfer_token` for the request (without it the stream is refused) and the LoRA adapter the cache was
+    computed under (`lora_digest`; b"": the base model)."""
     if dtype_name not in DTYPE_SIZES:
         raise KvTransferError(f"unsupported KV dtype {dtype_name}")
     nbytes = math.prod(shape) * DTYPE_SIZES[dtype_name]
     return pb.KvHeader(request_id=request_id, dtype=dtype_name, num_layers=num_layers, shape=list(shape),
-                       tensor_bytes=nbytes, transfer_token=transfer_token, first_position=first_position)
+                       tensor_bytes=nbytes, transfer_token=transfer_token, first_position=first_position,
+                       lora_digest=lora_digest)
 
 
 def make_trailer(first_token_id: int, prefill_time_ms: float, first_logprobs: tuple | None = None) -> pb.KvTrailer:

@@ -71,7 +71,8 @@ def _worker(args: argparse.Namespace) -> int:
 
             model = str(ensure_default_model())
         backend = ModelBackend(model_dir=model, dtype=args.dtype, device=args.device, threads=args.threads,
-                               encoder_cache_images=args.encoder_cache_images)
+                               encoder_cache_images=args.encoder_cache_images, max_loras=args.max_loras,
+                               max_lora_rank=args.max_lora_rank)
     try:
         security = load_security_file(args.security_config) if args.security_config else SecurityFile()
     except ValueError as exc:
@@ -184,6 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--encoder-cache-images", type=int, default=32, metavar="N",
                    help="vision-language models: image encoder outputs kept by content hash, so an image seen again "
                         "is not encoded again (0: off)")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="LoRA adapters resident at once, loaded on demand and evicted least recently used; requests "
+                        "for another wait while all N are in use (default: 4 on a text model; 0: no adapters)")
+    p.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                   help="the largest LoRA rank this worker loads (an adapter above it is refused)")
     p.add_argument("--device", default="auto",
                    help="auto|cpu|cuda|cuda:N: where the model and KV pool live (auto: CUDA when present)")
     p.add_argument("--max-running", type=int, default=64, help="sequences per decode step")

@@ -13,6 +13,7 @@ class SamplingRules:
     # The wire's: a worker reads a field a pb.SamplingParams leaves out (zero) as its default here, greedy included.
     temperature: float = 0.0
     top_p: float = 1.0
+    typical_p: float = 1.0  # locally typical sampling's mass, (0, 1); 1: off
     top_k: int = 0  # 0: no top-k filter
     seed: int | None = None
     stop: tuple[str, ...] = ()

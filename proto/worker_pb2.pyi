@@ -25,6 +25,7 @@ class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_REASON_KV_LEASE_EXPIRED: _ClassVar[FailureReason]
     FAILURE_REASON_DRAINING: _ClassVar[FailureReason]
     FAILURE_REASON_PREEMPTED: _ClassVar[FailureReason]
+    FAILURE_REASON_LORA_UNAVAILABLE: _ClassVar[FailureReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
@@ -38,9 +39,10 @@ FAILURE_REASON_KV_CORRUPT: FailureReason
 FAILURE_REASON_KV_LEASE_EXPIRED: FailureReason
 FAILURE_REASON_DRAINING: FailureReason
 FAILURE_REASON_PREEMPTED: FailureReason
+FAILURE_REASON_LORA_UNAVAILABLE: FailureReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "has_seed", "max_tokens", "stop", "skip_special_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "return_logprobs", "top_logprobs", "guided", "logit_bias")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "has_seed", "max_tokens", "stop", "skip_special_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "return_logprobs", "top_logprobs", "guided", "logit_bias", "typical_p")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +69,7 @@ class SamplingParams(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GUIDED_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -86,7 +89,18 @@ class SamplingParams(_message.Message):
     top_logprobs: int
     guided: GuidedDecoding
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., guided: _Optional[_Union[GuidedDecoding, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    typical_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., guided: _Optional[_Union[GuidedDecoding, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., typical_p: _Optional[float] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    digest: bytes
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class GuidedDecoding(_message.Message):
     __slots__ = ("grammar", "generated_token_ids")
@@ -105,7 +119,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address", "kv_transfer_token", "traceparent", "decode_cached_tokens", "media")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address", "kv_transfer_token", "traceparent", "decode_cached_tokens", "media", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +129,7 @@ class PrefillRequest(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -124,7 +139,8 @@ class PrefillRequest(_message.Message):
     traceparent: str
     decode_cached_tokens: int
     media: _containers.RepeatedCompositeFieldContainer[MediaItem]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ...) -> None: ...
+    lora: LoraAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class MediaItem(_message.Message):
     __slots__ = ("kind", "data", "content_hash", "offset", "num_tokens", "source")
@@ -159,7 +175,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., token_channel_address: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill", "traceparent", "media")
+    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill", "traceparent", "media", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +184,7 @@ class DecodeRequest(_message.Message):
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     sampling: SamplingParams
@@ -176,7 +193,8 @@ class DecodeRequest(_message.Message):
     local_prefill: bool
     traceparent: str
     media: _containers.RepeatedCompositeFieldContainer[MediaItem]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., local_prefill: _Optional[bool] = ..., traceparent: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ...) -> None: ...
+    lora: LoraAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., local_prefill: _Optional[bool] = ..., traceparent: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("accepted", "token")
@@ -263,7 +281,7 @@ class HealthResponse(_message.Message):
     def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes", "transfer_token", "first_position")
+    __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes", "transfer_token", "first_position", "lora_digest")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +289,7 @@ class KvHeader(_message.Message):
     TENSOR_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     dtype: str
     num_layers: int
@@ -278,7 +297,8 @@ class KvHeader(_message.Message):
     tensor_bytes: int
     transfer_token: str
     first_position: int
-    def __init__(self, request_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., tensor_bytes: _Optional[int] = ..., transfer_token: _Optional[str] = ..., first_position: _Optional[int] = ...) -> None: ...
+    lora_digest: bytes
+    def __init__(self, request_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., tensor_bytes: _Optional[int] = ..., transfer_token: _Optional[str] = ..., first_position: _Optional[int] = ..., lora_digest: _Optional[bytes] = ...) -> None: ...
 
 class KvTrailer(_message.Message):
     __slots__ = ("first_token_id", "prefill_time_ms", "first_logprob", "first_top_logprobs")

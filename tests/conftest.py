@@ -77,6 +77,14 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def lora_adapters(model_dir: Path) -> dict[str, Path]:
+    """PEFT LoRA adapters a1, a2, a3 of the embedded model (built offline on first use), by name."""
+    from embedded_model.lora_adapters import embedded_adapters
+
+    return embedded_adapters(3)
+
+
+@pytest.fixture(scope="session")
 def vlm_dir() -> Path:
     """The embedded vision-language model (built on first use: a system test's fixture)."""
     from embedded_model.vlm_builder import ensure_default_vlm

@@ -21,6 +21,7 @@ from worker.engine.errors import DuplicateRequestError
 from worker.engine.block_pool import BlockPool
 from worker.engine.kv_budget import KvAdmission, KvBudget, KvCapacityError
 from worker.engine.load import WorkerLoad
+from worker.engine.lora import LoadedLora, LoraResidency
 from worker.engine.media import MediaSpan, refuse_media
 from worker.engine.messages import LocalPrefill
 from worker.engine.scheduler import DecodeScheduler, PrefillScheduler
@@ -94,6 +95,7 @@ class DecodeBackend(abc.ABC):
         # Local prefills and preempted sequences' recomputations, in chunks between (and with) decode steps.
         self.local_prefills = PrefillScheduler(pool, max_prefill_tokens, max_prefill_batch_size)
         self.metrics = NULL_METRICS  # a WorkerMetrics, when the process serves them
+        self.loras: LoraResidency | None = None  # the adapters it serves; None: none (a request naming one is refused)
         self._handles: dict[str, DecodeHandle] = {}
 
     @abc.abstractmethod
@@ -129,12 +131,13 @@ class DecodeBackend(abc.ABC):
     # asyncio side ------------------------------------------------------------------------
     def register(self, request_id: str, prompt_len: int, sampling: SamplingParams, max_seq_len: int,
                  prompt_token_ids: list[int] | None = None, media: tuple[MediaSpan, ...] = (),
-                 prepared_media: Any = None) -> DecodeHandle:
+                 prepared_media: Any = None, lora: LoadedLora | None = None) -> DecodeHandle:
+        """A request's handle; `lora`: the adapter it runs under, pinned by the caller and unpinned by `release`."""
         if request_id in self._handles:
             raise DuplicateRequestError(f"request {request_id!r} is already registered on this decode worker")
         handle = DecodeHandle(Sequence(request_id, prompt_len, sampling, max_seq_len,
                                        prompt_token_ids=list(prompt_token_ids or []), media=media,
-                                       prepared_media=prepared_media))
+                                       prepared_media=prepared_media, lora=lora))
         self._handles[request_id] = handle
         return handle
 
@@ -230,6 +233,8 @@ class DecodeBackend(abc.ABC):
             if not handle.engine_has_it:
                 self.pool.release(handle.seq.table)  # the cached prefix it held; the engine never saw it
             self._cancel(request_id)
+            if self.loras is not None:
+                self.loras.release(handle.seq.lora)
         self.admission.release(request_id)
 
     def load(self) -> WorkerLoad:

@@ -61,6 +61,10 @@ class SequenceWork:
     def table(self) -> BlockTable:
         return self.seq.table
 
+    @property
+    def lora(self):
+        return self.seq.lora
+
 
 @dataclass(eq=False)
 class LocalPrefill(SequenceWork):

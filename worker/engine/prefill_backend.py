@@ -13,6 +13,8 @@ from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.errors import DuplicateRequestError, InvalidRequest
 from worker.engine.kv_budget import KvAdmission, KvBudget
 from worker.engine.load import WorkerLoad
+from kv_events.block_hash import lora_cache_tokens
+from worker.engine.lora import LoadedLora, LoraResidency
 from worker.engine.media import MediaSpan, cache_token_ids, refuse_media
 from worker.engine.messages import PrefillEvent
 from worker.engine.scheduler import Chunk, PrefillScheduler
@@ -51,9 +53,11 @@ class PrefillJob:
     media: tuple[MediaSpan, ...] = ()  # the prompt's images, encoded as their positions are computed
     prepared_media: Any = None  # what `prepare_media` made of them
     cache_token_ids: list[int] = field(default_factory=list)  # the prompt as the prefix cache hashes it
+    lora: LoadedLora | None = None  # the adapter its forwards run under (pinned until `release`); None: the base
 
     def __post_init__(self):
-        self.cache_token_ids = cache_token_ids(self.prompt_token_ids, self.media)
+        self.cache_token_ids = lora_cache_tokens(cache_token_ids(self.prompt_token_ids, self.media),
+                                                 self.lora.ref.digest if self.lora else None)
 
     @property
     def token_ids(self) -> list[int]:
@@ -86,6 +90,7 @@ class PrefillBackend(abc.ABC):
         self.leases: dict[str, PrefillJob] = {}
         self.num_running = 0
         self.metrics = NULL_METRICS  # a WorkerMetrics, when the process serves them
+        self.loras: LoraResidency | None = None  # the adapters it serves; None: none (a request naming one is refused)
         # A released job's blocks are given back by whoever holds it: the engine, while its forward runs.
         self._blocks_lock = threading.Lock()
         self._in_forward: set[PrefillJob] = set()
@@ -127,11 +132,12 @@ class PrefillBackend(abc.ABC):
         return self.scheduler.num_queued_tokens
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                     skip_tokens: int = 0, media: tuple[MediaSpan, ...] = (), prepared_media: Any = None
-                     ) -> PrefillJob:
+                     skip_tokens: int = 0, media: tuple[MediaSpan, ...] = (), prepared_media: Any = None,
+                     lora: LoadedLora | None = None) -> PrefillJob:
         """Wait for KV budget, then queue the prompt; the caller must `release` the job. `skip_tokens`: leading
         positions the decode worker holds (less than the prompt), computed here but not sent; `media`: its images,
-        and what `prepare_media` made of them."""
+        and what `prepare_media` made of them; `lora`: the adapter it runs under, pinned by the caller and unpinned
+        by `release`."""
         if request_id in self.leases:
             raise DuplicateRequestError(f"request {request_id!r} is already on this prefill worker")
         if not 0 <= skip_tokens < len(prompt_token_ids):
@@ -141,7 +147,7 @@ class PrefillBackend(abc.ABC):
         reserve = self.pool.blocks_for(len(prompt_token_ids)) * self.pool.block_size
         await self.admission.acquire(request_id, reserve)
         job = PrefillJob(request_id, prompt_token_ids, sampling, submitted_at, skip_tokens=skip_tokens, media=media,
-                         prepared_media=prepared_media)
+                         prepared_media=prepared_media, lora=lora)
         self.leases[request_id] = job
         self._enqueue(job)
         return job
@@ -155,6 +161,8 @@ class PrefillBackend(abc.ABC):
                 self.pool.release(job.table)
         if self.leases.pop(job.request_id, None) is not None:
             self.admission.release(job.request_id)
+            if self.loras is not None:
+                self.loras.release(job.lora)
 
     def _next_chunks(self) -> list[Chunk]:
         """The next forward's chunks (the engine calls this with its queue guarded); marks them in flight."""

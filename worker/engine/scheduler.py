@@ -27,6 +27,7 @@ class PromptWork(Protocol):
     num_computed: int  # positions whose KV is in the table (cached hits count)
     started: bool  # its blocks are taken
     cached_tokens: int  # of them, found in the prefix cache when it started
+    lora: Any  # the LoadedLora its forwards run under; None: the base model
 
 
 @dataclass(frozen=True)

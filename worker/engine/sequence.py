@@ -8,6 +8,7 @@ from typing import Any
 
 from proto.sampling import SamplingRules
 from worker.engine.block_pool import BlockTable
+from kv_events.block_hash import lora_cache_tokens
 from worker.engine.media import MediaSpan, cache_token_ids
 
 
@@ -106,9 +107,11 @@ class Sequence:
     media: tuple[MediaSpan, ...] = ()
     prepared_media: Any = None  # what the backend's prepare_media made of them (a local prefill's)
     prompt_cache_ids: list[int] = field(default_factory=list)
+    lora: Any = None  # the LoRA adapter (a LoadedLora) every forward of it runs under; None: the base model
 
     def __post_init__(self):
-        self.prompt_cache_ids = cache_token_ids(self.prompt_token_ids, self.media)
+        self.prompt_cache_ids = lora_cache_tokens(cache_token_ids(self.prompt_token_ids, self.media),
+                                                  self.lora.ref.digest if self.lora else None)
 
     @property
     def cache_token_ids(self) -> list[int]:

@@ -12,6 +12,7 @@ from proto import worker_pb2 as pb
 from proto.failure_reason import reason_metadata
 from worker.engine.errors import DuplicateRequestError, InvalidRequest, RequestFailed, SequencePreempted
 from worker.engine.kv_budget import KvCapacityError
+from worker.engine.lora import LoraUnavailable
 
 STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     KvCapacityError: grpc.StatusCode.RESOURCE_EXHAUSTED,  # can never fit: retrying elsewhere cannot help
@@ -20,10 +21,12 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     KvTransferError: grpc.StatusCode.DATA_LOSS,  # the KV cache was corrupt, truncated or late
     RequestFailed: grpc.StatusCode.INTERNAL,
     SequencePreempted: grpc.StatusCode.ABORTED,
+    LoraUnavailable: grpc.StatusCode.UNAVAILABLE,  # this worker cannot load the adapter: another may
 }
 # What the code alone leaves open for the coordinator: DATA_LOSS from a KV stream says the prefill side is at fault.
 FAILURE_REASONS: dict[type[Exception], int] = {KvTransferError: pb.FAILURE_REASON_KV_CORRUPT,
-                                               SequencePreempted: pb.FAILURE_REASON_PREEMPTED}
+                                               SequencePreempted: pb.FAILURE_REASON_PREEMPTED,
+                                               LoraUnavailable: pb.FAILURE_REASON_LORA_UNAVAILABLE}
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:

@@ -20,6 +20,8 @@ class ModelBackend:
     device: str = "auto"  # auto: the first CUDA device when there is one, else the CPU
     threads: int | None = None  # torch intra-op threads; None: torch's default (one per core)
     encoder_cache_images: int = 32  # a vision-language model's encoder outputs kept by image content hash; 0: off
+    max_loras: int | None = None  # LoRA adapters resident at once; None: 4 on a text model, 0 on a vision one
+    max_lora_rank: int = 16  # the largest adapter rank it loads
 
 
 @dataclass(frozen=True)

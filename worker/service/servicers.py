@@ -24,6 +24,7 @@ from proto.failure_reason import reason_metadata
 from proto.sampling import DEFAULT_SAMPLING
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
 from worker.engine.load import WorkerLoad
+from worker.engine.lora import LoadedLora, lora_from_pb, refuse_lora
 from worker.engine.media import MediaSpan, spans_from_pb
 from worker.engine.messages import KvLayerReady, PrefillDone, PrefillEvent, PrefillFailed
 from worker.engine.prefill_backend import PrefillBackend, PrefillJob
@@ -89,6 +90,19 @@ async def checked_media(engine: PrefillBackend | DecodeBackend, items, prompt_le
     if media and with_data:
         return media, await asyncio.to_thread(engine.prepare_media, media)
     return media, None
+
+
+async def checked_lora(engine: PrefillBackend | DecodeBackend, msg: pb.LoraAdapter) -> LoadedLora | None:
+    """The request's adapter pinned on this worker (loaded first when needed, waiting while every place is
+    pinned); None for the base model. InvalidRequest when this backend serves none, LoraUnavailable when this
+    worker cannot load it. The caller releases it (the backend's `release`, or `loras.release` if it never got
+    there)."""
+    ref = lora_from_pb(msg)
+    if ref is None:
+        return None
+    if engine.loras is None:
+        refuse_lora(ref, "this worker (started with --max-loras 0, or a simulated one)")
+    return await engine.loras.acquire(ref)
 
 
 def token_to_pb(output: TokenOutput, event: pb.TokenEvent | None = None) -> pb.TokenEvent:
@@ -216,9 +230,15 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
             media, prepared = await checked_media(self.engine, request.media, len(request.prompt_token_ids), True)
-            job = await self.engine.submit(request.request_id, list(request.prompt_token_ids), sampling,
-                                           skip_tokens=request.decode_cached_tokens, media=media,
-                                           prepared_media=prepared)
+            lora = await checked_lora(self.engine, request.lora)
+            try:
+                job = await self.engine.submit(request.request_id, list(request.prompt_token_ids), sampling,
+                                               skip_tokens=request.decode_cached_tokens, media=media,
+                                               prepared_media=prepared, lora=lora)
+            except BaseException:
+                if lora is not None:
+                    self.engine.loras.release(lora)
+                raise
         times.submitted = job.submitted_at
         self.metrics.requests.inc()
         try:
@@ -231,7 +251,8 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
         layout = self.engine.kv_layout(job)
         try:
             kv_header = header(job.request_id, layout.dtype_name, layout.num_layers, layout.shape,
-                               request.kv_transfer_token, first_position=job.skip_tokens)
+                               request.kv_transfer_token, first_position=job.skip_tokens,
+                               lora_digest=request.lora.digest if job.lora is not None else b"")
         except KvTransferError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"this prefill worker cannot stream its KV cache: {exc}")
         stream = PrefillKvStream(job, kv_header)
@@ -355,8 +376,14 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
             sampling = await checked_sampling(self.engine, request.sampling)
             media, prepared = await checked_media(self.engine, request.media, request.prompt_len,
                                                   request.local_prefill)
-            handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
-                                          list(request.prompt_token_ids), media, prepared)
+            lora = await checked_lora(self.engine, request.lora)
+            try:
+                handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
+                                              list(request.prompt_token_ids), media, prepared, lora)
+            except BaseException:
+                if lora is not None:
+                    self.engine.loras.release(lora)
+                raise
         try:
             async with engine_errors_as_status(context):
                 await self.engine.admit(handle)
@@ -364,7 +391,8 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
             self.metrics.requests.inc()
             # Only the sender the coordinator hands this token to can deliver the KV cache; no stream
             # is taken for a local prefill.
-            token = "" if request.local_prefill else self.tokens.issue(request.request_id)
+            token = "" if request.local_prefill else self.tokens.issue(
+                request.request_id, request.lora.digest if handle.seq.lora is not None else b"")
             # What this worker's prefix cache holds of the prompt is kept for it and not sent again.
             cached = 0 if request.local_prefill else self.engine.hold_cached_prefix(handle)
             if channel is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from worker.engine.block_pool import BlockPool
 from worker.engine.kv_budget import default_capacity_tokens
+from worker.engine.lora import LoraResidency
 from worker.torch_engine.decode_engine import DecodeEngine
 from worker.torch_engine.model_runner import ModelRunner
 from worker.torch_engine.prefill_engine import PrefillEngine
@@ -23,10 +24,16 @@ def build_engine(options) -> PrefillEngine | DecodeEngine:
         import torch
 
         torch.set_num_threads(options.backend.threads)
-    runner = ModelRunner(options.backend.model_dir, options.backend.dtype, options.backend.device,
-                         options.backend.encoder_cache_images)
+    backend = options.backend
+    runner = ModelRunner(backend.model_dir, backend.dtype, backend.device, backend.encoder_cache_images,
+                         backend.max_loras, backend.max_lora_rank)
     tokens = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token(), runner.device.type)
     pool = paged_pool(runner, tokens, options.block_size, options.prefix_caching)
     if options.role == "prefill":
-        return PrefillEngine(runner, pool, options.max_prefill_tokens, options.max_prefill_batch_size)
-    return DecodeEngine(runner, pool, options.max_running, options.max_prefill_tokens, options.max_prefill_batch_size)
+        engine = PrefillEngine(runner, pool, options.max_prefill_tokens, options.max_prefill_batch_size)
+    else:
+        engine = DecodeEngine(runner, pool, options.max_running, options.max_prefill_tokens,
+                              options.max_prefill_batch_size)
+    if runner.max_loras:
+        engine.loras = LoraResidency(runner.max_loras, runner.max_lora_rank, runner.load_lora)
+    return engine

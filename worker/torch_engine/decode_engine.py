@@ -264,7 +264,7 @@ class DecodeEngine(DecodeBackend):
 
     def _step(self, batch: list[Sequence], chunks: list[Chunk]) -> None:
         started = time.perf_counter()
-        rows = [DecodeRow(seq.output_token_ids[-1], seq.total_len - 1, seq.table) for seq in batch]
+        rows = [DecodeRow(seq.output_token_ids[-1], seq.total_len - 1, seq.table, seq.lora) for seq in batch]
         prompt_chunks, broken = self.runner.prompt_chunks(chunks, lambda c: c.last and isinstance(c.work, LocalPrefill))
         if broken:  # their images failed to encode: those requests fail, the rest of the step runs
             for chunk, exc in broken:

@@ -23,7 +23,9 @@ from transformers.utils import logging as hf_logging
 
 from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.media import MediaSpan, refuse_media
+from worker.engine.lora import LoadedLora, LoraRef
 from worker.torch_engine.kv_cache import KvCache
+from worker.torch_engine.lora import load_lora_weights, lora_rows, wrap_projections
 from worker.torch_engine.paged_attention import ATTENTION_NAME, AttentionBatch, PrefillSegment, attention_batch
 from worker.engine.scheduler import Chunk
 from worker.torch_engine.vision import PreparedMedia, VisionEncoder
@@ -98,6 +100,7 @@ class DecodeRow:
     token_id: int
     position: int
     table: BlockTable
+    lora: LoadedLora | None = None  # the adapter its sequence runs under
 
 
 @dataclass(frozen=True)
@@ -110,12 +113,14 @@ class PromptChunk:
     logits: bool
     media: Sequence[MediaSpan] = ()  # the images overlapping the chunk, whose encoder rows fill their positions
     features: dict[int, torch.Tensor] = field(default_factory=dict)  # those images' encoder output, by content hash
+    lora: LoadedLora | None = None  # the adapter its prompt runs under
 
 
 class ModelRunner:
     """Owns the model, the tokenizer and the KV pool's tensors; called only from an engine thread."""
 
-    def __init__(self, model_dir: Path | str, dtype: str = "auto", device: str = "auto", encoder_cache_items: int = 32):
+    def __init__(self, model_dir: Path | str, dtype: str = "auto", device: str = "auto", encoder_cache_items: int = 32,
+                 max_loras: int | None = 0, max_lora_rank: int = 16):
         self.model_dir = Path(model_dir)
         self.device = resolve_device(device)
         hf_logging.disable_progress_bar()  # keep worker logs quiet and line-structured
@@ -134,6 +139,17 @@ class ModelRunner:
                 self.model_dir, attn_implementation=ATTENTION_NAME, **kwargs).to(self.device).eval()
         self.config = self.model.config.get_text_config()  # the language model's: layers, heads, vocabulary
         refuse_unsupported_attention(self.config)
+        if max_loras is None:  # the default: adapters on a text model only
+            max_loras = 0 if self.vision is not None else 4
+        if max_loras < 0 or max_lora_rank < 1:
+            raise ValueError(f"--max-loras {max_loras} must be >= 0 and --max-lora-rank {max_lora_rank} >= 1")
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.lora_shapes = {}  # target projection -> shape, once wrapped for adapters (max_loras > 0)
+        if max_loras:
+            if self.vision is not None:
+                raise ValueError(f"{config.model_type}: LoRA adapters on a vision-language model are not supported "
+                                 "yet (start it with --max-loras 0)")
+            self.lora_shapes = wrap_projections(self.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -153,6 +169,10 @@ class ModelRunner:
             return None
         return self.vision.prepare(media)
 
+    def load_lora(self, ref: LoraRef) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """An adapter's weights on this device (blocking: called on a thread by the residency)."""
+        return load_lora_weights(ref, self.lora_shapes, self.num_layers, self.max_lora_rank, self.device, self.dtype)
+
     def prompt_chunks(self, chunks: Sequence[Chunk], sample: Callable[[Chunk], bool]
                       ) -> tuple[list[PromptChunk], list[tuple[Chunk, Exception]]]:
         """The forward's PromptChunks for scheduled chunks (`sample`: logits after it), each with the encoder rows of
@@ -170,7 +190,7 @@ class ModelRunner:
                     failed.append((chunk, exc))
                     continue
             prompt_chunks.append(PromptChunk(work.token_ids[chunk.start : chunk.end], chunk.start, work.table,
-                                             sample(chunk), media, features))
+                                             sample(chunk), media, features, work.lora))
         return prompt_chunks, failed
 
     @property
@@ -268,10 +288,20 @@ class ModelRunner:
         inputs = {"input_ids": input_ids}
         if any(chunk.media for chunk in chunks):
             inputs = {"inputs_embeds": self._embeds_with_media(input_ids, len(decode), chunks)}
-        with attention_batch(batch):
+        with attention_batch(batch), lora_rows(self._token_adapters(decode, chunks), self.device):
             out = self.model(**inputs, position_ids=position_ids, use_cache=False,
                              logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))
         return out.logits[0].float()
+
+    @staticmethod
+    def _token_adapters(decode: Sequence[DecodeRow], chunks: Sequence[PromptChunk]) -> list[LoadedLora | None]:
+        """Per packed token, the adapter it runs under ([] when none does: the base model's forward alone)."""
+        if all(row.lora is None for row in decode) and all(chunk.lora is None for chunk in chunks):
+            return []
+        adapters = [row.lora for row in decode]
+        for chunk in chunks:
+            adapters.extend([chunk.lora] * len(chunk.token_ids))
+        return adapters
 
     def _embeds_with_media(self, input_ids: torch.Tensor, row: int, chunks: Sequence[PromptChunk]) -> torch.Tensor:
         """The row's token embeddings, with each image's encoder output in the positions of it a chunk computes

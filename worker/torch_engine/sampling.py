@@ -1,5 +1,5 @@
 """Logits to tokens: penalties, logit_bias and masks (grammar masks for a whole step at once), then greedy
-or seeded sampling; logprobs of the raw distribution."""
+or seeded sampling (temperature, top-k, top-p, typical-p); logprobs of the raw distribution."""
 
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, index: int) -> in
 
 
 def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]) -> list[int]:
-    """A token for each row of processed `logits` [B, V]: one argmax over all greedy rows; temperature, top-k
-    and top-p over all sampled rows together, then each row's own seeded draw at its output position."""
+    """A token for each row of processed `logits` [B, V]: one argmax over all greedy rows; temperature, top-k,
+    top-p and typical-p over all sampled rows together, then each row's own seeded draw at its output position."""
     tokens = [0] * len(params)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
     if greedy:
@@ -107,7 +107,7 @@ def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams], indices
             tokens[i] = token
     sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
     if sampled:
-        probs = _sampling_probs(logits if len(sampled) == len(params) else logits[sampled],
+        probs = sampling_probs(logits if len(sampled) == len(params) else logits[sampled],
                                 [params[i] for i in sampled])
         for row, i in enumerate(sampled):
             # One generator per row: a seeded request draws the same token whatever else is in the batch.
@@ -127,8 +127,9 @@ def _argmax_rows(logits: torch.Tensor) -> list[int]:
     return [token for chunk in logits.split(rows_per_call) for token in chunk.argmax(dim=-1).tolist()]
 
 
-def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Each row's distribution after its temperature, top-k and top-p (rows without a filter skip it)."""
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Each row's distribution after its temperature, top-k, top-p and typical-p, in the order of HF transformers'
+    `generate` warpers (and TGI's); rows without a filter skip it."""
     # float32 parameters: exactly what dividing or comparing by the Python number did row by row.
     device = logits.device
     scores = logits.float() / torch.tensor([p.temperature for p in params], dtype=torch.float32,
@@ -149,7 +150,26 @@ def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         drop = torch.cumsum(probs, dim=-1) - probs >= ps
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores[top_p] = torch.full_like(sorted_scores, float("-inf")).scatter(1, order, sorted_scores)
+    typical = [j for j, p in enumerate(params) if 0.0 < p.typical_p < 1.0]
+    if typical:
+        masses = torch.tensor([params[j].typical_p for j in typical], dtype=torch.float32, device=device)
+        scores[typical] = typical_filter(scores[typical], masses.unsqueeze(1))
     return torch.softmax(scores, dim=-1)
+
+
+def typical_filter(scores: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al., 2022) on `scores` [B, V], each row with its mass in `masses`
+    [B, 1]: the tokens whose surprisal is closest to the row's entropy, taken closest first until their
+    probability reaches the mass (that token included, at least one kept); the others to -inf. The same tokens as
+    HF transformers' TypicalLogitsWarper keeps (ties at the cut stay), tokens already at -inf never come back."""
+    logprobs = torch.log_softmax(scores, dim=-1)
+    entropy = -(logprobs * logprobs.exp()).nansum(-1, keepdim=True)  # -inf * 0 = nan: a filtered token adds 0
+    distance, order = torch.sort((-logprobs - entropy).abs(), dim=-1)
+    mass_so_far = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (mass_so_far < masses).sum(dim=-1, keepdim=True).clamp_(max=scores.shape[-1] - 1)
+    drop = distance > distance.gather(1, last)
+    drop[:, 0] = False
+    return scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 
 
 def token_logprobs(raw_logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:

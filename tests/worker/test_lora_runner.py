@@ -1,0 +1,70 @@
+"""LoRA adapters in the packed forward: a sequence's greedy tokens equal PEFT's own model under its adapter, with
+the base and other adapters in the same forwards (prompt chunks and decode rows alike)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from adapters.peft_folder import read_adapter
+from worker.engine.block_pool import BlockTable
+from worker.engine.lora import LoadedLora, LoraRef, LoraUnavailable
+from worker.torch_engine.build import paged_pool
+from worker.torch_engine.model_runner import DecodeRow, ModelRunner, PromptChunk
+
+NUM_NEW = 10
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir) -> ModelRunner:
+    return ModelRunner(model_dir, device="cpu", max_loras=4)
+
+
+def loaded(runner: ModelRunner, name: str, path) -> LoadedLora:
+    ref = LoraRef(name, str(path), read_adapter(path, runner.lora_shapes, runner.num_layers, 16).digest)
+    return LoadedLora(ref, runner.load_lora(ref), pins=1)
+
+
+def peft_generate(model_dir, adapter_dir, prompt: list[int], n: int = NUM_NEW) -> list[int]:
+    """Greedy tokens of PEFT's own model under the adapter (None: the base model), as transformers runs it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_mixed_adapters_in_one_forward_match_peft_greedy_tokens(runner, model_dir, lora_adapters):
+    rng = random.Random(5)
+    names = [None, "a1", "a2", "a3", None, "a1"]
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(5, 60))] for _ in names]
+    loras = {name: loaded(runner, name, path) for name, path in lora_adapters.items()}
+    pool = paged_pool(runner, 8192, BLOCK)
+    tables = [BlockTable() for _ in names]
+    for table, prompt in zip(tables, prompts):
+        assert pool.grow(table, len(prompt) + NUM_NEW)
+    chunks = [PromptChunk(p, 0, t, True, lora=loras.get(n)) for n, p, t in zip(names, prompts, tables)]
+    outputs = [[int(i)] for i in runner.forward([], chunks).argmax(-1)]
+    for _ in range(NUM_NEW - 1):
+        rows = [DecodeRow(out[-1], len(p) + len(out) - 1, t, loras.get(n))
+                for n, p, t, out in zip(names, prompts, tables, outputs)]
+        for out, token in zip(outputs, runner.forward(rows, []).argmax(-1)):
+            out.append(int(token))
+    for name, prompt, out in zip(names, prompts, outputs):
+        assert out == peft_generate(model_dir, lora_adapters.get(name), prompt), name
+    assert outputs[1] != outputs[2] and outputs[0] != outputs[1]  # each adapter changes the output
+
+
+def test_adapter_changed_since_the_coordinator_read_it_is_unavailable_here(runner, lora_adapters):
+    ref = LoraRef("a1", str(lora_adapters["a1"]), digest=12345)
+    with pytest.raises(LoraUnavailable, match="differs"):
+        runner.load_lora(ref)
+    with pytest.raises(LoraUnavailable, match="no such adapter folder"):
+        runner.load_lora(LoraRef("gone", "/nonexistent/adapter", digest=1))
