@@ -12,7 +12,7 @@ from coordinator.apis.fields import BODY_TIMEOUT
 from coordinator.auth import API_KEYS, ApiKeyGate, load_api_keys
 from coordinator.cluster.node import ClusterNode
 from coordinator.cluster.standby_gate import StandbyGate
-from coordinator.config import CoordinatorConfig
+from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.error_response import error_response
 from coordinator.errors import ApiError
 from coordinator.health_monitor import HealthMonitor
@@ -20,6 +20,7 @@ from coordinator.silence_watch import SilenceWatch
 from coordinator.instances import InstanceRegistry
 from coordinator.kv_event_watch import KvEventWatch
 from coordinator.limits import ModelLimits
+from coordinator.loras import LoraRegistry
 from coordinator.management import MANAGEMENT_ROUTES
 from coordinator.media import MediaFetcher
 from coordinator.metrics import METRICS, CoordinatorMetrics
@@ -82,6 +83,20 @@ class InFlightLimit:
             return await handler(request)
         finally:
             self.in_flight -= 1
+
+
+def served_adapters(model, tokenizer: PromptTokenizer, engine: str) -> LoraRegistry:
+    """The LoRA adapters `model_config.loraModules` names, checked (ConfigError naming the key otherwise)."""
+    loras = LoraRegistry.for_model(model.modelName, tokenizer.model_config, model.maxLoraRank)
+    if model.loraModules and engine == "vllm":
+        raise ConfigError("model_config.loraModules: LoRA adapters are served by pdserve workers only, not yet by "
+                          "vLLM engines")
+    for name, path in model.loraModules.items():
+        try:
+            loras.load(name, path)
+        except ValueError as exc:
+            raise ConfigError(f"model_config.loraModules.{name}: {exc}") from None
+    return loras
 
 
 def create_app(config: CoordinatorConfig) -> web.Application:
@@ -152,6 +167,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     state.cluster = cluster
     state.kv_watch = kv_watch
     state.engine = engine
+    state.loras = served_adapters(model, tokenizer, engine)
 
     async def background(app: web.Application):
         if kv_watch is not None:

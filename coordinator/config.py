@@ -55,6 +55,12 @@ class ModelConfig(_Section):
                                      "folder are accepted (paths resolved first: symlinks and `..` included).")
     mediaFetchTimeout: float = Field(10, gt=0, le=600, description="Seconds fetching one media URL (listed in "
                                      "ALLOWED_MEDIA_URLS_ENV) may take; past it, 400.")
+    loraModules: dict[str, str] = Field(default_factory=dict, description="LoRA adapters served at start-up: name "
+                                        "clients select it by (`model`, `adapter_id`) -> absolute path of its PEFT "
+                                        "folder, as the workers see it. More load at run time "
+                                        "(`POST /v1/load_lora_adapter` on the management port).")
+    maxLoraRank: int = Field(16, ge=1, le=512, description="The largest LoRA rank served (start workers with the "
+                             "same --max-lora-rank).")
 
     _name_from_folder: bool = PrivateAttr(False)
 

@@ -4,11 +4,13 @@
   POST /v1/instances/heartbeat   {"role", "address"} -> 200, 404 when unknown (register again)
   POST /v1/instances/deregister  {"role", "address"} -> 200, 404 when unknown
   GET  /v1/instances             every instance with its state, load and outstanding work
+  POST /v1/load_lora_adapter     {"lora_name", "lora_path"} -> served under that name (`model`, `adapter_id`)
+  POST /v1/unload_lora_adapter   {"lora_name"} -> no longer served (requests holding it run to their end)
   GET  /health, GET /health/live, GET /metrics
 
 Only real workers join: with mutual TLS on this port the handshake is the proof; otherwise, when
 auth_config.registration_token_file is set, register and the instance API need
-`Authorization: Bearer <token>`. Registration issues a per-instance credential that the worker's
+`Authorization: Bearer <token>` (as do the LoRA adapter calls). Registration issues a per-instance credential that the worker's
 heartbeats and its deregistration carry in `X-Pdserve-Credential`, so a worker speaks only for itself.
 Only the credential's SHA-256 is kept (and, with etcd, shared): any coordinator of the cluster checks a
 worker's heartbeats against it, whichever coordinator issued it.
@@ -137,6 +139,50 @@ async def deregister(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+class LoraLoad(BaseModel):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_path: str
+
+
+class LoraUnload(BaseModel):
+    """vLLM's body for POST /v1/unload_lora_adapter (`lora_int_id` is vLLM's and not needed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    require_proof(request)
+    state = request.app[STATE]
+    body = parse_request(LoraLoad, await read_json(request))
+    if state.engine == "vllm":
+        raise ApiError(400, "LoRA adapters are served by pdserve workers only, not yet by vLLM engines",
+                       param="lora_name")
+    try:
+        state.loras.load(body.lora_name, body.lora_path)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="lora_path") from None
+    return web.json_response({"status": "ok", "lora_name": body.lora_name})
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    require_proof(request)
+    state = request.app[STATE]
+    body = parse_request(LoraUnload, await read_json(request))
+    try:
+        state.loras.unload(body.lora_name)
+    except KeyError:
+        raise ApiError(404, f"lora_name={body.lora_name!r}: no such LoRA adapter; served: "
+                            f"{list(state.loras.adapters)}", param="lora_name") from None
+    return web.json_response({"status": "ok", "lora_name": body.lora_name})
+
+
 async def list_instances(request: web.Request) -> web.Response:
     require_proof(request)
     return web.json_response(request.app[STATE].instances())
@@ -147,6 +193,8 @@ MANAGEMENT_ROUTES = RouteTable([
     Route("POST", "/v1/instances/heartbeat", heartbeat, ErrorStyle.OPENAI),
     Route("POST", "/v1/instances/deregister", deregister, ErrorStyle.OPENAI),
     Route("GET", "/v1/instances", list_instances, ErrorStyle.OPENAI),
+    Route("POST", "/v1/load_lora_adapter", load_lora_adapter, ErrorStyle.OPENAI),
+    Route("POST", "/v1/unload_lora_adapter", unload_lora_adapter, ErrorStyle.OPENAI),
     Route("GET", "/health", operations.health, ErrorStyle.TGI),
     Route("GET", "/health/live", operations.live, ErrorStyle.TGI),
     Route("GET", "/metrics", operations.metrics, ErrorStyle.TGI),

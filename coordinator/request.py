@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coordinator.errors import ApiError
-from kv_events.block_hash import media_cache_tokens
+from kv_events.block_hash import lora_cache_tokens, media_cache_tokens
 from proto.sampling import SamplingRules
 
 
@@ -43,6 +43,15 @@ class MediaInput:
     source: str
 
 
+@dataclass(frozen=True)
+class ServedAdapter:
+    """A LoRA adapter a request runs under: its served name, its PEFT folder and its identity (the files' hash)."""
+
+    name: str
+    path: str
+    digest: int
+
+
 @dataclass
 class GenerationRequest:
     """A tokenized request, ready for routing. `max_tokens` None means the model default."""
@@ -56,12 +65,13 @@ class GenerationRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     arrived_at: float = field(default_factory=time.monotonic)
     media: tuple[MediaInput, ...] = ()  # the prompt's images, in prompt order
+    lora: ServedAdapter | None = None  # the LoRA adapter it runs under; None: the base model
 
     def cache_token_ids(self) -> list[int]:
-        """The prompt as the workers' prefix caches hash it (image placeholders stand for their content)."""
-        if not self.media:
-            return self.prompt_token_ids
-        return media_cache_tokens(self.prompt_token_ids, self.media)
+        """The prompt as the workers' prefix caches hash it (image placeholders stand for their content; under an
+        adapter, every id salted with its identity)."""
+        ids = media_cache_tokens(self.prompt_token_ids, self.media) if self.media else self.prompt_token_ids
+        return lora_cache_tokens(ids, self.lora.digest) if self.lora is not None else ids
 
     def continued(self, token_ids: list[int], attempt: int) -> GenerationRequest:
         """The same request resumed on other workers after `token_ids` were already generated:

@@ -12,6 +12,7 @@ from aiohttp import web
 from coordinator.health_monitor import HealthMonitor
 from coordinator.instances import InstanceRegistry
 from coordinator.limits import ModelLimits
+from coordinator.loras import LoraRegistry
 from coordinator.media import MediaFetcher
 from coordinator.pipeline import RequestPipeline
 from coordinator.scheduling.router import Router
@@ -47,6 +48,7 @@ class CoordinatorState:
     cluster: ClusterNode | None = None  # with backup_config.etcd_endpoints: the coordinators on etcd
     kv_watch: InstanceFollowers | None = None  # with cache_affinity: the instances' KV events, into its index
     engine: str = "pdserve"  # of every instance: "vllm" takes no registrations (config.InstancesConfig)
+    loras: LoraRegistry | None = None  # the LoRA adapters served beside the model (set by create_app)
 
     def instances(self) -> dict:
         """Every instance as GET /v1/instances shows it: with what the KV index holds of it, when there is one."""

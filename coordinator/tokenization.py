@@ -40,6 +40,7 @@ class PromptTokenizer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
         text_config = config.get_text_config()  # a vision-language model's language model
+        self.model_config = config  # the checkpoint's own (LoRA adapters are checked against its projections)
         self.max_position_embeddings = int(getattr(text_config, "max_position_embeddings", 1 << 30))
         # The model's logits have one row per id of its embedding, which may be wider than the tokenizer.
         self.vocab_size = int(getattr(text_config, "vocab_size", None) or len(self.tokenizer))

@@ -100,6 +100,14 @@ def media_to_pb(media: tuple[MediaInput, ...], with_data: bool) -> list[pb.Media
                          offset=m.offset, num_tokens=m.num_tokens, source=m.source) for m in media]
 
 
+def lora_to_pb(request: GenerationRequest) -> pb.LoraAdapter | None:
+    """The request's adapter as the workers load it (None: the base model, the field left out)."""
+    lora = request.lora
+    if lora is None:
+        return None
+    return pb.LoraAdapter(name=lora.name, path=lora.path, digest=hash_to_bytes(lora.digest))
+
+
 def prefill_result_from_pb(reply: pb.PrefillResponse) -> PrefillResult:
     return PrefillResult(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms,
                        reply.forward_ms)
@@ -309,6 +317,7 @@ class WorkerClient:
             local_prefill=local_prefill,
             traceparent=traceparent,
             media=media_to_pb(request.media, with_data=local_prefill),
+            lora=lora_to_pb(request),
         )
         channel = self.token_channels.open_channel(address)
         # A request too big for one frame goes as a call: the channel would be cut, failing its other requests.
@@ -336,6 +345,7 @@ class WorkerClient:
             decode_cached_tokens=decode_cached_tokens,
             traceparent=traceparent,
             media=media_to_pb(request.media, with_data=True),
+            lora=lora_to_pb(request),
         )
         channel = self.token_channels.open_channel(address)
         if channel is not None and message.ByteSize() < MAX_REQUEST_FRAME_BYTES:

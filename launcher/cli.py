@@ -114,7 +114,7 @@ def _up(args: argparse.Namespace) -> int:
                                             max_start_failures=args.max_start_failures,
                                             worker_threads=args.worker_threads,
                                             worker_args=tuple(shlex.split(args.worker_args)),
-                                            engine=args.engine, vllm_venv=args.vllm_venv))
+                                            engine=args.engine, vllm_venv=args.vllm_venv, loras=tuple(args.lora)))
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -142,6 +142,14 @@ def _plan(args: argparse.Namespace) -> int:
     from planner.commands import run_plan
 
     return run_plan(args)
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """A --lora NAME=PATH flag's value."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"must be NAME=PATH, got {value!r}")
+    return name, path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="pdserve", choices=["pdserve", "vllm"],
                    help="vllm: the workers are vLLM instances (prefill kv_producer, decode kv_consumer, over NIXL) "
                         "from the vLLM environment; --worker-args then holds `vllm serve` flags")
+    p.add_argument("--lora", action="append", default=[], type=lora_module, metavar="NAME=PATH",
+                   help="serve the PEFT LoRA adapter in folder PATH as NAME (clients select it by `model` or "
+                        "`adapter_id`); repeat for more. More load at run time: POST /v1/load_lora_adapter")
     p.add_argument("--vllm-venv", default=None, metavar="DIR",
                    help="the vLLM environment for --engine vllm (default: $PDSERVE_VLLM_VENV, else .vllm-venv at "
                         "the repository root, made by `make vllm-env`)")

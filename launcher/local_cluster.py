@@ -50,6 +50,7 @@ class ClusterOptions:
     worker_args: tuple[str, ...] = ()  # --worker-args: more `pdserve worker` flags (vllm: `vllm serve` flags)
     engine: str = "pdserve"  # --engine: pdserve workers, or vLLM instances (launcher/vllm_fleet.py)
     vllm_venv: str | None = None  # --vllm-venv: the vLLM environment (default: vllm_fleet.default_vllm_venv)
+    loras: tuple[tuple[str, str], ...] = ()  # --lora NAME=PATH: adapters served from the start (loraModules)
 
     def threads_per_worker(self) -> int:
         """Each worker's torch threads: workers sharing a machine's cores, rather than each taking them all."""
@@ -100,6 +101,9 @@ def _cluster_config(options: ClusterOptions, prefill: list[dict], decode: list[d
             base["http_config"]["manage_port"] = 0  # beside a chosen port, let the system pick one
     base.setdefault("model_config", {})
     base["model_config"]["modelWeightPath"] = model_dir
+    if options.loras:
+        modules = base["model_config"].setdefault("loraModules", {})
+        modules.update({name: os.path.abspath(path) for name, path in options.loras})
     base["instances"] = {"prefill": prefill, "decode": decode}
     for section, values in security.coordinator_sections().items():
         base.setdefault(section, {}).update(values)

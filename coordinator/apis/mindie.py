@@ -62,7 +62,8 @@ async def infer(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = await read_request(request, MindieRequest)
     prompt = await tokenize_input(state, req.inputs, "inputs")
-    gen = req.parameters.generation(new_id("infer"), prompt.token_ids, media=prompt.media)
+    lora = state.loras.select(req.parameters.adapter_id, "parameters.adapter_id")
+    gen = req.parameters.generation(new_id("infer"), prompt.token_ids, media=prompt.media, lora=lora)
     formatter = MindieFormatter(req.parameters, gen.sampling.seed, state.full_text)
     return await serve_generation(request, state.pipeline, gen, formatter, req.stream)
 

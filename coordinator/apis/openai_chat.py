@@ -17,7 +17,6 @@ from coordinator.apis.guided import checked_grammar, tool_call_lark
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
     OpenAIRequest,
-    check_model,
     error_body,
     finish_reason,
     serve_openai,
@@ -307,7 +306,7 @@ class ChatFormatter(OpenAIFormatter):
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_request(request, ChatCompletionRequest, state.tokenizer.vocab_size)
-    check_model(body.model, state.model_name)
+    lora = state.loras.select(body.model, "model")
     refs: list[MediaRef] = []
     texts: list[str] = []
 
@@ -334,10 +333,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # A resumed reply is already part of the constrained output: the grammar replays its tokens first.
     replay = state.tokenizer.continuation_ids(body.resume_response) if body.resume_response else ()
     guided = await checked_grammar(state.grammars, body.constraint(), replay, "resume_response")
-    gen = GenerationRequest(new_id("chatcmpl"), prompt_ids, body.sampling(guided), body.max_tokens, media=media)
+    gen = GenerationRequest(new_id("chatcmpl"), prompt_ids, body.sampling(guided), body.max_tokens, media=media,
+                            lora=lora)
 
     def formatter() -> ChatFormatter:
-        return ChatFormatter(gen.request_id, gen.created, state.model_name, state.full_text, body.return_token_ids,
+        return ChatFormatter(gen.request_id, gen.created, lora.name if lora else state.model_name, state.full_text,
+                             body.return_token_ids,
                              prompt_ids, state.tokenizer.token_text, body.stream_options, parse_tools=body.parse_tools)
 
     return await serve_openai(request, body, gen, formatter)

@@ -108,11 +108,6 @@ class OpenAIRequest(GuidedFields, VllmSamplingFields):
         return sampling
 
 
-def check_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise ApiError(404, f"The model `{requested}` does not exist; this server serves `{served}`.", param="model")
-
-
 def finish_reason(finished: Finished) -> str:
     return "length" if finished.reason is FinishReason.LENGTH else "stop"
 

@@ -12,7 +12,6 @@ from coordinator.apis.guided import checked_grammar
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
     OpenAIRequest,
-    check_model,
     error_body,
     finish_reason,
     serve_openai_batch,
@@ -131,16 +130,17 @@ class CompletionFormatter(OpenAIFormatter):
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_request(request, CompletionRequest, state.tokenizer.vocab_size)
-    check_model(body.model, state.model_name)
+    lora = state.loras.select(body.model, "model")
     prompts = await tokenize_batch(state, body.prompt, "prompt", with_text=body.echo)
     guided = await checked_grammar(state.grammars, body.constraint())
     sampling = body.sampling(guided)
     request_id = new_id("cmpl")
     gens = [GenerationRequest(request_id if len(prompts) == 1 else f"{request_id}-p{g}", p.token_ids, sampling,
-                              body.max_tokens, media=p.media) for g, p in enumerate(prompts)]
+                              body.max_tokens, media=p.media, lora=lora) for g, p in enumerate(prompts)]
 
     def formatter(g: int) -> CompletionFormatter:
-        f = CompletionFormatter(request_id, gens[0].created, state.model_name, state.full_text, body.return_token_ids,
+        f = CompletionFormatter(request_id, gens[0].created, lora.name if lora else state.model_name, state.full_text,
+                                body.return_token_ids,
                                 prompts[g].token_ids, state.tokenizer.token_text, body.stream_options)
         f.echo_text = prompts[g].text if body.echo else ""
         return f

@@ -10,11 +10,14 @@ from coordinator.metrics import METRICS
 from coordinator.state import STATE
 
 
-def models_body(model_name: str, created: int, max_model_len: int) -> dict:
+def models_body(model_name: str, created: int, max_model_len: int, adapters: list[str] = ()) -> dict:
+    """The model, then each LoRA adapter served beside it, with the model as its `parent` (as vLLM lists them)."""
     return {
         "object": "list",
         "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "pdserve",
-                  "root": model_name, "max_model_len": max_model_len}],
+                  "root": model_name, "max_model_len": max_model_len},
+                 *({"id": name, "object": "model", "created": created, "owned_by": "pdserve", "root": name,
+                    "parent": model_name, "max_model_len": max_model_len} for name in adapters)],
     }
 
 
@@ -34,9 +37,10 @@ def health_body(instances: dict[str, list[dict]], cluster: dict | None = None) -
 
 
 async def models(request: web.Request) -> web.Response:
-    """The served model."""
+    """The served model and its LoRA adapters."""
     state = request.app[STATE]
-    return web.json_response(models_body(state.model_name, state.started_at, state.limits.max_seq_len))
+    return web.json_response(models_body(state.model_name, state.started_at, state.limits.max_seq_len,
+                                         list(state.loras.adapters)))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -347,6 +347,7 @@ class ModelCard(Open):
     created: int
     owned_by: str
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -48,14 +48,7 @@ class TgiParameters(TextGenParameters):
     return_full_text: bool = False
     truncate: PositiveInt32 | None = None
     stop: Annotated[str | list[str] | None, AfterValidator(_stop)] = None
-    adapter_id: str = "None"
     grammar: TgiGrammar | None = None
-
-    @model_validator(mode="after")
-    def _no_adapter(self):
-        if self.adapter_id not in ("None", ""):
-            raise ValueError(f"adapter_id={self.adapter_id!r}: LoRA adapters are not supported")
-        return self
 
     def sampling(self, **extra) -> SamplingOptions:
         # logprobs=0: TGI reports each token's logprob.
@@ -140,7 +133,8 @@ async def serve_tgi(request: web.Request, body, stream: bool, native_shapes: boo
     params = req.parameters
     prompt = await tokenize_input(state, req.inputs, "inputs", keep_last=params.truncate)
     guided = await checked_grammar(state.grammars, params.grammar.constraint() if params.grammar else None)
-    gen = params.generation(new_id("tgi"), prompt.token_ids, guided=guided, media=prompt.media)
+    lora = state.loras.select(params.adapter_id, "parameters.adapter_id")
+    gen = params.generation(new_id("tgi"), prompt.token_ids, guided=guided, media=prompt.media, lora=lora)
     formatter = TgiFormatter(req, prompt.text, prompt.token_ids, gen.sampling.seed, state.full_text,
                              state.tokenizer.token_text, state.tokenizer.special_ids,
                              list_ids=not native_shapes, wrap_in_list=native_shapes)

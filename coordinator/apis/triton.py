@@ -17,13 +17,12 @@ from coordinator.apis.tgi_family import (
     QueuedParameters,
     TextGenFormatter,
     TypicalP,
-    check_model,
     error_frame,
     finish_details,
     token_timing,
 )
 from coordinator.errors import ApiError
-from coordinator.request import Finished, TokenDelta
+from coordinator.request import Finished, ServedAdapter, TokenDelta
 from coordinator.serving import SseFormatter, Transcript, serve_generation
 from coordinator.state import STATE
 
@@ -177,15 +176,27 @@ class TritonTokenFormatter(SseFormatter):
                                                     "datatype": "UINT32", "data": data}]}
 
 
+def triton_adapter(state, model: str, adapter_id: str = "None") -> ServedAdapter | None:
+    """The adapter a Triton request runs under: the model in its path (an adapter's name selects it), or
+    `parameters.adapter_id`; both naming different adapters is a 400."""
+    by_path = state.loras.select(model, "model")
+    by_field = state.loras.select(adapter_id, "parameters.adapter_id")
+    if by_path is not None and by_field is not None and by_path != by_field:
+        raise ApiError(400, f"parameters.adapter_id={adapter_id!r} differs from the model in the path ({model!r})",
+                       param="parameters.adapter_id")
+    return by_path or by_field
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     """Triton text generation; `/generate_stream` streams."""
     state = request.app[STATE]
-    check_model(request.match_info["model"], state.model_name)
     req = await read_request(request, TritonGenerateRequest)
+    lora = triton_adapter(state, request.match_info["model"], req.parameters.adapter_id)
     prompt = await tokenize_input(state, req.text_input, "text_input")
     # The client's id is only echoed: two clients may choose the same one, so workers key on ours.
-    gen = req.parameters.generation(new_id("triton"), prompt.token_ids, media=prompt.media)
-    formatter = TritonFormatter(req.id or gen.request_id, state.model_name, req.parameters, state.full_text)
+    gen = req.parameters.generation(new_id("triton"), prompt.token_ids, media=prompt.media, lora=lora)
+    formatter = TritonFormatter(req.id or gen.request_id, lora.name if lora else state.model_name, req.parameters,
+                                state.full_text)
     stream = request.path.endswith("/generate_stream")
     return await serve_generation(request, state.pipeline, gen, formatter, stream)
 
@@ -193,15 +204,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def infer(request: web.Request) -> web.Response:
     """Triton token inference: token ids in, token ids out."""
     state = request.app[STATE]
-    check_model(request.match_info["model"], state.model_name)
     req = await read_request(request, TritonInferRequest)
+    lora = triton_adapter(state, request.match_info["model"], req.parameters.adapter_id)
     prompt_ids = req.inputs[0].data
     vocab = len(state.tokenizer.tokenizer)
     if max(prompt_ids) >= vocab:
         raise ApiError(400, f"inputs.0.data: token id {max(prompt_ids)} is outside the vocabulary [0, {vocab})",
                        param="inputs")
     state.limits.check_prompt(len(prompt_ids), "inputs.0.data")
-    gen = req.parameters.generation(new_id("triton"), list(prompt_ids))
+    gen = req.parameters.generation(new_id("triton"), list(prompt_ids), lora=lora)
     return await serve_generation(request, state.pipeline, gen, TritonTokenFormatter(req.id or gen.request_id, req),
                                   False)
 

@@ -23,14 +23,7 @@ class VllmGenerateRequest(VllmSamplingFields):
 
     prompt: PromptInput
     stream: bool = False
-    model: str | None = None  # a LoRA id in the MindIE API (docs/compatibility.md); only the served model (or "None")
-                              # is accepted
-
-
-def check_lora(model: str | None, served: str) -> None:
-    if model not in (None, "None", served):
-        raise ApiError(400, f"model={model!r}: LoRA adapters are not supported; send \"None\" or {served!r}",
-                       param="model")
+    model: str | None = None  # the LoRA adapter's name (the MindIE API's LoRA id); None, "None" or the model: the base
 
 
 class VllmFormatter:
@@ -69,8 +62,9 @@ async def serve_vllm(request: web.Request, body: dict) -> web.StreamResponse:
     """Serve a vLLM /generate body (POST /generate routes here when the body has `prompt`)."""
     state = request.app[STATE]
     req = parse_request(VllmGenerateRequest, body, state.tokenizer.vocab_size)
-    check_lora(req.model, state.model_name)
+    lora = state.loras.select(req.model, "model")
     prompt = await tokenize_input(state, req.prompt, "prompt")
-    gen = GenerationRequest(new_id("vllm"), prompt.token_ids, req.sampling(), req.max_tokens, media=prompt.media)
+    gen = GenerationRequest(new_id("vllm"), prompt.token_ids, req.sampling(), req.max_tokens, media=prompt.media,
+                            lora=lora)
     return await serve_generation(request, state.pipeline, gen, VllmFormatter(prompt.text, state.full_text),
                                   req.stream)

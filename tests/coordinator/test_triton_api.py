@@ -68,6 +68,30 @@ def test_token_infer_returns_inputs_then_generated_ids(http):
     assert out["data"][:4] == ids and len(out["data"]) == 10 and out["shape"] == [1, 10]
 
 
+# The MindIE coordinator API's own Triton example (docs/compatibility.md), typical_p 0.5 included, but for its
+# batch_size 100: one input per request.
+SEED_TRITON_PARAMETERS = {"details": True, "do_sample": True, "max_new_tokens": 5, "repetition_penalty": 1.1,
+                          "seed": 123, "temperature": 1, "top_k": 10, "top_p": 0.99, "typical_p": 0.5,
+                          "watermark": False, "perf_stat": True, "priority": 5, "timeout": 10}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_seed_example_with_typical_p_is_served(http, stream):
+    resp = generate(http, stream=stream, id="a123", text_input="My name is Olivier and I",
+                    parameters=SEED_TRITON_PARAMETERS)
+    assert resp.status_code == 200, resp.text
+    body = json.loads(sse_events(resp.content)[-1]) if stream else resp.json()
+    assert body["id"] == "a123" and body["details"]["generated_tokens"] == 5
+
+
+def test_token_infer_takes_typical_p(http):
+    resp = http.post("/v2/models/pdserve-tiny/infer", json={
+        "inputs": [{"name": "input0", "shape": [3], "datatype": "UINT32", "data": [42, 723, 117]}],
+        "outputs": [{"name": "output0"}], "parameters": {"max_new_tokens": 4, "typical_p": 0.5, "seed": 5}})
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["outputs"][0]["data"]) == 7
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"id": "bad id!"}, "id: must be 1 to 256 characters"),
     ({"id": "x" * 257}, "id: must be 1 to 256 characters"),
@@ -75,7 +99,8 @@ def test_token_infer_returns_inputs_then_generated_ids(http):
     ({"parameters": {"top_p": 0}}, "parameters.top_p"),
     ({"parameters": {"batch_size": 2}}, "only 1 is accepted"),
     ({"parameters": {"priority": 9}}, "parameters.priority"),
-    ({"parameters": {"typical_p": 0.3}}, "typical_p is not supported"),
+    ({"parameters": {"typical_p": 0}}, "parameters.typical_p: must be in (0.0, 1.0]"),
+    ({"parameters": {"typical_p": 1.5}}, "parameters.typical_p: must be in (0.0, 1.0]"),
     ({"text_input": ""}, "text_input"),
 ])
 def test_bad_triton_generate_input_is_400(http, body, needle):
@@ -96,4 +121,4 @@ def test_bad_triton_token_input_is_400(http, inputs, needle):
 
 def test_unknown_triton_model_is_404(http):
     resp = generate(http, model="llama3-70b")
-    assert resp.status_code == 404 and "not served here" in resp.json()["error"]
+    assert resp.status_code == 404 and "no such model or LoRA adapter" in resp.json()["error"]

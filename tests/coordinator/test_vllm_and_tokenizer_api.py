@@ -35,13 +35,19 @@ def test_vllm_stream_writes_one_object_per_token_each_ending_in_nul(http):
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "repetition_penalty": 3}, "repetition_penalty"),
-    ({"prompt": "x", "model": "some-lora"}, "LoRA adapters are not supported"),
     ({"prompt": "", "max_tokens": 2}, "prompt"),
     ({"prompt": "x", "n": 2}, "n: unknown field"),
 ])
 def test_vllm_bad_input_is_400_naming_the_field(http, body, needle):
     resp = http.post("/generate", json=body)
     assert resp.status_code == 400 and needle in resp.json()["error"]
+
+
+def test_vllm_unknown_lora_id_is_404_naming_what_is_served(http):
+    resp = http.post("/generate", json={"prompt": "x", "model": "some-lora"})
+    assert resp.status_code == 404
+    assert "model='some-lora': no such model or LoRA adapter" in resp.json()["error"]
+    assert "pdserve-tiny" in resp.json()["error"]
 
 
 def test_tokenizer_counts_and_lists_tokens(http, hf_model):
