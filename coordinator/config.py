@@ -223,6 +223,9 @@ class SchedulerConfig(_Section):
     cache_affinity_decode_load_weight: float = Field(
         64.0, ge=0, le=1_000_000, description="cache_affinity: a decode instance costs the prompt tokens it does "
         "not hold (to transfer, or to prefill locally) plus this many per sequence running or waiting on it.")
+    cache_affinity_lora_load_tokens: float = Field(
+        256.0, ge=0, le=1_000_000, description="cache_affinity: an instance that has not loaded the request's LoRA "
+        "adapter (as its last health check said) costs this many prompt tokens more: loading it takes time.")
     local_prefill_max_tokens: int = Field(
         0, ge=0, description="Conditional disaggregation: a prompt is prefilled on the chosen decode worker "
         "itself when the part of it that worker does not hold (all of it, unless cache_affinity knows better) is "

@@ -41,6 +41,7 @@ class ReportedLoad:
     kv_used_tokens: int = 0
     kv_capacity_tokens: int = 0
     queued_prompt_tokens: int = 0
+    loras: frozenset[str] = frozenset()  # LoRA adapters loaded on it now (loading another costs time)
 
     @property
     def kv_usage(self) -> float:
@@ -110,7 +111,8 @@ class Instance:
             "reported": {"num_running": self.reported.num_running, "num_waiting": self.reported.num_waiting,
                          "kv_used_tokens": self.reported.kv_used_tokens,
                          "kv_capacity_tokens": self.reported.kv_capacity_tokens,
-                         "queued_prompt_tokens": self.reported.queued_prompt_tokens},
+                         "queued_prompt_tokens": self.reported.queued_prompt_tokens,
+                         "lora_adapters": sorted(self.reported.loras)},
         }
 
 

@@ -101,7 +101,8 @@ class RequestPipeline:
                 # As the prefix caches hash it: a repeated image goes where its blocks are.
                 prompt = request.cache_token_ids() + progress.token_ids
                 placement = self.router.route(prompt, exclude_decode=excluded["decode"],
-                                              exclude_prefill=excluded["prefill"])
+                                              exclude_prefill=excluded["prefill"],
+                                              lora=request.lora.name if request.lora is not None else None)
                 trace.phase("route", started, time.monotonic())
                 self._routed(placement, len(prompt), trace)
             except WorkerError as exc:

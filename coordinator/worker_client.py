@@ -117,6 +117,7 @@ def report_from_pb(reply: pb.HealthResponse) -> HealthReport:
     return HealthReport(ReportedLoad(
         num_running=reply.num_running, num_waiting=reply.num_waiting, kv_used_tokens=reply.kv_used_tokens,
         kv_capacity_tokens=reply.kv_capacity_tokens, queued_prompt_tokens=reply.queued_prompt_tokens,
+        loras=frozenset(reply.lora_resident),
     ), draining=reply.draining)
 
 

@@ -245,7 +245,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("role", "model", "num_running", "num_waiting", "kv_capacity_tokens", "kv_used_tokens", "num_kv_leases", "queued_prompt_tokens", "draining", "kv_block_size", "kv_blocks", "kv_free_blocks", "kv_cached_blocks", "prefix_hit_tokens", "prefix_queried_tokens", "num_preemptions")
+    __slots__ = ("role", "model", "num_running", "num_waiting", "kv_capacity_tokens", "kv_used_tokens", "num_kv_leases", "queued_prompt_tokens", "draining", "kv_block_size", "kv_blocks", "kv_free_blocks", "kv_cached_blocks", "prefix_hit_tokens", "prefix_queried_tokens", "num_preemptions", "max_loras", "lora_resident", "lora_running", "lora_waiting")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,10 @@ class HealthResponse(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    LORA_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    LORA_WAITING_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_running: int
@@ -278,7 +282,11 @@ class HealthResponse(_message.Message):
     prefix_hit_tokens: int
     prefix_queried_tokens: int
     num_preemptions: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    max_loras: int
+    lora_resident: _containers.RepeatedScalarFieldContainer[str]
+    lora_running: _containers.RepeatedScalarFieldContainer[str]
+    lora_waiting: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_running: _Optional[_Iterable[str]] = ..., lora_waiting: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvHeader(_message.Message):
     __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes", "transfer_token", "first_position", "lora_digest")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -38,6 +38,8 @@ class WorkerMetrics:
         blocks.labels("cached").set_function(lambda: pool.stats().cached_blocks)
         blocks.labels("free").set_function(lambda: pool.stats().free_blocks - pool.stats().cached_blocks)
         r.register(PrefixCacheCounters(pool))
+        if getattr(engine, "loras", None) is not None:
+            r.register(LoraInfo(engine.loras))
         vision = getattr(getattr(engine, "runner", None), "vision", None)
         if vision is not None:
             r.register(EncoderCacheCounters(vision.cache))
@@ -80,6 +82,25 @@ class PrefixCacheCounters:
                                   "cache (not computed again).", value=stats.hit_tokens)
         yield CounterMetricFamily("pdserve_worker_prefix_cache_queried_tokens", "Prompt positions looked up in the "
                                   "prefix cache.", value=stats.queried_tokens)
+
+
+class LoraInfo:
+    """The adapters in use, as vLLM's `vllm:lora_requests_info` reports them (what the Gateway API Inference
+    Extension routes on): a gauge of 1 whose labels name the running and waiting adapters, read when scraped."""
+
+    def __init__(self, loras):
+        self.loras = loras
+
+    def collect(self):
+        loras = self.loras
+        family = GaugeMetricFamily("pdserve_worker_lora_requests_info", "LoRA adapters pinned by requests "
+                                   "(running_lora_adapters) and waited for (waiting_lora_adapters), comma-separated; "
+                                   "max_lora: adapters held at once.",
+                                   labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        family.add_metric([",".join(loras.running), ",".join(loras.waiting), str(loras.max_loras)], 1)
+        yield family
+        yield GaugeMetricFamily("pdserve_worker_lora_resident_adapters", "LoRA adapters loaded on this worker now.",
+                                value=len(loras.resident))
 
 
 class EncoderCacheCounters:

@@ -53,11 +53,11 @@ class RoundRobinPolicy:
         return pool.get(address)
 
     def choose_prefill(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                       exclude: Collection[str] = frozenset()) -> Instance | None:
+                       exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
         return self._next(pool, pool.routable, exclude)
 
     def choose_decode(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                      exclude: Collection[str] = frozenset()) -> Instance | None:
+                      exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
         return self._next(pool, pool.routable, exclude)
 
 
@@ -81,11 +81,11 @@ class LoadBalancePolicy(RoundRobinPolicy):
         return None if least is None else self._next(pool, least[1], exclude)
 
     def choose_prefill(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                       exclude: Collection[str] = frozenset()) -> Instance | None:
+                       exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
         return self._least(pool, exclude, prefill_load)
 
     def choose_decode(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                      exclude: Collection[str] = frozenset()) -> Instance | None:
+                      exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
         return self._least(pool, exclude, decode_load)
 
 
@@ -96,44 +96,51 @@ class CacheAffinityPolicy(LoadBalancePolicy):
       compute before this request's first token);
     - decode: uncached prompt tokens (to transfer, or to prefill locally) + `decode_load_weight` x its running
       sequences, so a conversation's next turn goes back to the decode worker that holds it unless that one
-      carries that much more load.
+      carries that much more load;
+    - either, for a request under a LoRA adapter: + `lora_load_tokens` where the adapter is not loaded yet.
     Only the least loaded instance and those holding part of the prompt are priced, so a request costs the same
     whatever the size of the fleet.
     """
 
     prices_cache = True
 
-    def __init__(self, index: KvIndex, prefill_load_weight: float = 1.0, decode_load_weight: float = 64.0):
+    def __init__(self, index: KvIndex, prefill_load_weight: float = 1.0, decode_load_weight: float = 64.0,
+                 lora_load_tokens: float = 256.0):
         super().__init__()
         self.index = index
         self.prefill_load_weight = prefill_load_weight
         self.decode_load_weight = decode_load_weight
+        self.lora_load_tokens = lora_load_tokens
 
     def match(self, prompt_token_ids: list[int]) -> CacheMatch:
         return self.index.match(prompt_token_ids)
 
     def _cheapest(self, pool: RolePool, prompt_len: int, cached: dict[str, int], exclude: Collection[str],
-                  load: Callable[[Instance], float], weight: float) -> Instance | None:
+                  load: Callable[[Instance], float], weight: float, lora: str | None) -> Instance | None:
         best = self._least(pool, exclude, load)
         if best is None or not cached:
             return best
-        best_cost = prompt_len - cached.get(best.address, 0) + weight * load(best)
+
+        def adapter_cost(instance: Instance) -> float:
+            return self.lora_load_tokens if lora is not None and lora not in instance.reported.loras else 0.0
+
+        best_cost = prompt_len - cached.get(best.address, 0) + weight * load(best) + adapter_cost(best)
         for address, tokens in cached.items():
             if address in exclude or not pool.is_routable(address):
                 continue
             instance = pool.get(address)
-            cost = prompt_len - tokens + weight * load(instance)
+            cost = prompt_len - tokens + weight * load(instance) + adapter_cost(instance)
             if cost < best_cost:
                 best, best_cost = instance, cost
         return best
 
     def choose_prefill(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                       exclude: Collection[str] = frozenset()) -> Instance | None:
-        return self._cheapest(pool, prompt_len, cached, exclude, prefill_load, self.prefill_load_weight)
+                       exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
+        return self._cheapest(pool, prompt_len, cached, exclude, prefill_load, self.prefill_load_weight, lora)
 
     def choose_decode(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                      exclude: Collection[str] = frozenset()) -> Instance | None:
-        return self._cheapest(pool, prompt_len, cached, exclude, decode_load, self.decode_load_weight)
+                      exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
+        return self._cheapest(pool, prompt_len, cached, exclude, decode_load, self.decode_load_weight, lora)
 
 
 def make_policy(config, index: KvIndex | None = None) -> RoundRobinPolicy:
@@ -144,5 +151,5 @@ def make_policy(config, index: KvIndex | None = None) -> RoundRobinPolicy:
         if index is None:
             raise ValueError("cache_affinity routes on a KvIndex")
         return CacheAffinityPolicy(index, config.cache_affinity_prefill_load_weight,
-                                   config.cache_affinity_decode_load_weight)
+                                   config.cache_affinity_decode_load_weight, config.cache_affinity_lora_load_tokens)
     return RoundRobinPolicy()

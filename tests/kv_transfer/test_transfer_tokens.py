@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from kv_transfer.transfer_tokens import KvTransferTokens
 
 
@@ -71,3 +73,25 @@ def test_racing_redeemers_of_one_token_succeed_exactly_once():
             t.join()
         assert sorted(wins) == [False] * 7 + [True]
     assert len(tokens) == 0
+
+
+def test_a_token_carries_the_adapter_it_was_issued_for():
+    tokens = KvTransferTokens()
+    token = tokens.issue("r1", lora_digest=b"\x01" * 16)
+    assert tokens.redeem_for("r1", token) == b"\x01" * 16
+    assert tokens.redeem_for("r2", tokens.issue("r2")) == b""
+
+
+def test_a_stream_computed_under_another_adapter_is_refused_and_fails_its_request():
+    from kv_transfer.base import KvTransferError
+    from kv_transfer.sink import KvSink
+    from kv_transfer.wire import header
+
+    failed = []
+    tokens = KvTransferTokens()
+    sink = KvSink(lambda kv: None, lambda rid, msg: failed.append((rid, msg)), tokens,
+                  assembler=lambda *args: pytest.fail("no stream may be opened"))
+    token = tokens.issue("r1", lora_digest=b"\x01" * 16)
+    with pytest.raises(KvTransferError, match="computed under the base model; this request runs under LoRA"):
+        sink.open(header("r1", "float32", 1, (1, 1, 4, 2), token), "tcp")
+    assert failed and failed[0][0] == "r1"

@@ -246,7 +246,7 @@ class DecodeBackend(abc.ABC):
             num_waiting=states[DecodeState.WAITING_FOR_BUDGET] + states[DecodeState.WAITING_FOR_KV]
             + states[DecodeState.PREFILLING_LOCALLY] + self.scheduler.num_waiting,
             kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used, pool=self.pool.stats(),
-            num_preemptions=self.scheduler.num_preemptions,
+            num_preemptions=self.scheduler.num_preemptions, loras=self.loras,
         )
 
     def _deliver_all(self, items: list[tuple[str, TokenOutput | Exception]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from worker.engine.block_pool import PoolStats
 
@@ -21,3 +22,4 @@ class WorkerLoad:
     queued_prompt_tokens: int = 0
     pool: PoolStats | None = None  # blocks and prefix cache figures
     num_preemptions: int = 0
+    loras: Any = None  # the LoraResidency, when the worker serves adapters

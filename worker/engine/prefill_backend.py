@@ -198,7 +198,7 @@ class PrefillBackend(abc.ABC):
             role="prefill", model=self.model_name, num_running=self.num_running,
             num_waiting=self.admission.num_waiting + len(self.scheduler.queue),
             kv_capacity_tokens=budget.capacity, kv_used_tokens=budget.used, num_kv_leases=len(self.leases),
-            queued_prompt_tokens=self.num_queued_tokens, pool=self.pool.stats(),
+            queued_prompt_tokens=self.num_queued_tokens, pool=self.pool.stats(), loras=self.loras,
         )
 
     def _post(self, job: PrefillJob, event: PrefillEvent) -> None:

@@ -142,6 +142,12 @@ def load_to_pb(load: WorkerLoad, draining: bool) -> pb.HealthResponse:
         health.kv_block_size, health.kv_blocks, health.kv_free_blocks = pool.block_size, pool.num_blocks, pool.free_blocks
         health.kv_cached_blocks = pool.cached_blocks
         health.prefix_hit_tokens, health.prefix_queried_tokens = pool.hit_tokens, pool.queried_tokens
+    if load.loras is not None:
+        loras = load.loras
+        health.max_loras = loras.max_loras
+        health.lora_resident.extend(loras.resident)
+        health.lora_running.extend(loras.running)
+        health.lora_waiting.extend(loras.waiting)
     return health
 
 

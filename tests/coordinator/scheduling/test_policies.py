@@ -117,6 +117,20 @@ def test_cache_affinity_sends_a_conversation_back_to_the_decode_instance_holding
     assert router.route(prompt(100)).decode.address == "d0:1"
 
 
+def test_cache_affinity_prices_loading_an_adapter_beside_the_cached_blocks():
+    registry = make_registry()
+    router, index = affinity_router(registry, lora_load_tokens=64)
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(48)))
+    # p0 holds 48 of 100 tokens but has not loaded the adapter; p1, the least loaded, has.
+    for address in ("p0:1", "p2:1"):
+        registry.get("prefill", address).outstanding_prompt_tokens = 1
+    registry.get("prefill", "p1:1").reported = ReportedLoad(loras=frozenset({"a1"}))
+    assert router.route(prompt(100), lora="a1").prefill.address == "p1:1"  # 100 + 0 < 52 + 1 + 64
+    assert router.route(prompt(100)).prefill.address == "p0:1"  # the base model: no load to price
+    registry.get("prefill", "p0:1").reported = ReportedLoad(loras=frozenset({"a1"}))
+    assert router.route(prompt(100), lora="a1").prefill.address == "p0:1"  # 52 + 1 < 100
+
+
 def test_cache_affinity_ignores_an_instance_that_is_out_of_rotation():
     registry = make_registry()
     router, index = affinity_router(registry)

@@ -1,0 +1,79 @@
+"""A worker holds at most max_loras adapters: loaded on demand, least recently used unpinned one evicted, a request
+waiting while every place is pinned; an adapter's prompt never hashes like the base model's or another's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kv_events.block_hash import chain_hashes, lora_cache_tokens
+from worker.engine.lora import LoraRef, LoraResidency
+
+A, B, C = (LoraRef(name, f"/adapters/{name}", digest=i + 1) for i, name in enumerate("abc"))
+
+
+def residency(max_loras: int = 2) -> tuple[LoraResidency, list[str]]:
+    loads: list[str] = []
+
+    def load(ref: LoraRef) -> str:
+        loads.append(ref.name)
+        return f"weights of {ref.name}"
+
+    return LoraResidency(max_loras, 16, load), loads
+
+
+async def test_a_resident_adapter_is_loaded_once_and_the_least_recently_used_unpinned_one_evicted():
+    loras, loads = residency(2)
+    a = await loras.acquire(A)
+    loras.release(await loras.acquire(B))
+    loras.release(await loras.acquire(A))  # B is now the least recently used
+    loras.release(a)
+    c = await loras.acquire(C)
+    assert loads == ["a", "b", "c"] and list(loras.resident) == ["a", "c"] and c.weights == "weights of c"
+
+
+async def test_a_request_waits_while_every_place_is_pinned_and_is_counted_as_waiting():
+    loras, loads = residency(1)
+    a = await loras.acquire(A)
+    waiter = asyncio.create_task(loras.acquire(B))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not waiter.done() and loras.waiting == {"b": 1} and loras.running == ["a"]
+    loras.release(a)
+    b = await asyncio.wait_for(waiter, 10)
+    assert b.ref == B and loras.waiting == {} and list(loras.resident) == ["b"]
+
+
+async def test_a_changed_folder_under_the_same_name_replaces_the_old_identity_once_unpinned():
+    loras, loads = residency(2)
+    old = await loras.acquire(A)
+    changed = LoraRef("a", A.path, digest=99)
+    waiter = asyncio.create_task(loras.acquire(changed))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    loras.release(old)
+    new = await asyncio.wait_for(waiter, 10)
+    assert new.ref.digest == 99 and loads == ["a", "a"]
+
+
+async def test_an_unload_drops_only_an_unpinned_adapter():
+    loras, _ = residency(2)
+    a = await loras.acquire(A)
+    assert not loras.unload("a")
+    loras.release(a)
+    assert loras.unload("a") and not loras.resident
+
+
+def test_a_prompt_under_an_adapter_shares_no_block_with_the_base_or_another_adapter():
+    prompt = list(range(100, 164))
+    base = chain_hashes(lora_cache_tokens(prompt, None), 16)
+    under_a, under_b = (chain_hashes(lora_cache_tokens(prompt, d), 16) for d in (A.digest, B.digest))
+    assert not set(base) & set(under_a) and not set(under_a) & set(under_b)
+    assert under_a == chain_hashes(lora_cache_tokens(prompt, A.digest), 16)
+    assert lora_cache_tokens(prompt, None) is prompt  # the base model's prompt is hashed as it is, uncopied
+
+
+def test_media_stand_ins_stay_and_text_around_them_is_salted():
+    ids = lora_cache_tokens([5, -7, 6], 1)
+    assert ids[1] == -7 and ids[0] != 5 and ids[2] - ids[0] == 1
