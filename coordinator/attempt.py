@@ -126,9 +126,13 @@ class TokenRelay:
         progress.token_ids.append(token_id)
         top = token.top_logprobs
         # Positional, in TokenDelta's field order: keywords cost five times as much, once per token.
-        return TokenDelta(token_id, token.text, index, time_ms, token.logprob if self.wants_logprobs else None,
-                          tuple([(t.token_id, t.logprob) for t in top]) if top else (), token.finish_reason != 0,
-                          token.batch_size or 1, token.queue_wait_ms if own_index else self.admission_ms)
+        delta = TokenDelta(token_id, token.text, index, time_ms, token.logprob if self.wants_logprobs else None,
+                           tuple([(t.token_id, t.logprob) for t in top]) if top else (), token.finish_reason != 0,
+                           token.batch_size or 1, token.queue_wait_ms if own_index else self.admission_ms)
+        if index == 0 and token.prompt_logprobs:
+            delta.prompt_logprobs = tuple((p.logprob, p.rank, tuple((t.token_id, t.logprob) for t in p.top))
+                                          for p in token.prompt_logprobs)
+        return delta
 
 
 class AttemptRunner:

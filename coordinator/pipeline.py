@@ -102,7 +102,9 @@ class RequestPipeline:
                 prompt = request.cache_token_ids() + progress.token_ids
                 placement = self.router.route(prompt, exclude_decode=excluded["decode"],
                                               exclude_prefill=excluded["prefill"],
-                                              lora=request.lora.name if request.lora is not None else None)
+                                              lora=request.lora.name if request.lora is not None else None,
+                                              # prompt logprobs are a prefill worker's
+                                              local_prefill=request.sampling.prompt_logprobs is None)
                 trace.phase("route", started, time.monotonic())
                 self._routed(placement, len(prompt), trace)
             except WorkerError as exc:

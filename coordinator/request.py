@@ -27,6 +27,7 @@ class SamplingOptions(SamplingRules):
     """Validated sampling and stopping rules, in engine terms (top_k 0 = off), with the shared defaults."""
 
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and N alternatives
+    prompt_logprobs: int | None = None  # as `logprobs`, for every prompt token after the first (with the first token)
     guided: GuidedGrammar | None = None
 
 
@@ -81,8 +82,10 @@ class GenerationRequest:
         guided = self.sampling.guided
         if guided is not None:
             guided = dataclasses.replace(guided, generated=guided.generated + tuple(token_ids))
+        # Prompt logprobs came with the first token: a request continued after it does not ask again.
         sampling = dataclasses.replace(self.sampling, min_tokens=max(0, self.sampling.min_tokens - len(token_ids)),
-                                       guided=guided)
+                                       guided=guided,
+                                       prompt_logprobs=self.sampling.prompt_logprobs if not token_ids else None)
         return dataclasses.replace(self, request_id=f"{self.request_id}.{attempt}",
                                    prompt_token_ids=self.prompt_token_ids + list(token_ids), sampling=sampling)
 
@@ -111,6 +114,8 @@ class TokenDelta:
     batch_size: int = 1  # decode batch that produced it
     queue_wait_ms: float = 0.0  # first token: admission wait; later: wait for the decode step
     choice: int = 0  # which of a response's generations it belongs to (n / best_of, a batch of prompts)
+    # The first token's, when asked: (logprob, rank, ((token, logprob), ...)) of prompt tokens 1 .. n-1.
+    prompt_logprobs: tuple | None = None
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,9 @@ def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingPa
         top_logprobs=s.logprobs or 0,
         guided=guided,
         logit_bias=dict(s.logit_bias),
+        typical_p=s.typical_p,
+        return_prompt_logprobs=s.prompt_logprobs is not None,
+        prompt_top_logprobs=s.prompt_logprobs or 0,
     )
 
 

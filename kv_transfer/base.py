@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: the simulated worker imports this module without torch
     import torch
@@ -45,6 +45,7 @@ class TransferredKv:
     on_release: Callable[[], None] | None = field(default=None, repr=False)
     receipt: KvReceipt | None = None  # set by the sink that received it; None when made on this worker
     first_position: int = 0  # the layers hold positions [first_position, first_position + seq_len)
+    prompt_logprobs: Any = None  # the trailer's pb.PromptLogprobs (prompt tokens 1 .. n-1), relayed with the first token
 
     def release(self) -> None:
         """Give the tensors' memory back to whoever lent it; the tensors must not be used after."""

@@ -115,6 +115,7 @@ class KvAssembler(KvStreamVerifier):
                             tuple((t.token_id, t.logprob) for t in self.trailer.first_top_logprobs)),
             on_release=self.discard if self._pool else None,
             first_position=self.header.first_position,
+            prompt_logprobs=list(self.trailer.prompt_logprobs) or None,
         )
 
     def discard(self) -> None:

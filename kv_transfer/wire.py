@@ -60,12 +60,21 @@ def header(request_id: str, dtype_name: str, num_layers: int, shape: tuple[int, 
                        lora_digest=lora_digest)
 
 
-def make_trailer(first_token_id: int, prefill_time_ms: float, first_logprobs: tuple | None = None) -> pb.KvTrailer:
+def make_trailer(first_token_id: int, prefill_time_ms: float, first_logprobs: tuple | None = None,
+                 prompt_logprobs: list | None = None) -> pb.KvTrailer:
+    """The stream's last message; `prompt_logprobs`: (logprob, rank, top) of prompt tokens 1 .. n-1, when asked."""
     trailer = pb.KvTrailer(first_token_id=first_token_id, prefill_time_ms=prefill_time_ms)
     if first_logprobs is not None:
         trailer.first_logprob = first_logprobs[0]
         trailer.first_top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in first_logprobs[1])
+    if prompt_logprobs:
+        trailer.prompt_logprobs.extend(prompt_logprobs_to_pb(prompt_logprobs))
     return trailer
+
+
+def prompt_logprobs_to_pb(entries: list) -> list[pb.PromptLogprob]:
+    return [pb.PromptLogprob(logprob=lp, rank=rank, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+            for lp, rank, top in entries]
 
 
 def byte_blocks(raw: memoryview, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:

@@ -187,6 +187,8 @@ class _PrefillWork:
     extra_positions: ClassVar[int] = 0  # its KV leaves with the handoff: nothing grows on a prefill instance
     media: ClassVar[tuple] = ()  # text prompts: hashed as their tokens
     prepared_media: ClassVar[None] = None
+    lora: ClassVar[None] = None  # the base model
+    prompt_logprobs: ClassVar[None] = None
 
     @property
     def cache_token_ids(self) -> _Tokens:

@@ -21,6 +21,7 @@ from coordinator.apis.openai_common import (
     finish_reason,
     serve_openai,
     usage,
+    vllm_prompt_logprobs,
 )
 from coordinator.apis.response_models import ChatCompletion, ChatCompletionChunk, Reply
 from coordinator.route_table import ErrorStyle, Route
@@ -246,11 +247,15 @@ class ChatFormatter(OpenAIFormatter):
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if "token_ids" in extra:
             choice["token_ids"] = extra.pop("token_ids")
+        if "prompt_logprobs" in extra:
+            choice["prompt_logprobs"] = extra.pop("prompt_logprobs")
         return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, **extra, "choices": [choice]}
 
+    echo_text = ""  # the prompt as the template rendered it, when the request asked for echo
+
     def token_bytes(self, delta: TokenDelta, transcript: Transcript) -> bytes | None:
-        if not self.plain_chunk(delta):
+        if not self.plain_chunk(delta) or (self.echo_text and delta.index == 0):
             return None
         piece = self._piece(delta.text)
         if piece.reasoning:
@@ -263,8 +268,13 @@ class ChatFormatter(OpenAIFormatter):
             extra["prompt_token_ids"] = self.prompt_token_ids
         if self.continuous_usage:
             extra["usage"] = self.running_usage(delta)
+        if delta.prompt_logprobs is not None and self.show_prompt_logprobs:
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_token_ids, delta.prompt_logprobs,
+                                                            self.token_text)
         piece = self._piece(delta.text)
         content = self._released.text if self.full_text else piece.content
+        if delta.index == 0 or self.full_text:
+            content = self.echo_text + content
         return [self._chunk(content, None, self._logprobs([delta]), piece.reasoning, **extra)]
 
     def final_frames(self, finished: Finished, transcript: Transcript) -> list[dict]:
@@ -286,6 +296,7 @@ class ChatFormatter(OpenAIFormatter):
     def response(self, transcript: Transcript) -> dict:
         finished = transcript.finished
         content, reasoning, calls = split_whole(transcript.text, self.parse_tools)
+        content = self.echo_text + content if self.echo_text else content
         message = {"role": "assistant", "content": content if content or not calls else None}
         if reasoning:
             message["reasoning_content"] = message["reasoning"] = reasoning
@@ -295,6 +306,9 @@ class ChatFormatter(OpenAIFormatter):
                   "finish_reason": "tool_calls" if calls else finish_reason(finished)}
         if self.return_token_ids:
             choice["token_ids"] = transcript.token_ids
+        if self.show_prompt_logprobs and transcript.deltas:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_token_ids, transcript.deltas[0].prompt_logprobs,
+                                                             self.token_text)
         body = {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage(finished), "prefill_time": round(finished.prefill_time_ms, 3),
                 "decode_time_arr": [round(t, 3) for t in finished.decode_time_ms], "error_info": None}
@@ -336,10 +350,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gen = GenerationRequest(new_id("chatcmpl"), prompt_ids, body.sampling(guided), body.max_tokens, media=media,
                             lora=lora)
 
+    # echo: the prompt as the chat template rendered it, before the reply (BladeLLM's "the prompt with the result").
+    echo_text = state.tokenizer.tokenizer.decode(prompt_ids) if body.echo else ""
+
     def formatter() -> ChatFormatter:
-        return ChatFormatter(gen.request_id, gen.created, lora.name if lora else state.model_name, state.full_text,
-                             body.return_token_ids,
-                             prompt_ids, state.tokenizer.token_text, body.stream_options, parse_tools=body.parse_tools)
+        f = ChatFormatter(gen.request_id, gen.created, lora.name if lora else state.model_name, state.full_text,
+                          body.return_token_ids, prompt_ids, state.tokenizer.token_text, body.stream_options,
+                          parse_tools=body.parse_tools)
+        f.echo_text = echo_text
+        f.show_prompt_logprobs = body.prompt_logprobs is not None
+        return f
 
     return await serve_openai(request, body, gen, formatter)
 

@@ -21,7 +21,6 @@ from coordinator.state import STATE
 # Fields real clients send that later work will honour; until then a non-default value is a
 # clear 400, never silently ignored. Values listed are the defaults that change nothing.
 NOT_YET_SUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (False, None),
     "suffix": (None,),
 }
 
@@ -50,6 +49,9 @@ class OpenAIRequest(GuidedFields, VllmSamplingFields):
     return_token_ids: bool = False
     user: str | None = None  # end-user id for the operator's logs; does not affect generation
     stop_tokens: TokenIds = None  # BladeLLM's name for stop_token_ids (docs/compatibility.md)
+    # vLLM's: each prompt token's logprob (after the first) with this many alternatives, in `prompt_logprobs`.
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False  # return the prompt with the result (BladeLLM, OpenAI completions)
 
     @model_validator(mode="before")
     @classmethod
@@ -100,9 +102,14 @@ class OpenAIRequest(GuidedFields, VllmSamplingFields):
         """How many alternatives per token the client asked for; None for no logprobs."""
         return None
 
+    def prompt_logprobs_count(self) -> int | None:
+        """How many alternatives per prompt token the answer shows; None: no prompt logprobs."""
+        return self.prompt_logprobs
+
     def sampling(self, guided: GuidedGrammar | None = None) -> SamplingOptions:
         """The request's sampling (with its checked grammar); with best_of > n, logprobs rank the candidates."""
-        sampling = super().sampling(min_tokens=self.min_tokens, logprobs=self.logprobs_count(), guided=guided)
+        sampling = super().sampling(min_tokens=self.min_tokens, logprobs=self.logprobs_count(), guided=guided,
+                                    prompt_logprobs=self.prompt_logprobs_count())
         if self.num_generations > self.n and sampling.logprobs is None:
             sampling = dataclasses.replace(sampling, logprobs=0)
         return sampling
@@ -119,6 +126,20 @@ def stop_reason(finished: Finished | None) -> str | int | None:
     if finished.reason is FinishReason.STOP_TOKEN:
         return int(finished.matched_stop)
     return finished.matched_stop
+
+
+def vllm_prompt_logprobs(prompt_token_ids: list[int], entries: tuple | None,
+                         token_text: Callable[[int], str]) -> list | None:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a dict by token id of its logprob,
+    rank and text, and of each top alternative's; None when not computed."""
+    if entries is None:
+        return None
+    out: list = [None]
+    for token, (logprob, rank, top) in zip(prompt_token_ids[1:], entries):
+        position = {str(t): {"logprob": v, "rank": i + 1, "decoded_token": token_text(t)} for i, (t, v) in enumerate(top)}
+        position[str(token)] = {"logprob": logprob, "rank": rank, "decoded_token": token_text(token)}
+        out.append(position)
+    return out
 
 
 def usage(finished: Finished) -> dict:
@@ -151,6 +172,7 @@ class OpenAIFormatter(SseFormatter):
         self.prompt_token_ids = prompt_token_ids
         self.token_text = token_text  # token id -> its text, for logprobs
         self.show_logprobs = True  # False when logprobs were only asked for to rank best_of
+        self.show_prompt_logprobs = False  # vLLM's `prompt_logprobs` was asked for
         self.include_usage = bool(stream_options and stream_options.include_usage)
         self.continuous_usage = bool(stream_options and stream_options.continuous_usage_stats)
         self._plain_options = not (full_text or return_token_ids or self.continuous_usage)
@@ -160,7 +182,8 @@ class OpenAIFormatter(SseFormatter):
 
     def plain_chunk(self, delta: TokenDelta) -> bool:
         """Whether a token's chunk has the common shape: its text is all that varies from token to token."""
-        return self._plain_options and (delta.logprob is None or not self.show_logprobs)
+        return self._plain_options and (delta.logprob is None or not self.show_logprobs) \
+            and delta.prompt_logprobs is None
 
     def templated(self, text: str, make_frame: Callable[[str], dict]) -> bytes:
         """The chunk `make_frame(text)` encodes to, from a template made on first use."""

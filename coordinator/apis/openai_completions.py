@@ -11,6 +11,7 @@ from coordinator.apis.fields import new_id, read_request
 from coordinator.apis.guided import checked_grammar
 from coordinator.apis.openai_common import (
     OpenAIFormatter,
+    vllm_prompt_logprobs,
     OpenAIRequest,
     error_body,
     finish_reason,
@@ -42,13 +43,6 @@ class CompletionRequest(OpenAIRequest):
 
     prompt: CompletionPrompt
     logprobs: Annotated[int | None, AfterValidator(_logprobs)] = None
-    echo: bool = False
-
-    @model_validator(mode="after")
-    def _echo_without_prompt_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported: prompt logprobs are not computed")
-        return self
 
     @model_validator(mode="after")
     def _batch_within_limit(self):
@@ -60,6 +54,11 @@ class CompletionRequest(OpenAIRequest):
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_count(self) -> int | None:
+        # echo with logprobs scores the echoed prompt too, as OpenAI's legacy completions do.
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(asked) if asked else None
 
 
 class CompletionFormatter(OpenAIFormatter):
@@ -76,11 +75,24 @@ class CompletionFormatter(OpenAIFormatter):
                 "finish_reason": finish_reason(finished) if finished else None,
                 "stop_reason": stop_reason(finished)}
 
+    echo_logprobs = False  # echo with logprobs: the echoed prompt's tokens lead the logprobs
+
     def _logprobs(self, deltas: list[TokenDelta], offset: int) -> dict | None:
-        """vLLM's completion logprobs: tokens, their logprobs, the top alternatives, text offsets."""
+        """vLLM's completion logprobs: tokens, their logprobs, the top alternatives, text offsets (with
+        `echo_logprobs`, the prompt's tokens first, the first one's logprob None)."""
         if not deltas or deltas[0].logprob is None or not self.show_logprobs:
             return None
         block = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        if self.echo_logprobs and deltas[0].index == 0 and deltas[0].prompt_logprobs is not None:
+            scored = ((None, ()),) + tuple((lp, top) for lp, _, top in deltas[0].prompt_logprobs)
+            prompt_offset = 0
+            for token, (logprob, top) in zip(self.prompt_token_ids, scored):
+                text = self.token_text(token)
+                block["text_offset"].append(prompt_offset)
+                block["tokens"].append(text)
+                block["token_logprobs"].append(logprob)
+                block["top_logprobs"].append({self.token_text(t): lp for t, lp in top} if logprob is not None else None)
+                prompt_offset += len(text)
         for d in deltas:
             block["text_offset"].append(offset)
             block["tokens"].append(self.token_text(d.token_id))
@@ -97,11 +109,15 @@ class CompletionFormatter(OpenAIFormatter):
         return self.templated(delta.text, lambda text: self._body(self._choice(text, None)))
 
     def token_frames(self, delta: TokenDelta, transcript: Transcript) -> list[dict]:
-        logprobs = self._logprobs([delta], transcript.length - len(delta.text)) if delta.logprob is not None else None
+        offset = transcript.length - len(delta.text) + len(self.echo_text)
+        logprobs = self._logprobs([delta], offset) if delta.logprob is not None else None
         text = transcript.text if self.full_text else delta.text
         if self.full_text or delta.index == 0:
             text = self.echo_text + text
         choice = self._choice(text, None, logprobs)
+        if delta.prompt_logprobs is not None and self.show_prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_token_ids, delta.prompt_logprobs,
+                                                             self.token_text)
         if self.return_token_ids:
             choice["token_ids"] = [delta.token_id]
             if delta.index == 0:
@@ -120,7 +136,11 @@ class CompletionFormatter(OpenAIFormatter):
 
     def response(self, transcript: Transcript) -> dict:
         finished = transcript.finished
-        choice = self._choice(self.echo_text + transcript.text, finished, self._logprobs(transcript.deltas, 0))
+        choice = self._choice(self.echo_text + transcript.text, finished,
+                              self._logprobs(transcript.deltas, len(self.echo_text)))
+        if self.show_prompt_logprobs and transcript.deltas:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_token_ids, transcript.deltas[0].prompt_logprobs,
+                                                             self.token_text)
         if self.return_token_ids:
             choice["token_ids"] = transcript.token_ids
             choice["prompt_token_ids"] = self.prompt_token_ids
@@ -143,6 +163,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                 body.return_token_ids,
                                 prompts[g].token_ids, state.tokenizer.token_text, body.stream_options)
         f.echo_text = prompts[g].text if body.echo else ""
+        f.echo_logprobs = body.echo and body.logprobs is not None
+        f.show_prompt_logprobs = body.prompt_logprobs is not None
         return f
 
     return await serve_openai_batch(request, body, gens, formatter)

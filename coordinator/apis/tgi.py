@@ -51,8 +51,9 @@ class TgiParameters(TextGenParameters):
     grammar: TgiGrammar | None = None
 
     def sampling(self, **extra) -> SamplingOptions:
-        # logprobs=0: TGI reports each token's logprob.
-        return super().sampling(stop=stop_tuple(self.stop), logprobs=0, **extra)
+        # logprobs=0: TGI reports each token's logprob; decoder_input_details each prompt token's too.
+        return super().sampling(stop=stop_tuple(self.stop), logprobs=0,
+                                prompt_logprobs=0 if self.decoder_input_details else None, **extra)
 
 
 class TgiRequest(BaseModel):
@@ -112,7 +113,11 @@ class TgiFormatter(TextGenFormatter):
         if self.params.details or self.params.decoder_input_details:
             prefill = []
             if self.params.decoder_input_details:
-                prefill = [self._token(t, self.token_text(t), None) for t in self.prompt_token_ids]
+                # The first token has no logprob (nothing comes before it), as in TGI.
+                scored = transcript.deltas[0].prompt_logprobs if transcript.deltas else None
+                logprobs = [None] + [lp for lp, _, _ in scored] if scored is not None else []
+                prefill = [self._token(t, self.token_text(t), logprobs[i] if i < len(logprobs) else None)
+                           for i, t in enumerate(self.prompt_token_ids)]
             body["details"] = {
                 **finish_details(finished),
                 "prefill": prefill,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from coordinator.apis.fields import MaxTokens, PositiveInt32, Seed, new_seed
 from coordinator.errors import ApiError
@@ -34,17 +34,16 @@ def _open_top_p(v: float) -> float:
 
 
 def _typical_p(v: float) -> float:
+    # TGI's rule, > 0.0 and < 1.0, with 1.0 (off) accepted as the MindIE coordinator API's range has it.
     if not 0.0 < v <= 1.0:
-        raise ValueError(f"must be in (0.0, 1.0], got {v}")
-    if v != 1.0:
-        raise ValueError("typical_p is not supported: only the default 1.0 is accepted")
+        raise ValueError(f"must be in (0.0, 1.0] (1.0: off), got {v}")
     return v
 
 
 PositiveFloat = Annotated[float, AfterValidator(_positive)]
 TextGenTemperature = Annotated[float, AfterValidator(_temperature)]
 OpenTopP = Annotated[float, AfterValidator(_open_top_p)]
-TypicalP = Annotated[float, AfterValidator(_typical_p)]  # unsupported: accepted only at its default
+TypicalP = Annotated[float, AfterValidator(_typical_p)]
 
 FINISH_REASONS = {
     FinishReason.EOS: "eos_token",
@@ -70,6 +69,8 @@ class TextGenParameters(BaseModel):
     top_p: OpenTopP | None = None
     typical_p: TypicalP = 1.0
     watermark: bool = False
+    # The LoRA adapter to run under (its served name); "None": the base model.
+    adapter_id: Annotated[str, StringConstraints(max_length=256, pattern=r"^[A-Za-z0-9./_-]+$")] = "None"
 
     @model_validator(mode="after")
     def _no_watermark(self):
@@ -78,14 +79,15 @@ class TextGenParameters(BaseModel):
         return self
 
     def sampling(self, **extra) -> SamplingOptions:
-        """Greedy unless do_sample, or a sampling parameter, asks for sampling; `do_sample: false`
-        is greedy whatever else is set."""
-        wants_sampling = self.do_sample if self.do_sample is not None else any(
-            v is not None for v in (self.temperature, self.top_k, self.top_p))
+        """Greedy unless do_sample, or a sampling parameter (typical_p below 1.0 included, as in TGI), asks for
+        sampling; `do_sample: false` is greedy whatever else is set, typical_p then dropped."""
+        typical_p = self.typical_p if self.typical_p is not None else 1.0
+        wants_sampling = self.do_sample if self.do_sample is not None else (
+            any(v is not None for v in (self.temperature, self.top_k, self.top_p)) or typical_p < 1.0)
         return SamplingOptions(
             temperature=(self.temperature or 1.0) if wants_sampling else 0.0,
-            top_p=self.top_p or 1.0, top_k=self.top_k or 0, seed=new_seed(self.seed),
-            repetition_penalty=self.repetition_penalty, **extra,
+            top_p=self.top_p or 1.0, top_k=self.top_k or 0, typical_p=typical_p if wants_sampling else 1.0,
+            seed=new_seed(self.seed), repetition_penalty=self.repetition_penalty, **extra,
         )
 
     def generation(self, request_id: str, prompt_ids: list[int], guided: GuidedGrammar | None = None,
@@ -106,11 +108,6 @@ class QueuedParameters(TextGenParameters):
 def error_frame(error: ApiError) -> dict:
     """The family's error body, also a stream's last event after a late failure."""
     return {"error": error.message, "error_type": error.error_type}
-
-
-def check_model(requested: str, served: str) -> None:
-    if requested != served:
-        raise ApiError(404, f"model {requested!r} is not served here; this server serves {served!r}")
 
 
 def finish_details(finished: Finished) -> dict:

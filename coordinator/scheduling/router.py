@@ -33,9 +33,11 @@ class Router:
         self.local_prefill_max_tokens = local_prefill_max_tokens
 
     def route(self, prompt_token_ids: list[int], exclude_decode: set[str] = frozenset(),
-              exclude_prefill: set[str] = frozenset(), lora: str | None = None) -> Placement:
+              exclude_prefill: set[str] = frozenset(), lora: str | None = None, local_prefill: bool = True
+              ) -> Placement:
         """The decode instance first; then, unless the part of the prompt it does not hold is shorter than
-        local_prefill_max_tokens (it prefills that itself), a prefill instance (`lora`: the request's adapter)."""
+        local_prefill_max_tokens (it prefills that itself; never without `local_prefill`), a prefill instance
+        (`lora`: the request's adapter)."""
         policy, registry = self.policy, self.registry
         match = policy.match(prompt_token_ids)
         prompt_len = len(prompt_token_ids)
@@ -43,7 +45,7 @@ class Router:
         if decode is None:
             raise WorkerError(_none_left("decode", registry, exclude_decode))
         decode_cached = match.decode.get(decode.address, 0)
-        if prompt_len - decode_cached < self.local_prefill_max_tokens:
+        if local_prefill and prompt_len - decode_cached < self.local_prefill_max_tokens:
             return Placement(None, decode, decode_cached_tokens=decode_cached)
         prefill = policy.choose_prefill(registry.pool("prefill"), prompt_len, match.prefill, exclude_prefill, lora)
         if prefill is None:

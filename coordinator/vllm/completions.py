@@ -37,6 +37,15 @@ def completion_body(request: GenerationRequest, max_tokens: int, request_id: str
     s = request.sampling
     if request.media:
         raise UnsupportedOnVllm("images go to pdserve's own workers only: vLLM instances are served text prompts")
+    if s.prompt_logprobs is not None:
+        raise UnsupportedOnVllm("prompt logprobs (echo with logprobs, prompt_logprobs, decoder_input_details) are not "
+                                "relayed from vLLM engines' prefill instances yet; leave them out")
+    if request.lora is not None:
+        raise UnsupportedOnVllm(f"LoRA adapter {request.lora.name!r}: adapters are served by pdserve workers only, not "
+                                "yet by vLLM engines")
+    if s.typical_p < 1.0:
+        raise UnsupportedOnVllm(f"typical_p={s.typical_p}: vLLM engines cannot honour typical_p (vLLM's sampling has "
+                                "no locally typical filter); leave it out or at 1.0")
     body = {
         "prompt": request.prompt_token_ids,
         "max_tokens": max_tokens,

@@ -52,13 +52,29 @@ def test_infer_stream_events_carry_timings_and_the_last_the_result(http):
     ({"timeout": 3601}, "parameters.timeout"),
     ({"temperature": 0}, "parameters.temperature"),
     ({"top_p": 1.0}, "parameters.top_p"),
-    ({"typical_p": 0.5}, "typical_p is not supported"),
+    ({"typical_p": 0}, "parameters.typical_p: must be in (0.0, 1.0]"),
+    ({"typical_p": 1.5}, "parameters.typical_p: must be in (0.0, 1.0]"),
     ({"watermark": True}, "watermark is not supported"),
     ({"stop": "x"}, "parameters.stop: unknown field"),
 ])
 def test_out_of_range_infer_parameter_is_400(http, params, needle):
     resp = infer(http, **params)
     assert resp.status_code == 400 and needle in resp.json()["error"]
+
+
+# The MindIE coordinator API's own /infer example (docs/compatibility.md), typical_p 0.5 included.
+SEED_INFER_PARAMETERS = {"temperature": 0.5, "top_k": 10, "top_p": 0.95, "max_new_tokens": 20, "do_sample": True,
+                         "seed": None, "repetition_penalty": 1.03, "details": True, "typical_p": 0.5,
+                         "watermark": False, "priority": 5, "timeout": 10}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_seed_example_with_typical_p_is_served(http, stream):
+    resp = infer(http, stream=stream, **SEED_INFER_PARAMETERS)
+    assert resp.status_code == 200, resp.text
+    body = json.loads(sse_events(resp.content)[-1]) if stream else resp.json()
+    details = body["details"]
+    assert details["finish_reason"] in ("length", "eos_token") and 1 <= details["generated_tokens"] <= 20
 
 
 def test_request_past_its_timeout_ends_with_504_and_frees_the_decode_worker(http, cluster):

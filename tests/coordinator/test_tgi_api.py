@@ -80,10 +80,11 @@ def test_seeded_sampling_reports_and_reuses_the_seed(http):
     ({"max_new_tokens": 0}, "parameters.max_new_tokens"),
     ({"repetition_penalty": 0}, "parameters.repetition_penalty: must be > 0.0"),
     ({"truncate": 0}, "parameters.truncate"),
-    ({"typical_p": 0.5}, "typical_p is not supported"),
+    ({"typical_p": 0}, "parameters.typical_p: must be in (0.0, 1.0]"),
     ({"typical_p": 1.5}, "parameters.typical_p: must be in (0.0, 1.0]"),
     ({"watermark": True}, "watermark is not supported"),
-    ({"adapter_id": "my-lora"}, "LoRA adapters are not supported"),
+    ({"adapter_id": "my lora"}, "parameters.adapter_id"),
+    ({"adapter_id": "a" * 257}, "parameters.adapter_id"),
     ({"stop": ["x" * 1025]}, "1 to 1024 characters"),
     ({"seed": 0}, "parameters.seed"),
     ({"bogus": 1}, "parameters.bogus: unknown field"),
@@ -95,8 +96,38 @@ def test_out_of_range_tgi_parameter_is_400_in_tgi_error_format(http, params, nee
     assert set(body) == {"error", "error_type"} and needle in body["error"]
 
 
+def test_unknown_adapter_id_is_404_in_tgi_error_format_naming_what_is_served(http):
+    resp = tgi(http, "/generate", adapter_id="my-lora")
+    assert resp.status_code == 404
+    body = resp.json()
+    assert set(body) == {"error", "error_type"} and "parameters.adapter_id='my-lora'" in body["error"]
+
+
 def test_typical_p_and_watermark_at_their_defaults_are_accepted(http):
     assert tgi(http, "/generate", max_new_tokens=2, typical_p=1.0, watermark=False).status_code == 200
+
+
+# The MindIE coordinator API's own TGI example (docs/compatibility.md), typical_p 0.5 included.
+SEED_TGI_PARAMETERS = {"decoder_input_details": False, "details": True, "do_sample": True, "max_new_tokens": 20,
+                       "repetition_penalty": 1.03, "return_full_text": False, "seed": None, "temperature": 0.5,
+                       "top_k": 10, "top_p": 0.95, "truncate": None, "typical_p": 0.5, "watermark": False,
+                       "stop": None, "adapter_id": "None"}
+
+
+@pytest.mark.parametrize("path", ["/generate", "/generate_stream"])
+def test_the_seed_example_with_typical_p_is_served(http, path):
+    resp = tgi(http, path, "My name is Olivier and I", **SEED_TGI_PARAMETERS)
+    assert resp.status_code == 200, resp.text
+    details = (resp.json() if path == "/generate" else json.loads(sse_events(resp.content)[-1]))["details"]
+    assert details["finish_reason"] in ("length", "eos_token") and 1 <= details["generated_tokens"] <= 20
+
+
+def test_typical_p_near_zero_keeps_one_token_a_step_so_every_seed_writes_the_same_text(http):
+    def text(seed, **params):
+        return tgi(http, "/generate", max_new_tokens=8, temperature=1.5, seed=seed, **params).json()["generated_text"]
+
+    assert len({text(seed) for seed in (1, 2, 3)}) > 1  # sampled: the seeds differ
+    assert len({text(seed, typical_p=1e-6) for seed in (1, 2, 3)}) == 1  # only the most typical token each step
 
 
 def test_generate_body_with_both_or_neither_input_field_is_400(http):

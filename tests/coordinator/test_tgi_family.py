@@ -7,7 +7,6 @@ import pytest
 from coordinator.apis.fields import parse_request
 from coordinator.apis.mindie import MindieFormatter, MindieParameters, MindieRequest
 from coordinator.apis.tgi import TgiFormatter, TgiParameters, TgiRequest
-from coordinator.apis.tgi_family import check_model
 from coordinator.apis.triton import (
     TritonFormatter,
     TritonGenerateRequest,
@@ -43,10 +42,28 @@ def test_unknown_parameters_are_refused_by_every_family_api(model, body):
     ({"top_k": 5}, 1.0),
     ({"do_sample": True}, 1.0),
     ({"do_sample": False, "temperature": 0.5}, 0.0),
+    ({"typical_p": 0.5}, 1.0),  # as in TGI, typical_p is a sampling parameter
+    ({"typical_p": 1.0}, 0.0),
 ])
 @pytest.mark.parametrize("model", [TgiParameters, MindieParameters, TritonParameters])
 def test_family_is_greedy_unless_asked_to_sample(model, params, temperature):
     assert model(**params).sampling().temperature == temperature
+
+
+@pytest.mark.parametrize("model", [TgiParameters, MindieParameters, TritonParameters])
+def test_family_passes_typical_p_to_sampling_and_drops_it_when_greedy(model):
+    assert model(typical_p=0.5, temperature=0.7).sampling().typical_p == 0.5
+    assert model().sampling().typical_p == 1.0
+    greedy = model(typical_p=0.5, do_sample=False).sampling()
+    assert (greedy.temperature, greedy.typical_p) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize("model,body", FAMILY_BODIES)
+@pytest.mark.parametrize("typical_p", [0, -0.5, 1.5, float("nan")])
+def test_typical_p_outside_its_range_is_refused_by_every_family_api(model, body, typical_p):
+    with pytest.raises(ApiError, match=r"parameters.typical_p: must be in \(0.0, 1.0\]") as info:
+        parse_request(model, {**body, "parameters": {"typical_p": typical_p}})
+    assert info.value.status == 400
 
 
 def test_mindie_and_triton_carry_priority_and_timeout_into_the_request():
@@ -58,12 +75,6 @@ def test_mindie_and_triton_carry_priority_and_timeout_into_the_request():
 def test_tgi_reports_logprobs_and_passes_stop_strings():
     sampling = TgiParameters(stop=["a", "b"], seed=3).sampling()
     assert (sampling.logprobs, sampling.stop, sampling.seed) == (0, ("a", "b"), 3)
-
-
-def test_triton_names_the_model_it_does_not_serve():
-    with pytest.raises(ApiError, match="not served here") as info:
-        check_model("other", "pdserve-tiny")
-    assert info.value.status == 404
 
 
 def test_family_error_frames_are_error_and_error_type():

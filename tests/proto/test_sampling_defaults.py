@@ -38,6 +38,20 @@ def test_default_options_reach_a_worker_as_its_defaults():
     assert shared(sampling_from_pb(sent)) == shared(DEFAULT_SAMPLING)
 
 
+# A value away from its default for every shared rule, exact in float32 (the wire's floats).
+SET_RULES = dict(temperature=0.75, top_p=0.5, typical_p=0.25, top_k=5, seed=3, stop=("x",),
+                 skip_special_tokens=False, repetition_penalty=1.25, presence_penalty=0.125, frequency_penalty=0.375,
+                 stop_token_ids=(9,), ignore_eos=True, min_tokens=2, include_stop_str_in_output=True,
+                 logit_bias=((4, -1.5),))
+
+
+def test_every_shared_rule_set_away_from_its_default_reaches_a_worker_unchanged():
+    assert set(SET_RULES) == set(SHARED)
+    assert all(value != getattr(DEFAULT_SAMPLING, name) for name, value in SET_RULES.items())
+    sent = sampling_to_pb(GenerationRequest("r", [1], SamplingOptions(**SET_RULES)), 8)
+    assert shared(sampling_from_pb(sent)) == SET_RULES
+
+
 def test_a_worker_reads_every_field_left_out_of_the_message_as_its_default_but_the_bool_it_cannot_tell():
     read = shared(sampling_from_pb(pb.SamplingParams()))
     differs = {name: value for name, value in read.items() if value != getattr(DEFAULT_SAMPLING, name)}

@@ -1,11 +1,13 @@
-"""The sampler: greedy, seeded reproducibility, top-k and top-p filtering."""
+"""The sampler: greedy, seeded reproducibility, top-k, top-p and typical-p filtering."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
+from transformers.generation.logits_process import TypicalLogitsWarper
 
 from worker.torch_engine.sampling import (
     PenaltyCounts,
@@ -16,7 +18,9 @@ from worker.torch_engine.sampling import (
     mask_early_stops,
     sample_batch,
     sample_token,
+    sampling_probs,
     token_logprobs,
+    typical_filter,
 )
 from worker.engine.sequence import SamplingParams, Sequence
 
@@ -51,6 +55,64 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     p = float(probs[1] + probs[2]) - 0.01
     seen = {sample_token(LOGITS, SamplingParams(temperature=1.0, top_p=p, seed=s), 0) for s in range(1, 300)}
     assert seen == {1, 2}
+
+
+@pytest.mark.parametrize("mass", [0.05, 0.2, 0.5, 0.9, 0.95, 0.999])
+def test_typical_filter_keeps_exactly_the_tokens_hf_typical_warper_keeps(mass):
+    logits = torch.randn(16, 1224, generator=torch.Generator().manual_seed(int(mass * 1000))) * 3
+    logits[::4] = (logits[::4] * 2).round() / 2  # ties in the distance to the entropy
+    logits[1::4, 600:] = float("-inf")  # rows a grammar mask, top-k or top-p already cut
+    logits[2] = torch.cat([torch.tensor([12.0]), torch.zeros(1223)])  # one token carries nearly all the mass
+    expected = TypicalLogitsWarper(mass=mass)(None, logits.clone())
+    kept = typical_filter(logits, torch.full((16, 1), mass))
+    assert torch.equal(torch.isfinite(kept), torch.isfinite(expected))
+    assert torch.equal(kept[torch.isfinite(kept)], logits[torch.isfinite(kept)])
+
+
+def test_typical_filter_gives_each_row_its_own_mass():
+    logits = torch.randn(3, 1224, generator=torch.Generator().manual_seed(9)) * 3
+    masses = [0.3, 0.7, 0.95]
+    kept = typical_filter(logits, torch.tensor(masses).unsqueeze(1))
+    for row, mass in enumerate(masses):
+        expected = TypicalLogitsWarper(mass=mass)(None, logits[row : row + 1].clone())
+        assert torch.equal(torch.isfinite(kept[row : row + 1]), torch.isfinite(expected))
+
+
+def test_typical_p_applies_after_temperature_top_k_and_top_p_as_hf_generate_orders_them():
+    logits = torch.randn(1, 1224, generator=torch.Generator().manual_seed(10)) * 3
+    params = SamplingParams(temperature=0.7, top_k=300, typical_p=0.6, seed=1)
+    probs = sampling_probs(logits, [params])
+    scores = logits / torch.tensor([0.7])
+    scores = scores.masked_fill(scores < torch.topk(scores, 300).values[:, -1:], float("-inf"))
+    expected = TypicalLogitsWarper(mass=0.6)(None, scores)
+    assert torch.equal(probs > 0, torch.isfinite(expected))
+
+
+@pytest.mark.parametrize("off", [1.0, 0.0])  # 1.0: off; 0.0: a message that left it out
+def test_rows_without_typical_p_are_untouched_by_rows_with_it(off):
+    rng = random.Random(6)
+    logits = torch.randn(12, 1224, generator=torch.Generator().manual_seed(3)) * 3
+    plain = [mixed_params(rng) for _ in range(12)]
+    plain = [p if p.temperature else SamplingParams(temperature=1.0, seed=1) for p in plain]
+    plain = [dataclasses.replace(p, typical_p=off) for p in plain]
+    mixed = [dataclasses.replace(p, typical_p=0.4) if i % 3 == 0 else p for i, p in enumerate(plain)]
+    untouched = [i for i in range(12) if i % 3]
+    assert torch.equal(sampling_probs(logits, mixed)[untouched], sampling_probs(logits, plain)[untouched])
+    filtered = sampling_probs(logits, mixed)[::3]
+    assert torch.equal(filtered, sampling_probs(logits[::3], mixed[::3]))  # each typical row as it is alone
+    assert bool(((filtered > 0).sum(-1) < (sampling_probs(logits, plain)[::3] > 0).sum(-1)).any())
+
+
+def test_greedy_ignores_typical_p():
+    assert sample_token(LOGITS, SamplingParams(temperature=0.0, typical_p=0.2), 0) == 1
+
+
+def test_a_seeded_typical_request_draws_only_typical_tokens_and_the_same_ones_again():
+    params = SamplingParams(temperature=1.0, typical_p=0.3, seed=11)
+    allowed = torch.isfinite(TypicalLogitsWarper(mass=0.3)(None, WIDE.unsqueeze(0).clone()))[0]
+    tokens = [sample_token(WIDE, params, i) for i in range(30)]
+    assert all(allowed[t] for t in tokens)
+    assert tokens == [sample_token(WIDE, params, i) for i in range(30)]
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():

@@ -26,6 +26,8 @@ class Prompt:
     extra_positions: int = 0
     media: tuple = ()
     prepared_media: None = None
+    lora: None = None
+    prompt_logprobs: int | None = None
 
     @property
     def cache_token_ids(self) -> list[int]:

@@ -6,6 +6,7 @@ Plain dataclasses, dispatched with `match`; no torch here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kv_transfer.wire import LayerBytes
 from worker.engine.block_pool import BlockTable
@@ -31,6 +32,7 @@ class PrefillDone:
     forward_ms: float = 0.0
     done_at: float = 0.0
     cached_tokens: int = 0  # prompt positions found in the prefix cache (not computed)
+    prompt_logprobs: list | None = None  # (logprob, rank, top) of prompt tokens 1 .. n-1, when asked
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ class SequenceWork:
     @property
     def lora(self):
         return self.seq.lora
+
+    prompt_logprobs: ClassVar[None] = None  # only a prefill worker reports prompt logprobs
 
 
 @dataclass(eq=False)

@@ -54,6 +54,8 @@ class PrefillJob:
     prepared_media: Any = None  # what `prepare_media` made of them
     cache_token_ids: list[int] = field(default_factory=list)  # the prompt as the prefix cache hashes it
     lora: LoadedLora | None = None  # the adapter its forwards run under (pinned until `release`); None: the base
+    # Each prompt token's (logprob, rank, top alternatives) after the first, filled chunk by chunk when asked.
+    prompt_logprob_entries: list = field(default_factory=list)
 
     def __post_init__(self):
         self.cache_token_ids = lora_cache_tokens(cache_token_ids(self.prompt_token_ids, self.media),
@@ -62,6 +64,10 @@ class PrefillJob:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.sampling.prompt_logprobs
 
     @property
     def num_tokens(self) -> int:

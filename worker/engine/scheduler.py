@@ -28,6 +28,7 @@ class PromptWork(Protocol):
     started: bool  # its blocks are taken
     cached_tokens: int  # of them, found in the prefix cache when it started
     lora: Any  # the LoadedLora its forwards run under; None: the base model
+    prompt_logprobs: int | None  # alternatives per prompt position to report (each position computed); None: none
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,9 @@ class PrefillScheduler:
         """Give `work` its cached leading blocks and fresh blocks for the rest (and for what it needs next, so a
         finished one never waits for a block to go on); False if the pool cannot yet."""
         n = len(work.token_ids)
-        work.num_computed = self.pool.cached_prefix(work.cache_token_ids, n - 1, work.table)
+        # Prompt logprobs need every position's logits: such a prompt takes no cached block.
+        work.num_computed = self.pool.cached_prefix(work.cache_token_ids, n - 1 if work.prompt_logprobs is None else 0,
+                                                    work.table)
         if not self.pool.grow(work.table, n + work.extra_positions):
             self.pool.release(work.table)
             work.num_computed = 0

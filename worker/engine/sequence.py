@@ -52,6 +52,7 @@ class SamplingParams(SamplingRules):
     top_logprobs: int = 0
     grammar: str | None = None  # llguidance grammar text every token must follow
     grammar_generated: tuple[int, ...] = ()  # tokens generated under it by earlier attempts (the prompt's tail)
+    prompt_logprobs: int | None = None  # report each prompt token's logprob with this many alternatives; None: no
 
     @property
     def has_penalties(self) -> bool:
@@ -80,6 +81,7 @@ class TokenOutput:
     logprobs: TokenLogprobs | None = None
     batch_size: int = 1
     queue_wait_ms: float = 0.0
+    prompt_logprobs: Any = None  # the first token's: pb.PromptLogprobs of prompt tokens 1 .. n-1, when asked
 
 
 @dataclass

@@ -68,6 +68,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         grammar=msg.guided.grammar if msg.HasField("guided") else None,
         grammar_generated=tuple(msg.guided.generated_token_ids),
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        typical_p=msg.typical_p or DEFAULT_SAMPLING.typical_p,
+        prompt_logprobs=msg.prompt_top_logprobs if msg.return_prompt_logprobs else None,
     )
 
 
@@ -120,6 +122,8 @@ def token_to_pb(output: TokenOutput, event: pb.TokenEvent | None = None) -> pb.T
     if output.logprobs is not None:
         event.logprob = output.logprobs.logprob
         event.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in output.logprobs.top)
+    if output.prompt_logprobs:
+        event.prompt_logprobs.extend(output.prompt_logprobs)
     return event
 
 
@@ -188,7 +192,8 @@ class PrefillKvStream:
                     yield layer
                 case PrefillDone(first_token_id, prefill_ms, logprobs) as done:
                     self.first_token_id, self.prefill_time_ms, self.done = first_token_id, prefill_ms, done
-                    yield make_trailer(first_token_id, prefill_ms, (logprobs.logprob, logprobs.top) if logprobs else None)
+                    yield make_trailer(first_token_id, prefill_ms, (logprobs.logprob, logprobs.top) if logprobs else None,
+                                       done.prompt_logprobs)
                     return
                 case PrefillFailed(message, invalid):
                     # Ending without a trailer makes the decode worker reject the stream as truncated.
@@ -342,6 +347,9 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"prompt_len={request.prompt_len} must be in [1, max_seq_len={request.max_seq_len})",
             )
+        if request.local_prefill and request.sampling.return_prompt_logprobs:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt logprobs are computed by a prefill worker "
+                                "only: send the request through PD (local_prefill is false)")
         if request.local_prefill and len(request.prompt_token_ids) != request.prompt_len:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -120,11 +120,14 @@ class DecodeEngine(DecodeBackend):
         first_logprobs = None
         if seq.sampling.return_logprobs and kv.first_logprobs is not None:
             first_logprobs = TokenLogprobs(kv.first_logprobs[0], tuple(kv.first_logprobs[1]))
-        self._start(seq, kv.first_token_id, kv.prefill_time_ms, first_logprobs)
+        self._start(seq, kv.first_token_id, kv.prefill_time_ms, first_logprobs,
+                    kv.prompt_logprobs if seq.sampling.prompt_logprobs is not None else None)
 
-    def _start(self, seq: Sequence, first_token_id: int, prefill_ms: float, logprobs: TokenLogprobs | None) -> None:
+    def _start(self, seq: Sequence, first_token_id: int, prefill_ms: float, logprobs: TokenLogprobs | None,
+               prompt_logprobs=None) -> None:
         processor = OutputProcessor(seq, self.runner.tokenizer, self.runner.eos_token_ids)
         output = processor.append(first_token_id, prefill_ms, logprobs)
+        output.prompt_logprobs = prompt_logprobs  # the prefill worker's, relayed with the first token
         seq.last_step_at = time.perf_counter()
         if output.finish_reason is None:
             seq.status = DecodeState.DECODING  # before the batch sees it, so it is never counted twice

@@ -71,6 +71,22 @@ def refuse_unsupported_vision(config) -> None:
                          "(one position per token, fixed-size images) are served yet")
 
 
+def scored_tokens(logits: torch.Tensor, targets: Sequence[int], top: int) -> list[tuple]:
+    """(logprob, rank, ((token, logprob), ...) of the `top` likeliest) of each target token under its row of
+    `logits` [n, V] (the raw distribution, as vLLM reports prompt logprobs)."""
+    if not targets:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(targets, dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = logprobs.gather(1, index)
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    tops = logprobs.topk(top, dim=-1) if top else None
+    chosen, ranks = chosen.squeeze(1).tolist(), ranks.tolist()
+    alternatives = ([list(zip(i, v)) for i, v in zip(tops.indices.tolist(), tops.values.tolist())] if top
+                    else [()] * len(targets))
+    return [(lp, rank, tuple(alt)) for lp, rank, alt in zip(chosen, ranks, alternatives)]
+
+
 # Below this many blocks in common, a shared prefix is attended with each row's own blocks (one gather, SDPA).
 MIN_SHARED_BLOCKS = 4
 
@@ -114,6 +130,8 @@ class PromptChunk:
     media: Sequence[MediaSpan] = ()  # the images overlapping the chunk, whose encoder rows fill their positions
     features: dict[int, torch.Tensor] = field(default_factory=dict)  # those images' encoder output, by content hash
     lora: LoadedLora | None = None  # the adapter its prompt runs under
+    prompt_logprobs: int | None = None  # report each position's next-token logprob, with this many alternatives
+    following: int | None = None  # the prompt token after the chunk (None: the chunk ends the prompt)
 
 
 class ModelRunner:
@@ -189,8 +207,10 @@ class ModelRunner:
                 except Exception as exc:  # noqa: BLE001 (a bad image, or the encoder's own failure: its request's)
                     failed.append((chunk, exc))
                     continue
+            following = work.token_ids[chunk.end] if chunk.end < len(work.token_ids) else None
             prompt_chunks.append(PromptChunk(work.token_ids[chunk.start : chunk.end], chunk.start, work.table,
-                                             sample(chunk), media, features, work.lora))
+                                             sample(chunk), media, features, work.lora, work.prompt_logprobs,
+                                             following))
         return prompt_chunks, failed
 
     @property
@@ -254,8 +274,11 @@ class ModelRunner:
     # forward ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, decode: Sequence[DecodeRow], chunks: Sequence[PromptChunk],
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """One packed forward; logits [rows, V]: one per decode row, then one per chunk with `logits`."""
+                on_layer: Callable[[int], None] | None = None,
+                prompt_logprobs: dict[int, list] | None = None) -> torch.Tensor:
+        """One packed forward; logits [rows, V]: one per decode row, then one per chunk with `logits`. A chunk with
+        `prompt_logprobs` gets, in `prompt_logprobs[its index]`, (logprob, rank, top) of each prompt token it
+        predicts (the token after each of its positions, as far as the prompt goes)."""
         self._zero_fresh_blocks()
         ids: list[int] = []
         positions: list[int] = []
@@ -282,6 +305,10 @@ class ModelRunner:
             batch.segments.append(seg)
             if chunk.logits:
                 keep.append(len(ids) - 1)
+        # Rows whose logits score the prompt itself go after the sampled ones.
+        scored = [(i, seg.start, seg.end) for i, (chunk, seg) in enumerate(zip(chunks, batch.segments))
+                  if chunk.prompt_logprobs is not None and prompt_logprobs is not None]
+        rows = keep + [r for _, start, end in scored for r in range(start, end)]
         batch.slots = torch.cat(slot_parts).to(self.device)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
@@ -290,8 +317,15 @@ class ModelRunner:
             inputs = {"inputs_embeds": self._embeds_with_media(input_ids, len(decode), chunks)}
         with attention_batch(batch), lora_rows(self._token_adapters(decode, chunks), self.device):
             out = self.model(**inputs, position_ids=position_ids, use_cache=False,
-                             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device))
-        return out.logits[0].float()
+                             logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device))
+        logits = out.logits[0]
+        offset = len(keep)
+        for i, start, end in scored:
+            chunk = chunks[i]
+            targets = list(chunk.token_ids[1:]) + ([chunk.following] if chunk.following is not None else [])
+            prompt_logprobs[i] = scored_tokens(logits[offset : offset + len(targets)], targets, chunk.prompt_logprobs)
+            offset += end - start
+        return logits[: len(keep)].float()
 
     @staticmethod
     def _token_adapters(decode: Sequence[DecodeRow], chunks: Sequence[PromptChunk]) -> list[LoadedLora | None]:

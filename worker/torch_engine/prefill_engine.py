@@ -119,7 +119,10 @@ class PrefillEngine(PrefillBackend):
 
         try:
             started = time.perf_counter()
-            logits = self.runner.forward([], prompt_chunks, on_layer if last else None)
+            scored: dict[int, list] = {}
+            logits = self.runner.forward([], prompt_chunks, on_layer if last else None, scored)
+            for i, entries in scored.items():
+                chunks[i].work.prompt_logprob_entries.extend(entries)
             self.metrics.observe_step("prefill", time.perf_counter() - started, len(chunks))
             # The first token is masked to the grammar, from where the replayed tokens left it.
             picks = choose_batch(logits, [c.work for c in last], self.runner.eos_token_ids, self.guidance.masks)
@@ -140,7 +143,8 @@ class PrefillEngine(PrefillBackend):
             else:
                 self._emit(job, PrefillDone(pick[0], (done_at - job.submitted_at) * 1000, pick[1],
                                             forward_ms=(done_at - started) * 1000, done_at=done_at,
-                                            cached_tokens=job.cached_tokens))
+                                            cached_tokens=job.cached_tokens,
+                                            prompt_logprobs=job.prompt_logprob_entries or None))
             job.matcher = None
 
     def _with_matcher(self, job: PrefillJob) -> bool:

@@ -47,6 +47,12 @@ def test_images_are_refused_by_name():
         completion_body(GenerationRequest("r", [1], SamplingOptions(), media=(media,)), 4, "r")
 
 
+def test_typical_p_is_refused_by_name_as_vllm_engines_cannot_honour_it():
+    with pytest.raises(UnsupportedOnVllm, match="typical_p=0.5: vLLM engines cannot honour typical_p"):
+        completion_body(request(temperature=1.0, typical_p=0.5), 4, "r")
+    assert "typical_p" not in completion_body(request(temperature=1.0, typical_p=1.0), 4, "r")
+
+
 def test_the_prefill_body_asks_for_one_token_kept_for_a_remote_decode():
     body = prefill_body(completion_body(request(logprobs=2, min_tokens=3), 20, "req-1"))
     assert body["max_tokens"] == 1 and body["min_tokens"] == 0 and body["stream"] is False
