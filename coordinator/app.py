@@ -85,12 +85,9 @@ class InFlightLimit:
             self.in_flight -= 1
 
 
-def served_adapters(model, tokenizer: PromptTokenizer, engine: str) -> LoraRegistry:
+def served_adapters(model, tokenizer: PromptTokenizer) -> LoraRegistry:
     """The LoRA adapters `model_config.loraModules` names, checked (ConfigError naming the key otherwise)."""
     loras = LoraRegistry.for_model(model.modelName, tokenizer.model_config, model.maxLoraRank)
-    if model.loraModules and engine == "vllm":
-        raise ConfigError("model_config.loraModules: LoRA adapters are served by pdserve workers only, not yet by "
-                          "vLLM engines")
     for name, path in model.loraModules.items():
         try:
             loras.load(name, path)
@@ -113,6 +110,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         max_iter_times=model.maxIterTimes,
         max_position_embeddings=tokenizer.max_position_embeddings,
     )
+    loras = served_adapters(model, tokenizer)
     health = config.health_config
     trust = CoordinatorTrust.from_config(config)
     engine = config.instances.engine
@@ -127,7 +125,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     # cache_affinity routes on an exact index of the workers' prefix caches, fed by their KV events.
     kv_watch = None
     if scheduling.algorithm_type == "cache_affinity":
-        kv_watch = (VllmKvEventWatch(KvIndex(), config.instances.kv_event_endpoints()) if engine == "vllm"
+        kv_watch = (VllmKvEventWatch(KvIndex(), config.instances.kv_event_endpoints(), loras.digest_of)
+                    if engine == "vllm"
                     else KvEventWatch(KvIndex(), client))
     router = Router(registry, make_policy(scheduling, kv_watch.index if kv_watch is not None else None),
                     scheduling.local_prefill_max_tokens)
@@ -167,7 +166,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     state.cluster = cluster
     state.kv_watch = kv_watch
     state.engine = engine
-    state.loras = served_adapters(model, tokenizer, engine)
+    state.loras = loras
 
     async def background(app: web.Application):
         if kv_watch is not None:

@@ -74,5 +74,7 @@ class LoraRegistry:
                                 f"{served}", param=param)
         return adapter
 
-    def models(self) -> list[ServedAdapter]:
-        return list(self.adapters.values())
+    def digest_of(self, name: str) -> int | None:
+        """The identity of the adapter served as `name` (None: none is)."""
+        adapter = self.adapters.get(name)
+        return adapter.digest if adapter is not None else None

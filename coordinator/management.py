@@ -18,6 +18,7 @@ worker's heartbeats against it, whichever coordinator issued it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -31,6 +32,7 @@ from coordinator.apis.fields import parse_request, read_json
 from coordinator.route_table import ErrorStyle, Route, RouteTable
 from coordinator.config import check_host_port
 from coordinator.errors import ApiError
+from coordinator.failures import WorkerCallError
 from coordinator.state import STATE
 from coordinator.trust import TRUST
 from security.secrets import bearer_value
@@ -158,16 +160,24 @@ class LoraUnload(BaseModel):
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
+    """Serve an adapter from now on: pdserve workers load it on demand; vLLM instances are each told to load it
+    first (all or none)."""
     require_proof(request)
     state = request.app[STATE]
     body = parse_request(LoraLoad, await read_json(request))
-    if state.engine == "vllm":
-        raise ApiError(400, "LoRA adapters are served by pdserve workers only, not yet by vLLM engines",
-                       param="lora_name")
     try:
         state.loras.load(body.lora_name, body.lora_path)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="lora_path") from None
+    if state.engine == "vllm":
+        try:
+            await state.client.update_adapters("/v1/load_lora_adapter", body.model_dump(include={"lora_name",
+                                                                                               "lora_path"}))
+        except WorkerCallError as exc:
+            state.loras.unload(body.lora_name)
+            with contextlib.suppress(WorkerCallError):  # those that loaded it unload it again
+                await state.client.update_adapters("/v1/unload_lora_adapter", {"lora_name": body.lora_name})
+            raise ApiError(400, f"a vLLM instance refused the adapter: {exc}", param="lora_path") from None
     return web.json_response({"status": "ok", "lora_name": body.lora_name})
 
 
@@ -180,6 +190,12 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     except KeyError:
         raise ApiError(404, f"lora_name={body.lora_name!r}: no such LoRA adapter; served: "
                             f"{list(state.loras.adapters)}", param="lora_name") from None
+    if state.engine == "vllm":
+        try:
+            await state.client.update_adapters("/v1/unload_lora_adapter", {"lora_name": body.lora_name})
+        except WorkerCallError as exc:  # no request selects it any more; an instance keeps it loaded
+            raise ApiError(502, f"the adapter is no longer served, but a vLLM instance did not unload it: {exc}",
+                           param="lora_name") from None
     return web.json_response({"status": "ok", "lora_name": body.lora_name})
 
 

@@ -99,7 +99,7 @@ class RequestPipeline:
             try:
                 started = time.monotonic()
                 # As the prefix caches hash it: a repeated image goes where its blocks are.
-                prompt = request.cache_token_ids() + progress.token_ids
+                prompt = request.cache_token_ids(progress.token_ids)
                 placement = self.router.route(prompt, exclude_decode=excluded["decode"],
                                               exclude_prefill=excluded["prefill"],
                                               lora=request.lora.name if request.lora is not None else None,

@@ -68,10 +68,12 @@ class GenerationRequest:
     media: tuple[MediaInput, ...] = ()  # the prompt's images, in prompt order
     lora: ServedAdapter | None = None  # the LoRA adapter it runs under; None: the base model
 
-    def cache_token_ids(self) -> list[int]:
-        """The prompt as the workers' prefix caches hash it (image placeholders stand for their content; under an
-        adapter, every id salted with its identity)."""
+    def cache_token_ids(self, generated: list[int] = ()) -> list[int]:
+        """The prompt, then the `generated` tokens, as the workers' prefix caches hash them (image placeholders
+        stand for their content; under an adapter, every id salted with its identity)."""
         ids = media_cache_tokens(self.prompt_token_ids, self.media) if self.media else self.prompt_token_ids
+        if generated:
+            ids = ids + list(generated)
         return lora_cache_tokens(ids, self.lora.digest) if self.lora is not None else ids
 
     def continued(self, token_ids: list[int], attempt: int) -> GenerationRequest:

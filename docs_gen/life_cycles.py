@@ -17,6 +17,8 @@ LIFE_CYCLES = (
     ("A request on a prefill and a decode worker", "worker/engine/__init__.py"),
     ("A request's images, from the client to the prefill worker", "coordinator/media.py"),
     ("An image on a vision-language worker", "worker/torch_engine/vision.py"),
+    ("A LoRA adapter served by the coordinator", "coordinator/loras.py"),
+    ("A LoRA adapter on a worker", "worker/engine/lora.py"),
     ("A token channel", "worker/service/token_channel.py"),
     ("A worker's KV events subscription", "worker/service/kv_event_log.py"),
     ("A coordinator's watch of one worker's KV events", "coordinator/kv_event_watch.py"),

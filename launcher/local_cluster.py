@@ -115,12 +115,13 @@ def _workers(options: ClusterOptions, base: list[str], model_dir: str,
     """The worker children, `pdserve worker`s or vLLM instances, each with its instance entry when known before
     it starts (a pdserve worker's is its address, known once it is ready)."""
     if options.engine == "vllm":
-        from launcher.vllm_fleet import default_vllm_venv, plan_instances
+        from launcher.vllm_fleet import default_vllm_venv, lora_flags, plan_instances
 
         venv = Path(options.vllm_venv) if options.vllm_venv else default_vllm_venv()
+        extra = lora_flags(options.loras) + options.worker_args
         return [(Child(f"{instance.role} vllm {instance.index}",
                        instance.argv(venv, model_dir, str(security.run_dir / "worker-secret"), security.tls_dir,
-                                     options.worker_args, verbose=options.log_level in ("debug", "info")),
+                                     extra, verbose=options.log_level in ("debug", "info")),
                        WORKER_READY), instance.entry(security.scheme))
                 for instance in plan_instances(options.num_prefill, options.num_decode, security.run_dir)]
     return [(Child(f"{role} worker {i}", base + ["worker", "--role", role, "--model", model_dir, "--host", HOST,

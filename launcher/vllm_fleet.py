@@ -19,6 +19,16 @@ SERVE_SCRIPT = Path(__file__).resolve().parent / "vllm_serve.py"
 VENV_ENV = "PDSERVE_VLLM_VENV"
 
 
+def lora_flags(loras: tuple[tuple[str, str], ...], max_rank: int = 16) -> tuple[str, ...]:
+    """`vllm serve` flags serving `loras` ((name, folder), from `pdserve up --lora`) on every instance: LoRA on, the
+    adapters by name, room for them all in one batch; none without adapters (LoRA costs vLLM's base requests
+    too). `--worker-args` comes after them, so a flag given there wins."""
+    if not loras:
+        return ()
+    return ("--enable-lora", "--max-loras", str(max(4, len(loras))), "--max-lora-rank", str(max_rank),
+            "--lora-modules", *(f"{name}={os.path.abspath(path)}" for name, path in loras))
+
+
 def default_vllm_venv() -> Path:
     """$PDSERVE_VLLM_VENV, else .vllm-venv at the repository root (`make vllm-env` makes it)."""
     return Path(os.environ.get(VENV_ENV) or REPO / ".vllm-venv")

@@ -95,6 +95,8 @@ def serve_environment(args: argparse.Namespace) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     })
+    if "--enable-lora" in args.extra:  # adapters load and unload at run time (the coordinator's management port)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if args.api_key_file:  # as vLLM's --api-key, kept off the command line (ps shows it to every user)
         env["VLLM_API_KEY"] = Path(args.api_key_file).read_text().strip().splitlines()[0].strip()
     return env

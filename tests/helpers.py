@@ -230,6 +230,20 @@ def wait_for_idle(address: str, role: str, timeout_s: float = 10.0) -> pb.Health
         time.sleep(0.05)
 
 
+def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens of PEFT's own model under the adapter in `adapter_dir` (None: the base model), as
+    transformers runs it: the reference a LoRA-serving path must equal token for token."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
 def reference_tokens(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens from transformers' own generate: what every pdserve path must reproduce."""
     model, tokenizer = hf_model

@@ -207,6 +207,16 @@ class VllmClient:
                     raise _status_error(stage, address, resp.status, raw.decode(errors="replace"))
                 return orjson.loads(raw)
 
+    async def update_adapters(self, path: str, body: dict, timeout: float = 60.0) -> None:
+        """POST vLLM's /v1/load_lora_adapter or /v1/unload_lora_adapter (`path`) with `body` to every instance;
+        WorkerCallError naming the first that refuses."""
+        for address in self.urls:
+            async with self._call("adapter", address, timeout):
+                async with self._http().post(self._url(address, path), data=orjson.dumps(body), ssl=self._ssl(),
+                                             headers=self._headers()) as resp:
+                    if resp.status != 200:
+                        raise _status_error("adapter", address, resp.status, await resp.text())
+
     async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
         """vLLM's /health for liveness, its /metrics for the load (load.py; at most every METRICS_MAX_AGE_S)."""
         http, ssl, headers = self._http(), self._ssl(), self._headers()

@@ -40,9 +40,6 @@ def completion_body(request: GenerationRequest, max_tokens: int, request_id: str
     if s.prompt_logprobs is not None:
         raise UnsupportedOnVllm("prompt logprobs (echo with logprobs, prompt_logprobs, decoder_input_details) are not "
                                 "relayed from vLLM engines' prefill instances yet; leave them out")
-    if request.lora is not None:
-        raise UnsupportedOnVllm(f"LoRA adapter {request.lora.name!r}: adapters are served by pdserve workers only, not "
-                                "yet by vLLM engines")
     if s.typical_p < 1.0:
         raise UnsupportedOnVllm(f"typical_p={s.typical_p}: vLLM engines cannot honour typical_p (vLLM's sampling has "
                                 "no locally typical filter); leave it out or at 1.0")
@@ -62,6 +59,8 @@ def completion_body(request: GenerationRequest, max_tokens: int, request_id: str
         "return_token_ids": True,
         "request_id": request_id,
     }
+    if request.lora is not None:
+        body["model"] = request.lora.name  # vLLM selects an adapter (its --lora-modules name) by `model`
     if s.top_k > 0:
         body["top_k"] = s.top_k
     if s.seed is not None:

@@ -5,7 +5,8 @@ each batch as a ZMQ message [topic, seq (8 bytes, big-endian), msgpack([ts, even
 `BlockStored` (its block hashes, the parent's, the blocks' token ids, the block size), `BlockRemoved` (hashes)
 or `AllBlocksCleared`. Its hashes are its own (sha256 by default), so each stored block is hashed again the
 way pdserve's index does (kv_events/block_hash.py), chained from its parent's pdserve hash, and the index is
-fed pb.KvEventBatches as from a pdserve worker.
+fed pb.KvEventBatches as from a pdserve worker. A block stored under a LoRA adapter (`lora_name`) is hashed with
+its token ids salted by that adapter's identity, as the coordinator's LoraRegistry serves it.
 
 Life of one instance's subscription (VllmKvEventWatch):
   1. The instance becomes routable: a SUB socket connects to its `kv_events` endpoint (vLLM binds a wildcard
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
 
 import msgpack
 import zmq
@@ -30,14 +32,15 @@ import zmq.asyncio
 from coordinator.instances import Instance
 from coordinator.kv_event_watch import InstanceFollowers
 from coordinator.scheduling.kv_index import KvIndex
-from kv_events.block_hash import ROOT_HASH, chain_hashes, hash_to_bytes
+from kv_events.block_hash import ROOT_HASH, chain_hashes, hash_to_bytes, lora_cache_tokens
 from proto import worker_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
 RETRY_S = 1.0
 # Positional field order of vLLM's events when they come as arrays (the tag first).
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size")
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                  "extra_keys", "group_idx")
 
 
 def _fields(event) -> tuple[str, dict]:
@@ -54,8 +57,9 @@ def _fields(event) -> tuple[str, dict]:
 class VllmEventTranslator:
     """One vLLM instance's events as pb.KvEventBatches in pdserve's hashes (module docstring, steps 2 and 3)."""
 
-    def __init__(self, role: str):
+    def __init__(self, role: str, lora_digest: Callable[[str], int | None] = lambda name: None):
         self.role = role
+        self.lora_digest = lora_digest  # a served adapter's identity by name (None: not served here)
         self.block_size = 0
         self.epoch = ""
         self.seq = 0  # pdserve events sent in this epoch
@@ -106,12 +110,17 @@ class VllmEventTranslator:
 
     def _stored(self, fields: dict) -> list[pb.KvBlockEvent]:
         parent_vllm = fields.get("parent_block_hash")
-        if any(fields.get("extra_keys") or ()) or int(fields.get("group_idx") or 0):
-            return []  # LoRA, media or another cache group: not what a text prompt's hashes could match
+        lora = fields.get("lora_name")
+        digest = self.lora_digest(lora) if lora else None
+        # A LoRA block's extra keys name its adapter alone; anything else (media, a cache salt) no prompt matches.
+        extra = [key for key in fields.get("extra_keys") or () if key and tuple(key) != (lora,)]
+        if extra or int(fields.get("group_idx") or 0) or (lora and digest is None):
+            return []  # media, another cache group or an adapter not served here: no prompt's hashes could match
         parent = ROOT_HASH if parent_vllm is None else self._hashes.get(parent_vllm)
         if parent is None or int(fields["block_size"]) != self.block_size:
             return []  # chained to a block stored before the subscription: its pdserve hash is unknown
-        hashes = chain_hashes(fields["token_ids"], self.block_size, parent)
+        # Under an adapter, its token ids salted as pdserve's workers and the coordinator hash them.
+        hashes = chain_hashes(lora_cache_tokens(fields["token_ids"], digest), self.block_size, parent)
         events = []
         for vllm_hash, ours in zip(fields["block_hashes"], hashes):
             self._hashes[vllm_hash] = ours
@@ -132,9 +141,11 @@ class VllmEventTranslator:
 class VllmKvEventWatch(InstanceFollowers):
     """A ZMQ subscription per routable vLLM instance with a `kv_events` endpoint, fed into `index`."""
 
-    def __init__(self, index: KvIndex, endpoints: dict[str, str]):
+    def __init__(self, index: KvIndex, endpoints: dict[str, str],
+                 lora_digest: Callable[[str], int | None] = lambda name: None):
         super().__init__(index)
         self.endpoints = endpoints
+        self.lora_digest = lora_digest  # LoRA blocks are hashed under their served adapter's identity
         self._context = zmq.asyncio.Context()
 
     async def stop(self) -> None:
@@ -152,7 +163,7 @@ class VllmKvEventWatch(InstanceFollowers):
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SUBSCRIBE, b"")
             socket.connect(endpoint)
-            translator = VllmEventTranslator(role)
+            translator = VllmEventTranslator(role, self.lora_digest)
             try:
                 while True:
                     parts = await socket.recv_multipart()
@@ -160,7 +171,7 @@ class VllmKvEventWatch(InstanceFollowers):
                         continue
                     for batch in translator.batch(int.from_bytes(parts[1], "big"), parts[2]):
                         if not self.index.apply(address, batch):
-                            translator = VllmEventTranslator(role)  # out of step: start over at the next store
+                            translator = VllmEventTranslator(role, self.lora_digest)  # out of step: start over
                             break
             except asyncio.CancelledError:
                 raise

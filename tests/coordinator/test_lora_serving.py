@@ -9,9 +9,8 @@ import json
 
 import httpx
 import pytest
-import torch
 
-from tests.helpers import health, management_url, sse_events
+from tests.helpers import health, management_url, peft_greedy, sse_events
 
 pytestmark = pytest.mark.system
 
@@ -37,20 +36,12 @@ def served_locally(shared_coordinator, lora_adapters):
 @pytest.fixture(scope="module")
 def peft_reference(model_dir, lora_adapters, tokenizer):
     """`reference(adapter, prompt)`: PEFT's own greedy tokens (adapter None: the base model)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    models = {None: AutoModelForCausalLM.from_pretrained(model_dir).eval()}
-    for name, path in lora_adapters.items():
-        models[name] = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), path).eval()
     done = {}
 
     def reference(adapter: str | None, prompt: str) -> list[int]:
         if (adapter, prompt) not in done:
-            ids = tokenizer(prompt)["input_ids"]
-            with torch.inference_mode():
-                out = models[adapter].generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
-            done[adapter, prompt] = out[0, len(ids):].tolist()
+            done[adapter, prompt] = peft_greedy(model_dir, lora_adapters.get(adapter), tokenizer(prompt)["input_ids"],
+                                                MAX_TOKENS)
         return done[adapter, prompt]
 
     return reference
@@ -161,3 +152,17 @@ def test_a_folder_that_is_no_adapter_is_a_400_naming_it(served, path, needle):
     resp = httpx.post(f"{management_url(served)}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path},
                       timeout=10)
     assert resp.status_code == 400 and needle in resp.json()["error"]["message"]
+
+
+def test_a_guided_request_under_an_adapter_follows_the_adapters_own_greedy_path(served, peft_reference, tokenizer):
+    # Each adapter's unconstrained greedy text is one of the choices: greedy decoding inside the grammar must pick
+    # exactly that one under that adapter, and the other adapter's under the other.
+    prompt = PROMPTS[1]
+    texts = {name: tokenizer.decode(peft_reference(name, prompt)[:4]) for name in ("a1", "a3")}
+    assert texts["a1"] != texts["a3"]
+    for name, text in texts.items():
+        resp = httpx.post(f"{served.address}/v1/completions", timeout=60, json={
+            "model": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "guided_choice": list(texts.values())})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == text

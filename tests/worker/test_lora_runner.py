@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from adapters.peft_folder import read_adapter
+from tests.helpers import peft_greedy
 from worker.engine.block_pool import BlockTable
 from worker.engine.lora import LoadedLora, LoraRef, LoraUnavailable
 from worker.torch_engine.build import paged_pool
@@ -28,19 +28,6 @@ def loaded(runner: ModelRunner, name: str, path) -> LoadedLora:
     return LoadedLora(ref, runner.load_lora(ref), pins=1)
 
 
-def peft_generate(model_dir, adapter_dir, prompt: list[int], n: int = NUM_NEW) -> list[int]:
-    """Greedy tokens of PEFT's own model under the adapter (None: the base model), as transformers runs it."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, adapter_dir).eval()
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
-
-
 def test_mixed_adapters_in_one_forward_match_peft_greedy_tokens(runner, model_dir, lora_adapters):
     rng = random.Random(5)
     names = [None, "a1", "a2", "a3", None, "a1"]
@@ -58,7 +45,7 @@ def test_mixed_adapters_in_one_forward_match_peft_greedy_tokens(runner, model_di
         for out, token in zip(outputs, runner.forward(rows, []).argmax(-1)):
             out.append(int(token))
     for name, prompt, out in zip(names, prompts, outputs):
-        assert out == peft_generate(model_dir, lora_adapters.get(name), prompt), name
+        assert out == peft_greedy(model_dir, lora_adapters.get(name), prompt, NUM_NEW), name
     assert outputs[1] != outputs[2] and outputs[0] != outputs[1]  # each adapter changes the output
 
 

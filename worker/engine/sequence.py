@@ -117,7 +117,10 @@ class Sequence:
 
     @property
     def cache_token_ids(self) -> list[int]:
-        """Prompt and output so far as the prefix cache hashes them."""
+        """Prompt and output so far as the prefix cache hashes them (under an adapter, the output salted as the
+        prompt is: a conversation's next turn holds it as prompt)."""
+        if self.lora is not None:
+            return self.prompt_cache_ids + lora_cache_tokens(self.output_token_ids, self.lora.ref.digest)
         return self.prompt_cache_ids + self.output_token_ids
 
     @property

@@ -67,3 +67,16 @@ def test_blocks_hashed_with_media_or_another_cache_group_are_left_out():
          {**stored([b"h2"], b"h1", PROMPT[4:8]), "extra_keys": [[("mm", "abc", 0)]]},
          {**stored([b"g1"], None, PROMPT[:4]), "group_idx": 1})
     assert index.blocks_of("vllm-1:8000") == 1
+
+
+def test_blocks_stored_under_a_served_adapter_match_only_prompts_salted_with_its_identity():
+    from kv_events.block_hash import lora_cache_tokens
+
+    digests = {"a1": 11}
+    index, translator = KvIndex(), VllmEventTranslator("prefill", digests.get)
+    feed(index, translator, 0, {**stored([b"h1", b"h2"], None, PROMPT[:8]), "lora_name": "a1",
+                                "extra_keys": [["a1"], ["a1"]]},
+         {**stored([b"x1"], None, PROMPT[:4]), "lora_name": "not-served", "extra_keys": [["not-served"]]})
+    assert index.match(lora_cache_tokens(PROMPT, 11)).prefill == {"vllm-1:8000": 8}
+    assert index.match(PROMPT).prefill == {} and index.match(lora_cache_tokens(PROMPT, 12)).prefill == {}
+    assert index.blocks_of("vllm-1:8000") == 2

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from launcher.vllm_fleet import default_vllm_venv
-from tests.helpers import (ServerProcess, cmdline, descendants, management_url, pdserve_argv, registration_headers,
-                           sse_events, wait_for)
+from tests.helpers import (ServerProcess, cmdline, descendants, management_url, pdserve_argv, peft_greedy,
+                           registration_headers, sse_events, wait_for)
 
 pytestmark = [pytest.mark.system, pytest.mark.vllm]
 
@@ -34,8 +34,8 @@ def tls_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir, tls_dir, tmp_path_factory):
-    """`pdserve up --engine vllm --tls --prefill 2 --decode 2`."""
+def fleet(model_dir, tls_dir, tmp_path_factory, lora_adapters):
+    """`pdserve up --engine vllm --tls --prefill 2 --decode 2 --lora a1=... --lora a2=...`."""
     venv = default_vllm_venv()
     if not (venv / "bin" / "python").exists():
         pytest.skip(f"no vLLM environment at {venv}: `make test-vllm` makes it (`make vllm-env`)")
@@ -50,7 +50,8 @@ def fleet(model_dir, tls_dir, tmp_path_factory):
     }))
     up = ServerProcess(pdserve_argv("up", "--engine", "vllm", "--prefill", "2", "--decode", "2", "--model",
                                     str(model_dir), "--config", str(base), "--predict-port", "0",
-                                    "--tls", str(tls_dir)),
+                                    "--tls", str(tls_dir), "--lora", f"a1={lora_adapters['a1']}",
+                                    "--lora", f"a2={lora_adapters['a2']}"),
                        "pdserve ready:", timeout_s=600)
     try:
         yield up
@@ -85,10 +86,12 @@ def vllm_instance(fleet, role: str, index: int = 0) -> dict:
 
 def direct(fleet, https, path: str, body: dict) -> dict:
     """The answer of one vLLM instance on its own (a healthy prefill instance: no transfer without
-    kv_transfer_params), the reference for pdserve's; https with the client certificate and the API key."""
+    kv_transfer_params), the reference for pdserve's; https with the client certificate and the API key. `model`
+    goes only when it names an adapter (vLLM serves the base model as the folder's path)."""
     healthy = next(i for i in instances(fleet, https)["prefill"] if i["state"] == "healthy")
     instance = vllm_instance_at(fleet, "prefill", healthy["address"])
-    body = {key: value for key, value in body.items() if key != "model"}  # vLLM serves the folder's path
+    if body.get("model") == "pdserve-tiny":
+        body = {key: value for key, value in body.items() if key != "model"}
     reply = https.post(f"https://127.0.0.1:{instance['port']}{path}", json=body,
                       headers={"Authorization": f"Bearer {instance['key']}"})
     assert reply.status_code == 200, reply.text
@@ -222,6 +225,52 @@ def test_load_comes_from_vllm_metrics_and_blocks_from_its_kv_events(fleet, https
     before = counter(fleet, https, "pdserve_instance_expected_cached_tokens_total")
     assert https.post(f"{fleet.address}/v1/completions", json=body).status_code == 200
     assert counter(fleet, https, "pdserve_instance_expected_cached_tokens_total") >= before + 256
+
+
+def test_lora_adapters_through_pd_equal_peft_and_one_vllm_instance(fleet, https, model_dir, lora_adapters,
+                                                                    tokenizer):
+    ids = tokenizer(PROMPT)["input_ids"]
+    outputs = {}
+    for name in ("a1", "a2"):
+        body = {"model": name, "prompt": PROMPT, "max_tokens": N, "temperature": 0, "return_token_ids": True}
+        got = https.post(f"{fleet.address}/v1/completions", json=body)
+        assert got.status_code == 200, got.text
+        assert got.json()["model"] == name
+        outputs[name] = got.json()["choices"][0]["token_ids"]
+        assert outputs[name] == direct(fleet, https, "/v1/completions", body)["choices"][0]["token_ids"]
+        expected = peft_greedy(model_dir, lora_adapters[name], ids, N)
+        assert outputs[name] == expected[: len(outputs[name])]  # vLLM stops at EOS; PEFT's generate may pad after
+    assert outputs["a1"] != outputs["a2"]
+    models = https.get(f"{fleet.address}/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent")) for m in models][1:] == [("a1", "pdserve-tiny"), ("a2", "pdserve-tiny")]
+
+
+def test_lora_blocks_from_vllm_kv_events_are_indexed_under_the_adapter(fleet, https):
+    body = {"model": "a1", "prompt": LONG_PROMPT + " with an adapter", "max_tokens": 2, "temperature": 0}
+    assert https.post(f"{fleet.address}/v1/completions", json=body).status_code == 200
+    before = counter(fleet, https, "pdserve_instance_expected_cached_tokens_total")
+    wait_for(lambda: https.post(f"{fleet.address}/v1/completions", json=body).status_code == 200 and counter(
+        fleet, https, "pdserve_instance_expected_cached_tokens_total") >= before + 256,
+             what="the adapter's blocks in the KV index")
+    # The same tokens under the other adapter match none of them.
+    before = counter(fleet, https, "pdserve_instance_expected_cached_tokens_total")
+    assert https.post(f"{fleet.address}/v1/completions", json={**body, "model": "a2"}).status_code == 200
+    assert counter(fleet, https, "pdserve_instance_expected_cached_tokens_total") == before
+
+
+def test_an_adapter_loads_on_every_vllm_instance_at_run_time_and_unloads(fleet, https, lora_adapters):
+    manage = management_url(fleet)
+    headers = registration_headers(fleet)
+    loaded = https.post(f"{manage}/v1/load_lora_adapter", headers=headers,
+                        json={"lora_name": "late", "lora_path": str(lora_adapters["a3"])})
+    assert loaded.status_code == 200, loaded.text
+    body = {"model": "late", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    got = https.post(f"{fleet.address}/v1/completions", json=body)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["token_ids"] == direct(fleet, https, "/v1/completions", body)["choices"][0][
+        "token_ids"]
+    assert https.post(f"{manage}/v1/unload_lora_adapter", headers=headers, json={"lora_name": "late"}).status_code == 200
+    assert https.post(f"{fleet.address}/v1/completions", json=body).status_code == 404
 
 
 def test_a_killed_prefill_instance_fails_no_request_it_was_routed(fleet, https):
