@@ -31,6 +31,16 @@ class AdapterError(ValueError):
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """An adapter as a request carries it, coordinator and workers alike: its served name, its folder and its
+    identity (`adapter_digest`)."""
+
+    name: str
+    path: str
+    digest: int
+
+
+@dataclass(frozen=True)
 class ModuleShape:
     """One adapted projection of the model: a Linear from `in_features` to `out_features`."""
 
@@ -96,7 +106,28 @@ def _safetensors_header(data: bytes, where: Path) -> dict:
     except ValueError as exc:
         raise AdapterError(f"{where}: not a safetensors file ({exc})") from None
     header.pop("__metadata__", None)
+    body = len(data) - 8 - size
+    for key, info in header.items():
+        shape, offsets = info.get("shape") if isinstance(info, dict) else None, \
+            info.get("data_offsets") if isinstance(info, dict) else None
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) for o in offsets) or not 0 <= offsets[0] <= offsets[1] <= body
+                or info.get("dtype") not in _DTYPE_BYTES
+                or offsets[1] - offsets[0] != _DTYPE_BYTES[info["dtype"]] * _product(shape)):
+            raise AdapterError(f"{where}: tensor {key!r} is malformed or truncated (shape, dtype or data offsets "
+                               "do not fit the file)")
     return header
+
+
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+
+
+def _product(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def read_adapter(folder: str | Path, modules: dict[str, ModuleShape], num_layers: int, max_rank: int) -> PeftAdapter:

@@ -326,6 +326,8 @@ class AttemptRunner:
             return AttemptFailed(deadline_error(clocks.timeout))
         if kind is FailureKind.MOVED:  # the decode worker asked for it: go on elsewhere, nothing counted against it
             return AttemptFailed(failure.error(), placement.decode, retryable=True)
+        if kind is FailureKind.ELSEWHERE:  # that instance cannot serve this request (its adapter): another may
+            return AttemptFailed(failure.error(), placement.instance(failure.stage), retryable=True)
         role = kind.blamed_role(failure.stage)
         blamed = placement.instance(role) if role is not None else None
         if blamed is not None:

@@ -19,8 +19,10 @@ passed) is classified by its status code alone.
                    KV_LEASE_EXPIRED; without a reason, any other code
   MOVED            decode: PREEMPTED (it cannot recompute the sequence)    yes    nobody      -
                    (the request moves off that decode instance all the same)
-  WORKER_FAULT     LORA_UNAVAILABLE (the adapter's folder is missing or    yes    the caller  counts
-                   changed on that worker), either stage
+  ELSEWHERE        LORA_UNAVAILABLE (that worker cannot load the request's  yes    nobody      -
+                   adapter: no adapters there, its folder missing or
+                   changed there), either stage (the request moves off
+                   that instance; the worker serves other requests)
 """
 
 from __future__ import annotations
@@ -49,10 +51,11 @@ class FailureKind(enum.Enum):
     KV_NOT_RECEIVED = "kv_not_received"
     WORKER_FAULT = "worker_fault"
     MOVED = "moved"
+    ELSEWHERE = "elsewhere"
 
     def blamed_role(self, stage: str) -> str | None:
         """The role of the instance at fault when `stage` ("prefill" or "decode") failed; None: nobody."""
-        if self in (FailureKind.REQUEST_FAULT, FailureKind.DEADLINE, FailureKind.MOVED):
+        if self in (FailureKind.REQUEST_FAULT, FailureKind.DEADLINE, FailureKind.MOVED, FailureKind.ELSEWHERE):
             return None
         if self is FailureKind.KV_SEND_FAILED:
             return "decode"
@@ -77,8 +80,8 @@ _KIND_OF_REASON = {
     ("prefill", pb.FAILURE_REASON_KV_SEND_FAILED): FailureKind.KV_SEND_FAILED,
     ("prefill", pb.FAILURE_REASON_KV_LEASE_EXPIRED): FailureKind.WORKER_FAULT,
     ("prefill", pb.FAILURE_REASON_DRAINING): FailureKind.WORKER_GONE,
-    ("decode", pb.FAILURE_REASON_LORA_UNAVAILABLE): FailureKind.WORKER_FAULT,
-    ("prefill", pb.FAILURE_REASON_LORA_UNAVAILABLE): FailureKind.WORKER_FAULT,
+    ("decode", pb.FAILURE_REASON_LORA_UNAVAILABLE): FailureKind.ELSEWHERE,
+    ("prefill", pb.FAILURE_REASON_LORA_UNAVAILABLE): FailureKind.ELSEWHERE,
 }
 
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from coordinator.errors import ApiError
 
 MAX_INPUT_BYTES = 4 * 1024 * 1024
+# Prompt logprobs travel in the KV stream's trailer (a 1 MiB message at most): about 11 bytes a (token or
+# alternative) entry, so a prompt's tokens x (alternatives + 1) stay under this many.
+MAX_PROMPT_LOGPROB_ENTRIES = 65_536
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,13 @@ class ModelLimits:
                 f"= {self.max_prompt_tokens}",
                 param=param,
             )
+
+    def check_prompt_logprobs(self, num_tokens: int, alternatives: int | None, param: str) -> None:
+        """A 400 when a prompt's logprobs would not fit in one message: its tokens x (alternatives + 1) entries."""
+        if alternatives is not None and num_tokens * (alternatives + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise ApiError(400, f"{param}: prompt logprobs for {num_tokens} prompt tokens with {alternatives} "
+                                f"alternatives each are more than {MAX_PROMPT_LOGPROB_ENTRIES} entries; ask for fewer "
+                                "alternatives or send a shorter prompt", param=param)
 
     def generation_cap(self, requested: int | None, prompt_tokens: int, param: str = "max_tokens") -> int:
         """Tokens to generate, the prefill worker's first one included.

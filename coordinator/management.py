@@ -18,6 +18,7 @@ worker's heartbeats against it, whichever coordinator issued it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -166,7 +167,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = parse_request(LoraLoad, await read_json(request))
     try:
-        state.loras.load(body.lora_name, body.lora_path)
+        state.loras.add(await asyncio.to_thread(state.loras.check, body.lora_name, body.lora_path))
     except ValueError as exc:
         raise ApiError(400, str(exc), param="lora_path") from None
     if state.engine == "vllm":

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coordinator.errors import ApiError
+from adapters.peft_folder import AdapterRef
 from kv_events.block_hash import lora_cache_tokens, media_cache_tokens
 from proto.sampling import SamplingRules
 
@@ -44,15 +45,6 @@ class MediaInput:
     source: str
 
 
-@dataclass(frozen=True)
-class ServedAdapter:
-    """A LoRA adapter a request runs under: its served name, its PEFT folder and its identity (the files' hash)."""
-
-    name: str
-    path: str
-    digest: int
-
-
 @dataclass
 class GenerationRequest:
     """A tokenized request, ready for routing. `max_tokens` None means the model default."""
@@ -66,7 +58,7 @@ class GenerationRequest:
     created: int = field(default_factory=lambda: int(time.time()))
     arrived_at: float = field(default_factory=time.monotonic)
     media: tuple[MediaInput, ...] = ()  # the prompt's images, in prompt order
-    lora: ServedAdapter | None = None  # the LoRA adapter it runs under; None: the base model
+    lora: AdapterRef | None = None  # the LoRA adapter it runs under; None: the base model
 
     def cache_token_ids(self, generated: list[int] = ()) -> list[int]:
         """The prompt, then the `generated` tokens, as the workers' prefix caches hash them (image placeholders

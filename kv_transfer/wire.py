@@ -62,7 +62,7 @@ def header(request_id: str, dtype_name: str, num_layers: int, shape: tuple[int, 
 
 def make_trailer(first_token_id: int, prefill_time_ms: float, first_logprobs: tuple | None = None,
                  prompt_logprobs: list | None = None) -> pb.KvTrailer:
-    """The stream's last message; `prompt_logprobs`: (logprob, rank, top) of prompt tokens 1 .. n-1, when asked."""
+    """The stream's last message; `prompt_logprobs`: the scores of prompt tokens 1 .. n-1, when asked."""
     trailer = pb.KvTrailer(first_token_id=first_token_id, prefill_time_ms=prefill_time_ms)
     if first_logprobs is not None:
         trailer.first_logprob = first_logprobs[0]
@@ -73,8 +73,9 @@ def make_trailer(first_token_id: int, prefill_time_ms: float, first_logprobs: tu
 
 
 def prompt_logprobs_to_pb(entries: list) -> list[pb.PromptLogprob]:
-    return [pb.PromptLogprob(logprob=lp, rank=rank, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
-            for lp, rank, top in entries]
+    """Prompt tokens' scores (each with `logprob`, `rank` and `top` pairs, as a worker's TokenLogprobs) as sent."""
+    return [pb.PromptLogprob(logprob=e.logprob, rank=e.rank,
+                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top]) for e in entries]
 
 
 def byte_blocks(raw: memoryview, chunk_bytes: int) -> Iterator[tuple[int, memoryview]]:

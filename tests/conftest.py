@@ -21,11 +21,12 @@ CLUSTER_FIXTURES = {"cluster", "http", "etcd", "shared_coordinator"}
 
 
 def pytest_configure(config):
-    """Build the embedded model once, before any pytest-xdist worker starts, so workers never race to build it."""
+    """Build the embedded model and its LoRA adapters once, before any pytest-xdist worker starts, so workers never
+    race to build them (a no-op once they are in the cache)."""
     if not hasattr(config, "workerinput"):
-        from embedded_model import ensure_default_model
+        from embedded_model.lora_adapters import embedded_adapters
 
-        ensure_default_model()
+        embedded_adapters(3)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the marks into work units

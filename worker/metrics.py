@@ -97,7 +97,8 @@ class LoraInfo:
                                    "(running_lora_adapters) and waited for (waiting_lora_adapters), comma-separated; "
                                    "max_lora: adapters held at once.",
                                    labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-        family.add_metric([",".join(loras.running), ",".join(loras.waiting), str(loras.max_loras)], 1)
+        # Snapshots (tuple() of a dict is one step under the GIL): the event loop changes them meanwhile.
+        family.add_metric([",".join(loras.running), ",".join(tuple(loras.waiting)), str(loras.max_loras)], 1)
         yield family
         yield GaugeMetricFamily("pdserve_worker_lora_resident_adapters", "LoRA adapters loaded on this worker now.",
                                 value=len(loras.resident))

@@ -268,9 +268,9 @@ class ChatFormatter(OpenAIFormatter):
             extra["prompt_token_ids"] = self.prompt_token_ids
         if self.continuous_usage:
             extra["usage"] = self.running_usage(delta)
-        if delta.prompt_logprobs is not None and self.show_prompt_logprobs:
+        if delta.index == 0 and self.show_prompt_logprobs is not None:
             extra["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_token_ids, delta.prompt_logprobs,
-                                                            self.token_text)
+                                                            self.token_text, self.show_prompt_logprobs)
         piece = self._piece(delta.text)
         content = self._released.text if self.full_text else piece.content
         if delta.index == 0 or self.full_text:
@@ -306,9 +306,9 @@ class ChatFormatter(OpenAIFormatter):
                   "finish_reason": "tool_calls" if calls else finish_reason(finished)}
         if self.return_token_ids:
             choice["token_ids"] = transcript.token_ids
-        if self.show_prompt_logprobs and transcript.deltas:
+        if self.show_prompt_logprobs is not None and transcript.deltas:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_token_ids, transcript.deltas[0].prompt_logprobs,
-                                                             self.token_text)
+                                                             self.token_text, self.show_prompt_logprobs)
         body = {"id": self.request_id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage(finished), "prefill_time": round(finished.prefill_time_ms, 3),
                 "decode_time_arr": [round(t, 3) for t in finished.decode_time_ms], "error_info": None}
@@ -349,6 +349,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     guided = await checked_grammar(state.grammars, body.constraint(), replay, "resume_response")
     gen = GenerationRequest(new_id("chatcmpl"), prompt_ids, body.sampling(guided), body.max_tokens, media=media,
                             lora=lora)
+    state.limits.check_prompt_logprobs(len(prompt_ids), gen.sampling.prompt_logprobs, "prompt_logprobs")
 
     # echo: the prompt as the chat template rendered it, before the reply (BladeLLM's "the prompt with the result").
     echo_text = state.tokenizer.tokenizer.decode(prompt_ids) if body.echo else ""
@@ -358,7 +359,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                           body.return_token_ids, prompt_ids, state.tokenizer.token_text, body.stream_options,
                           parse_tools=body.parse_tools)
         f.echo_text = echo_text
-        f.show_prompt_logprobs = body.prompt_logprobs is not None
+        f.show_prompt_logprobs = body.prompt_logprobs
         return f
 
     return await serve_openai(request, body, gen, formatter)

@@ -128,15 +128,14 @@ def stop_reason(finished: Finished | None) -> str | int | None:
     return finished.matched_stop
 
 
-def vllm_prompt_logprobs(prompt_token_ids: list[int], entries: tuple | None,
-                         token_text: Callable[[int], str]) -> list | None:
+def vllm_prompt_logprobs(prompt_token_ids: list[int], entries: tuple | None, token_text: Callable[[int], str],
+                         top: int) -> list:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a dict by token id of its logprob,
-    rank and text, and of each top alternative's; None when not computed."""
-    if entries is None:
-        return None
+    rank and text, and of each top alternative's (`entries` None: a one-token prompt, nothing scored)."""
     out: list = [None]
-    for token, (logprob, rank, top) in zip(prompt_token_ids[1:], entries):
-        position = {str(t): {"logprob": v, "rank": i + 1, "decoded_token": token_text(t)} for i, (t, v) in enumerate(top)}
+    for token, (logprob, rank, alternatives) in zip(prompt_token_ids[1:], entries or ()):
+        position = {str(t): {"logprob": v, "rank": i + 1, "decoded_token": token_text(t)}
+                    for i, (t, v) in enumerate(alternatives[:top])}
         position[str(token)] = {"logprob": logprob, "rank": rank, "decoded_token": token_text(token)}
         out.append(position)
     return out
@@ -172,7 +171,7 @@ class OpenAIFormatter(SseFormatter):
         self.prompt_token_ids = prompt_token_ids
         self.token_text = token_text  # token id -> its text, for logprobs
         self.show_logprobs = True  # False when logprobs were only asked for to rank best_of
-        self.show_prompt_logprobs = False  # vLLM's `prompt_logprobs` was asked for
+        self.show_prompt_logprobs: int | None = None  # vLLM's `prompt_logprobs`: alternatives shown per position
         self.include_usage = bool(stream_options and stream_options.include_usage)
         self.continuous_usage = bool(stream_options and stream_options.continuous_usage_stats)
         self._plain_options = not (full_text or return_token_ids or self.continuous_usage)
@@ -183,7 +182,7 @@ class OpenAIFormatter(SseFormatter):
     def plain_chunk(self, delta: TokenDelta) -> bool:
         """Whether a token's chunk has the common shape: its text is all that varies from token to token."""
         return self._plain_options and (delta.logprob is None or not self.show_logprobs) \
-            and delta.prompt_logprobs is None
+            and (delta.index or self.show_prompt_logprobs is None)
 
     def templated(self, text: str, make_frame: Callable[[str], dict]) -> bytes:
         """The chunk `make_frame(text)` encodes to, from a template made on first use."""

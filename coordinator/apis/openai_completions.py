@@ -75,7 +75,7 @@ class CompletionFormatter(OpenAIFormatter):
                 "finish_reason": finish_reason(finished) if finished else None,
                 "stop_reason": stop_reason(finished)}
 
-    echo_logprobs = False  # echo with logprobs: the echoed prompt's tokens lead the logprobs
+    echo_logprobs: int | None = None  # echo with logprobs: the echoed prompt's tokens lead them, this many alternatives
 
     def _logprobs(self, deltas: list[TokenDelta], offset: int) -> dict | None:
         """vLLM's completion logprobs: tokens, their logprobs, the top alternatives, text offsets (with
@@ -83,8 +83,9 @@ class CompletionFormatter(OpenAIFormatter):
         if not deltas or deltas[0].logprob is None or not self.show_logprobs:
             return None
         block = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-        if self.echo_logprobs and deltas[0].index == 0 and deltas[0].prompt_logprobs is not None:
-            scored = ((None, ()),) + tuple((lp, top) for lp, _, top in deltas[0].prompt_logprobs)
+        if self.echo_logprobs is not None and deltas[0].index == 0:
+            scored = ((None, ()),) + tuple((lp, top[: self.echo_logprobs])
+                                           for lp, _, top in deltas[0].prompt_logprobs or ())
             prompt_offset = 0
             for token, (logprob, top) in zip(self.prompt_token_ids, scored):
                 text = self.token_text(token)
@@ -115,9 +116,9 @@ class CompletionFormatter(OpenAIFormatter):
         if self.full_text or delta.index == 0:
             text = self.echo_text + text
         choice = self._choice(text, None, logprobs)
-        if delta.prompt_logprobs is not None and self.show_prompt_logprobs:
+        if delta.index == 0 and self.show_prompt_logprobs is not None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_token_ids, delta.prompt_logprobs,
-                                                             self.token_text)
+                                                             self.token_text, self.show_prompt_logprobs)
         if self.return_token_ids:
             choice["token_ids"] = [delta.token_id]
             if delta.index == 0:
@@ -138,9 +139,9 @@ class CompletionFormatter(OpenAIFormatter):
         finished = transcript.finished
         choice = self._choice(self.echo_text + transcript.text, finished,
                               self._logprobs(transcript.deltas, len(self.echo_text)))
-        if self.show_prompt_logprobs and transcript.deltas:
+        if self.show_prompt_logprobs is not None and transcript.deltas:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_token_ids, transcript.deltas[0].prompt_logprobs,
-                                                             self.token_text)
+                                                             self.token_text, self.show_prompt_logprobs)
         if self.return_token_ids:
             choice["token_ids"] = transcript.token_ids
             choice["prompt_token_ids"] = self.prompt_token_ids
@@ -154,6 +155,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = await tokenize_batch(state, body.prompt, "prompt", with_text=body.echo)
     guided = await checked_grammar(state.grammars, body.constraint())
     sampling = body.sampling(guided)
+    for p in prompts:
+        state.limits.check_prompt_logprobs(len(p.token_ids), sampling.prompt_logprobs,
+                                           "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs")
     request_id = new_id("cmpl")
     gens = [GenerationRequest(request_id if len(prompts) == 1 else f"{request_id}-p{g}", p.token_ids, sampling,
                               body.max_tokens, media=p.media, lora=lora) for g, p in enumerate(prompts)]
@@ -163,8 +167,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                 body.return_token_ids,
                                 prompts[g].token_ids, state.tokenizer.token_text, body.stream_options)
         f.echo_text = prompts[g].text if body.echo else ""
-        f.echo_logprobs = body.echo and body.logprobs is not None
-        f.show_prompt_logprobs = body.prompt_logprobs is not None
+        f.echo_logprobs = body.logprobs if body.echo else None
+        f.show_prompt_logprobs = body.prompt_logprobs
         return f
 
     return await serve_openai_batch(request, body, gens, formatter)

@@ -8,6 +8,8 @@ stream token `id` is a one-element list.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from typing import Annotated
 
@@ -114,8 +116,8 @@ class TgiFormatter(TextGenFormatter):
             prefill = []
             if self.params.decoder_input_details:
                 # The first token has no logprob (nothing comes before it), as in TGI.
-                scored = transcript.deltas[0].prompt_logprobs if transcript.deltas else None
-                logprobs = [None] + [lp for lp, _, _ in scored] if scored is not None else []
+                scored = (transcript.deltas[0].prompt_logprobs if transcript.deltas else None) or ()
+                logprobs = [None] + [lp for lp, _, _ in scored]
                 prefill = [self._token(t, self.token_text(t), logprobs[i] if i < len(logprobs) else None)
                            for i, t in enumerate(self.prompt_token_ids)]
             body["details"] = {
@@ -140,6 +142,10 @@ async def serve_tgi(request: web.Request, body, stream: bool, native_shapes: boo
     guided = await checked_grammar(state.grammars, params.grammar.constraint() if params.grammar else None)
     lora = state.loras.select(params.adapter_id, "parameters.adapter_id")
     gen = params.generation(new_id("tgi"), prompt.token_ids, guided=guided, media=prompt.media, lora=lora)
+    if state.engine == "vllm":  # its prefill instances do not hand prompt logprobs over: `prefill` logprobs are null
+        gen.sampling = dataclasses.replace(gen.sampling, prompt_logprobs=None)
+    state.limits.check_prompt_logprobs(len(prompt.token_ids), gen.sampling.prompt_logprobs,
+                                       "parameters.decoder_input_details")
     formatter = TgiFormatter(req, prompt.text, prompt.token_ids, gen.sampling.seed, state.full_text,
                              state.tokenizer.token_text, state.tokenizer.special_ids,
                              list_ids=not native_shapes, wrap_in_list=native_shapes)

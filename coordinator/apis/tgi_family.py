@@ -70,7 +70,7 @@ class TextGenParameters(BaseModel):
     typical_p: TypicalP = 1.0
     watermark: bool = False
     # The LoRA adapter to run under (its served name); "None": the base model.
-    adapter_id: Annotated[str, StringConstraints(max_length=256, pattern=r"^[A-Za-z0-9./_-]+$")] = "None"
+    adapter_id: Annotated[str, StringConstraints(max_length=256, pattern=r"^[A-Za-z0-9./_-]*$")] = "None"
 
     @model_validator(mode="after")
     def _no_watermark(self):

@@ -22,7 +22,8 @@ from coordinator.apis.tgi_family import (
     token_timing,
 )
 from coordinator.errors import ApiError
-from coordinator.request import Finished, ServedAdapter, TokenDelta
+from adapters.peft_folder import AdapterRef
+from coordinator.request import Finished, TokenDelta
 from coordinator.serving import SseFormatter, Transcript, serve_generation
 from coordinator.state import STATE
 
@@ -176,7 +177,7 @@ class TritonTokenFormatter(SseFormatter):
                                                     "datatype": "UINT32", "data": data}]}
 
 
-def triton_adapter(state, model: str, adapter_id: str = "None") -> ServedAdapter | None:
+def triton_adapter(state, model: str, adapter_id: str = "None") -> AdapterRef | None:
     """The adapter a Triton request runs under: the model in its path (an adapter's name selects it), or
     `parameters.adapter_id`; both naming different adapters is a 400."""
     by_path = state.loras.select(model, "model")

@@ -99,7 +99,8 @@ class CacheAffinityPolicy(LoadBalancePolicy):
       carries that much more load;
     - either, for a request under a LoRA adapter: + `lora_load_tokens` where the adapter is not loaded yet.
     Only the least loaded instance and those holding part of the prompt are priced, so a request costs the same
-    whatever the size of the fleet.
+    whatever the size of the fleet (but for a LoRA request whose adapter the least loaded has not loaded: the
+    instances that have are priced too).
     """
 
     prices_cache = True
@@ -118,18 +119,24 @@ class CacheAffinityPolicy(LoadBalancePolicy):
     def _cheapest(self, pool: RolePool, prompt_len: int, cached: dict[str, int], exclude: Collection[str],
                   load: Callable[[Instance], float], weight: float, lora: str | None) -> Instance | None:
         best = self._least(pool, exclude, load)
-        if best is None or not cached:
+        if best is None:
+            return best
+        candidates = list(cached)
+        if lora is not None and lora not in best.reported.loras:
+            # Where the adapter is loaded already is priced too (a scan of the pool, for LoRA requests only).
+            candidates += [a for a in pool.routable if a not in cached and lora in pool.get(a).reported.loras]
+        if not candidates:
             return best
 
         def adapter_cost(instance: Instance) -> float:
             return self.lora_load_tokens if lora is not None and lora not in instance.reported.loras else 0.0
 
         best_cost = prompt_len - cached.get(best.address, 0) + weight * load(best) + adapter_cost(best)
-        for address, tokens in cached.items():
+        for address in candidates:
             if address in exclude or not pool.is_routable(address):
                 continue
             instance = pool.get(address)
-            cost = prompt_len - tokens + weight * load(instance) + adapter_cost(instance)
+            cost = prompt_len - cached.get(address, 0) + weight * load(instance) + adapter_cost(instance)
             if cost < best_cost:
                 best, best_cost = instance, cost
         return best

@@ -29,8 +29,8 @@ REASONS = [
     ("prefill", grpc.StatusCode.DEADLINE_EXCEEDED, pb.FAILURE_REASON_KV_LEASE_EXPIRED, FailureKind.WORKER_FAULT),
     ("prefill", grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_DRAINING, FailureKind.WORKER_GONE),
     ("prefill", grpc.StatusCode.DEADLINE_EXCEEDED, pb.FAILURE_REASON_CALL_DEADLINE, FailureKind.WORKER_FAULT),
-    ("decode", grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_LORA_UNAVAILABLE, FailureKind.WORKER_FAULT),
-    ("prefill", grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_LORA_UNAVAILABLE, FailureKind.WORKER_FAULT),
+    ("decode", grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_LORA_UNAVAILABLE, FailureKind.ELSEWHERE),
+    ("prefill", grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_LORA_UNAVAILABLE, FailureKind.ELSEWHERE),
 ]
 # Messages that once decided the kind, and ones that never did: none may change it now.
 MESSAGES = ["Deadline Exceeded", "sending KV to decode worker d:1: reset", "whatever the worker says"]

@@ -8,19 +8,19 @@ import asyncio
 import pytest
 
 from kv_events.block_hash import chain_hashes, lora_cache_tokens
-from worker.engine.lora import LoraRef, LoraResidency
+from worker.engine.lora import AdapterRef, LoraResidency, LoraUnavailable
 
-A, B, C = (LoraRef(name, f"/adapters/{name}", digest=i + 1) for i, name in enumerate("abc"))
+A, B, C = (AdapterRef(name, f"/adapters/{name}", digest=i + 1) for i, name in enumerate("abc"))
 
 
 def residency(max_loras: int = 2) -> tuple[LoraResidency, list[str]]:
     loads: list[str] = []
 
-    def load(ref: LoraRef) -> str:
+    def load(ref: AdapterRef) -> str:
         loads.append(ref.name)
         return f"weights of {ref.name}"
 
-    return LoraResidency(max_loras, 16, load), loads
+    return LoraResidency(max_loras, load), loads
 
 
 async def test_a_resident_adapter_is_loaded_once_and_the_least_recently_used_unpinned_one_evicted():
@@ -48,7 +48,7 @@ async def test_a_request_waits_while_every_place_is_pinned_and_is_counted_as_wai
 async def test_a_changed_folder_under_the_same_name_replaces_the_old_identity_once_unpinned():
     loras, loads = residency(2)
     old = await loras.acquire(A)
-    changed = LoraRef("a", A.path, digest=99)
+    changed = AdapterRef("a", A.path, digest=99)
     waiter = asyncio.create_task(loras.acquire(changed))
     await asyncio.sleep(0)
     assert not waiter.done()
@@ -57,12 +57,37 @@ async def test_a_changed_folder_under_the_same_name_replaces_the_old_identity_on
     assert new.ref.digest == 99 and loads == ["a", "a"]
 
 
-async def test_an_unload_drops_only_an_unpinned_adapter():
-    loras, _ = residency(2)
-    a = await loras.acquire(A)
-    assert not loras.unload("a")
-    loras.release(a)
-    assert loras.unload("a") and not loras.resident
+async def test_requests_for_an_adapter_being_loaded_wait_for_that_one_load_and_others_go_on():
+    started, finish = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loads: list[str] = []
+
+    def load(ref: AdapterRef) -> str:
+        loads.append(ref.name)
+        if ref.name == "a":  # a slow disk: the load of `a` blocks until the test lets it end
+            loop.call_soon_threadsafe(started.set)
+            asyncio.run_coroutine_threadsafe(finish.wait(), loop).result(10)
+        return f"weights of {ref.name}"
+
+    loras = LoraResidency(3, load)
+    first = asyncio.create_task(loras.acquire(A))
+    await asyncio.wait_for(started.wait(), 10)
+    second = asyncio.create_task(loras.acquire(A))
+    b = await asyncio.wait_for(loras.acquire(B), 10)  # another adapter's request is not held up by a's load
+    assert b.weights == "weights of b" and not first.done() and not second.done()
+    finish.set()
+    a1, a2 = await asyncio.wait_for(asyncio.gather(first, second), 10)
+    assert a1 is a2 and a1.pins == 2 and loads == ["a", "b"]
+
+
+async def test_a_failed_load_fails_its_waiters_and_frees_the_place():
+    def load(ref: AdapterRef) -> str:
+        raise LoraUnavailable(f"{ref.name}: no such adapter folder")
+
+    loras = LoraResidency(1, load)
+    with pytest.raises(LoraUnavailable):
+        await loras.acquire(A)
+    assert not loras.resident and not loras.waiting
 
 
 def test_a_prompt_under_an_adapter_shares_no_block_with_the_base_or_another_adapter():

@@ -10,7 +10,7 @@ import pytest
 from adapters.peft_folder import read_adapter
 from tests.helpers import peft_greedy
 from worker.engine.block_pool import BlockTable
-from worker.engine.lora import LoadedLora, LoraRef, LoraUnavailable
+from worker.engine.lora import LoadedLora, AdapterRef, LoraUnavailable
 from worker.torch_engine.build import paged_pool
 from worker.torch_engine.model_runner import DecodeRow, ModelRunner, PromptChunk
 
@@ -24,7 +24,7 @@ def runner(model_dir) -> ModelRunner:
 
 
 def loaded(runner: ModelRunner, name: str, path) -> LoadedLora:
-    ref = LoraRef(name, str(path), read_adapter(path, runner.lora_shapes, runner.num_layers, 16).digest)
+    ref = AdapterRef(name, str(path), read_adapter(path, runner.lora_shapes, runner.num_layers, 16).digest)
     return LoadedLora(ref, runner.load_lora(ref), pins=1)
 
 
@@ -50,8 +50,8 @@ def test_mixed_adapters_in_one_forward_match_peft_greedy_tokens(runner, model_di
 
 
 def test_adapter_changed_since_the_coordinator_read_it_is_unavailable_here(runner, lora_adapters):
-    ref = LoraRef("a1", str(lora_adapters["a1"]), digest=12345)
+    ref = AdapterRef("a1", str(lora_adapters["a1"]), digest=12345)
     with pytest.raises(LoraUnavailable, match="differs"):
         runner.load_lora(ref)
     with pytest.raises(LoraUnavailable, match="no such adapter folder"):
-        runner.load_lora(LoraRef("gone", "/nonexistent/adapter", digest=1))
+        runner.load_lora(AdapterRef("gone", "/nonexistent/adapter", digest=1))

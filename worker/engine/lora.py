@@ -1,14 +1,15 @@
 """Which LoRA adapters a worker holds, and a request's claim on one (no torch).
 
 Life cycle of an adapter on a worker:
-  1. A request names it (`LoraRef`: name, folder, identity); the servicer asks `LoraResidency.acquire`.
-  2. Resident already: the request pins it. Otherwise, when fewer than `max_loras` are resident (or one resident
-     is pinned by nobody: the least recently used such one is evicted), it is loaded off the event loop by the
-     backend's `load` and pinned. With every resident adapter pinned, the request waits (counted as waiting).
+  1. A request names it (an `AdapterRef`: name, folder, identity); the servicer asks `LoraResidency.acquire`.
+  2. Resident already: the request pins it (waiting for its load to end, if another request started it).
+     Otherwise, when fewer than `max_loras` are resident (or one resident is pinned by nobody: the least recently
+     used such one is evicted), its place is taken at once and it is loaded off the event loop by the backend's
+     `load`, pinned. With every resident adapter pinned, the request waits (counted as waiting).
   3. The request's forwards read the loaded weights through its claim; when it ends, `release` unpins it. An
-     unpinned adapter stays resident for later requests until evicted, or until `unload` drops it.
-A folder missing on this worker, or changed since the coordinator read it (another identity), is `LoraUnavailable`:
-the coordinator tries another worker. A folder that is no adapter of this model is the request's InvalidRequest.
+     unpinned adapter stays resident for later requests until it is evicted.
+A folder this worker cannot load (missing here, changed since the coordinator read it, beyond this worker's
+--max-lora-rank, unreadable) is `LoraUnavailable` for that request alone: the coordinator tries another worker.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from adapters.peft_folder import AdapterRef
 from kv_events.block_hash import HASH_BYTES, hash_from_bytes
 from worker.engine.errors import InvalidRequest
 
@@ -27,31 +29,24 @@ class LoraUnavailable(Exception):
     """This worker cannot load the request's adapter (its folder is missing or differs here); another may."""
 
 
-@dataclass(frozen=True)
-class LoraRef:
-    """An adapter as a request names it: its served name, its folder and its identity (`adapter_digest`)."""
-
-    name: str
-    path: str
-    digest: int
-
-
-def lora_from_pb(msg) -> LoraRef | None:
+def lora_from_pb(msg) -> AdapterRef | None:
     """A request's pb.LoraAdapter, checked; None when it names none (the base model)."""
     if not msg.name:
         return None
     if len(msg.digest) != HASH_BYTES or not msg.path:
         raise InvalidRequest(f"lora {msg.name!r}: needs its folder's path and a {HASH_BYTES}-byte digest")
-    return LoraRef(msg.name, msg.path, hash_from_bytes(msg.digest))
+    return AdapterRef(msg.name, msg.path, hash_from_bytes(msg.digest))
 
 
 @dataclass(eq=False)
 class LoadedLora:
-    """A resident adapter: what the backend's `load` made of its folder, and how many requests pin it."""
+    """A resident adapter: what the backend's `load` made of its folder, how many requests pin it, and (while
+    it loads) the future its load ends."""
 
-    ref: LoraRef
+    ref: AdapterRef
     weights: Any
     pins: int = 0
+    loading: asyncio.Future | None = None
 
 
 @dataclass
@@ -59,42 +54,62 @@ class LoraResidency:
     """The adapters resident on one worker, at most `max_loras`, evicted least recently used among the unpinned."""
 
     max_loras: int
-    max_rank: int
-    load: Callable[[LoraRef], Any]  # folder -> weights (blocking: run on a thread); AdapterError / LoraUnavailable
+    load: Callable[[AdapterRef], Any]  # folder -> weights (blocking: run on a thread); AdapterError / LoraUnavailable
     resident: OrderedDict[str, LoadedLora] = field(default_factory=OrderedDict)
     waiting: dict[str, int] = field(default_factory=dict)  # adapter name -> requests waiting for a place
-    _changed: asyncio.Condition | None = None
-
-    def _condition(self) -> asyncio.Condition:
-        if self._changed is None:
-            self._changed = asyncio.Condition()
-        return self._changed
+    _freed: asyncio.Event | None = None  # set by a release: requests waiting for a place look again
 
     @property
     def running(self) -> list[str]:
-        """Names of the adapters pinned by at least one request."""
-        return [name for name, lora in self.resident.items() if lora.pins]
+        """Names of the adapters pinned by at least one request (a snapshot: /metrics reads it from its thread)."""
+        return [name for name, lora in tuple(self.resident.items()) if lora.pins]
 
-    async def acquire(self, ref: LoraRef) -> LoadedLora:
-        """Pin `ref`'s adapter for a request, loading it first when needed (waiting while every place is pinned)."""
-        changed = self._condition()
-        async with changed:
-            self.waiting[ref.name] = self.waiting.get(ref.name, 0) + 1
-            try:
-                while True:
-                    lora = self.resident.get(ref.name)
-                    if lora is not None and lora.ref == ref:
-                        self.resident.move_to_end(ref.name)
-                        lora.pins += 1
-                        return lora
-                    if self._make_room(ref.name):
-                        break
-                    await changed.wait()
-            finally:
-                self._unwait(ref.name)
-            weights = await asyncio.to_thread(self.load, ref)
-            lora = self.resident[ref.name] = LoadedLora(ref, weights, pins=1)
-            return lora
+    async def acquire(self, ref: AdapterRef) -> LoadedLora:
+        """Pin `ref`'s adapter for a request, loading it first when needed (waiting while every place is pinned);
+        LoraUnavailable when it cannot be loaded here. Everything between awaits runs on the event loop, so a look
+        and the place it takes are one step."""
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        self.waiting[ref.name] = self.waiting.get(ref.name, 0) + 1
+        try:
+            while True:
+                self._freed.clear()  # before looking: a release from here on wakes the wait below
+                lora = self.resident.get(ref.name)
+                if lora is not None and lora.ref == ref:
+                    self.resident.move_to_end(ref.name)
+                    lora.pins += 1
+                    if lora.loading is not None:
+                        try:
+                            await asyncio.shield(lora.loading)
+                        except BaseException:
+                            lora.pins -= 1
+                            raise
+                    return lora
+                if self._make_room(ref.name):
+                    return await self._load(ref)
+                await self._freed.wait()
+        finally:
+            self._unwait(ref.name)
+
+    async def _load(self, ref: AdapterRef) -> LoadedLora:
+        """Take the place for `ref` now, load it on a thread (other adapters' requests go on meanwhile)."""
+        lora = self.resident[ref.name] = LoadedLora(ref, None, pins=1,
+                                                    loading=asyncio.get_running_loop().create_future())
+        try:
+            lora.weights = await asyncio.to_thread(self.load, ref)
+        except BaseException as exc:
+            if self.resident.get(ref.name) is lora:
+                del self.resident[ref.name]
+            failure = exc if isinstance(exc, Exception) else LoraUnavailable(f"LoRA adapter {ref.name!r}: its load "
+                                                                              "was cancelled")
+            lora.loading.set_exception(failure)
+            lora.loading.exception()  # retrieved here: requests waiting on it re-raise it themselves
+            lora.pins -= 1
+            self._freed.set()
+            raise
+        lora.loading.set_result(None)
+        lora.loading = None
+        return lora
 
     def _make_room(self, name: str) -> bool:
         """Free a place for `name` (replacing another identity under that name, or the least recently used unpinned
@@ -124,24 +139,12 @@ class LoraResidency:
         if lora is None:
             return
         lora.pins -= 1
-        if not lora.pins:
-            asyncio.get_running_loop().create_task(self._notify())
-
-    async def _notify(self) -> None:
-        changed = self._condition()
-        async with changed:
-            changed.notify_all()
-
-    def unload(self, name: str) -> bool:
-        """Drop `name` once no request pins it; whether it was resident and unpinned."""
-        lora = self.resident.get(name)
-        if lora is None or lora.pins:
-            return False
-        del self.resident[name]
-        return True
+        if not lora.pins and self._freed is not None:
+            self._freed.set()
 
 
-def refuse_lora(ref: LoraRef | None, backend: str) -> None:
-    """A backend without adapters answers a request that names one: InvalidRequest naming it."""
+def refuse_lora(ref: AdapterRef | None, backend: str) -> None:
+    """A backend without adapters answers a request that names one: LoraUnavailable naming it (another worker of
+    the cluster may serve it)."""
     if ref is not None:
-        raise InvalidRequest(f"LoRA adapter {ref.name!r}: {backend} serves no LoRA adapters")
+        raise LoraUnavailable(f"LoRA adapter {ref.name!r}: {backend} serves no LoRA adapters")

@@ -32,7 +32,7 @@ class PrefillDone:
     forward_ms: float = 0.0
     done_at: float = 0.0
     cached_tokens: int = 0  # prompt positions found in the prefix cache (not computed)
-    prompt_logprobs: list | None = None  # (logprob, rank, top) of prompt tokens 1 .. n-1, when asked
+    prompt_logprobs: list | None = None  # TokenLogprobs (with rank) of prompt tokens 1 .. n-1, when asked
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ class PrefillJob:
     prepared_media: Any = None  # what `prepare_media` made of them
     cache_token_ids: list[int] = field(default_factory=list)  # the prompt as the prefix cache hashes it
     lora: LoadedLora | None = None  # the adapter its forwards run under (pinned until `release`); None: the base
-    # Each prompt token's (logprob, rank, top alternatives) after the first, filled chunk by chunk when asked.
+    # Each prompt token's TokenLogprobs (with its rank) after the first, filled chunk by chunk when asked.
     prompt_logprob_entries: list = field(default_factory=list)
 
     def __post_init__(self):

@@ -65,6 +65,7 @@ class TokenLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1: the likeliest token; computed only where reported (prompt logprobs)
 
 
 @dataclass(slots=True)

@@ -73,10 +73,16 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per position a request may ask for (worker.proto)
+
+
 async def checked_sampling(engine: PrefillBackend | DecodeBackend, msg: pb.SamplingParams) -> SamplingParams:
     """The request's sampling rules once its backend accepts them (InvalidRequest otherwise); a grammar is
     compiled on a thread, so neither the event loop nor the engine waits for it."""
     sampling = sampling_from_pb(msg)
+    for name, count in (("top_logprobs", sampling.top_logprobs), ("prompt_top_logprobs", sampling.prompt_logprobs)):
+        if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"{name}={count} must be in [0, {MAX_TOP_LOGPROBS}]")
     if sampling.grammar is None:
         engine.check_sampling(sampling)
     else:
@@ -149,9 +155,9 @@ def load_to_pb(load: WorkerLoad, draining: bool) -> pb.HealthResponse:
     if load.loras is not None:
         loras = load.loras
         health.max_loras = loras.max_loras
-        health.lora_resident.extend(loras.resident)
+        health.lora_resident.extend(tuple(loras.resident))
         health.lora_running.extend(loras.running)
-        health.lora_waiting.extend(loras.waiting)
+        health.lora_waiting.extend(tuple(loras.waiting))
     return health
 
 

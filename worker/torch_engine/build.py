@@ -35,5 +35,5 @@ def build_engine(options) -> PrefillEngine | DecodeEngine:
         engine = DecodeEngine(runner, pool, options.max_running, options.max_prefill_tokens,
                               options.max_prefill_batch_size)
     if runner.max_loras:
-        engine.loras = LoraResidency(runner.max_loras, runner.max_lora_rank, runner.load_lora)
+        engine.loras = LoraResidency(runner.max_loras, runner.load_lora)
     return engine

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from adapters.peft_folder import TARGET_MODULES, AdapterError, ModuleShape, read_adapter
-from worker.engine.lora import LoadedLora, LoraRef, LoraUnavailable
+from worker.engine.lora import LoadedLora, AdapterRef, LoraUnavailable
 
 _current = threading.local()
 
@@ -87,21 +87,26 @@ def wrap_projections(model: nn.Module) -> dict[str, ModuleShape]:
     return shapes
 
 
-def load_lora_weights(ref: LoraRef, shapes: dict[str, ModuleShape], num_layers: int, max_rank: int,
+def load_lora_weights(ref: AdapterRef, shapes: dict[str, ModuleShape], num_layers: int, max_rank: int,
                       device: torch.device, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """An adapter's (A, B * scale) per projection key, on the device; LoraUnavailable when its folder is missing,
-    is not what the coordinator checked (another identity) or no longer an adapter of this model."""
+    """An adapter's (A, B * scale) per projection key, on the device; LoraUnavailable when this worker cannot load
+    it: its folder missing or unreadable here, not what the coordinator checked (another identity), beyond this
+    worker's rank limit, or too big for the device's memory. Whatever the cause, only that request fails here."""
     try:
         adapter = read_adapter(ref.path, shapes, num_layers, max_rank)
+        if adapter.digest != ref.digest:
+            raise LoraUnavailable(f"LoRA adapter {ref.name!r}: {ref.path} on this worker differs from the "
+                                  "coordinator's (another identity)")
+        weights = {}
+        with safe_open(adapter.path / "adapter_model.safetensors", framework="pt") as f:
+            for t in adapter.tensors:
+                a = f.get_tensor(t.a_key).to(device=device, dtype=dtype).contiguous()
+                b = (f.get_tensor(t.b_key).float() * adapter.scaling).to(device=device, dtype=dtype).contiguous()
+                weights[t.module] = (a, b)
+        return weights
+    except LoraUnavailable:
+        raise
     except AdapterError as exc:
         raise LoraUnavailable(f"LoRA adapter {ref.name!r}: {exc}") from None
-    if adapter.digest != ref.digest:
-        raise LoraUnavailable(f"LoRA adapter {ref.name!r}: {ref.path} on this worker differs from the coordinator's "
-                              "(another identity)")
-    weights = {}
-    with safe_open(adapter.path / "adapter_model.safetensors", framework="pt") as f:
-        for t in adapter.tensors:
-            a = f.get_tensor(t.a_key).to(device=device, dtype=dtype).contiguous()
-            b = (f.get_tensor(t.b_key).float() * adapter.scaling).to(device=device, dtype=dtype).contiguous()
-            weights[t.module] = (a, b)
-    return weights
+    except Exception as exc:  # noqa: BLE001 (a file cut short, a device out of memory: this request's, not the worker's)
+        raise LoraUnavailable(f"LoRA adapter {ref.name!r}: loading {ref.path} failed: {exc}") from None

@@ -23,7 +23,10 @@ from transformers.utils import logging as hf_logging
 
 from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.media import MediaSpan, refuse_media
-from worker.engine.lora import LoadedLora, LoraRef
+from adapters.peft_folder import AdapterRef
+from worker.engine.lora import LoadedLora
+from worker.engine.sequence import TokenLogprobs
+from worker.torch_engine.sampling import batch_logprobs
 from worker.torch_engine.kv_cache import KvCache
 from worker.torch_engine.lora import load_lora_weights, lora_rows, wrap_projections
 from worker.torch_engine.paged_attention import ATTENTION_NAME, AttentionBatch, PrefillSegment, attention_batch
@@ -71,20 +74,18 @@ def refuse_unsupported_vision(config) -> None:
                          "(one position per token, fixed-size images) are served yet")
 
 
-def scored_tokens(logits: torch.Tensor, targets: Sequence[int], top: int) -> list[tuple]:
-    """(logprob, rank, ((token, logprob), ...) of the `top` likeliest) of each target token under its row of
-    `logits` [n, V] (the raw distribution, as vLLM reports prompt logprobs)."""
-    if not targets:
-        return []
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    index = torch.tensor(targets, dtype=torch.long, device=logits.device).unsqueeze(1)
-    chosen = logprobs.gather(1, index)
-    ranks = (logprobs > chosen).sum(dim=1) + 1
-    tops = logprobs.topk(top, dim=-1) if top else None
-    chosen, ranks = chosen.squeeze(1).tolist(), ranks.tolist()
-    alternatives = ([list(zip(i, v)) for i, v in zip(tops.indices.tolist(), tops.values.tolist())] if top
-                    else [()] * len(targets))
-    return [(lp, rank, tuple(alt)) for lp, rank, alt in zip(chosen, ranks, alternatives)]
+# Prompt positions scored per log-softmax: bounds the float32 [rows, vocabulary] copies a long chunk makes.
+SCORED_ROWS = 256
+
+
+def scored_tokens(logits: torch.Tensor, targets: Sequence[int], top: int) -> list[TokenLogprobs]:
+    """Each target token's logprob, rank and `top` likeliest alternatives under its row of `logits` [n, V] (the
+    raw distribution, as vLLM reports prompt logprobs), SCORED_ROWS rows at a time."""
+    out: list[TokenLogprobs] = []
+    for start in range(0, len(targets), SCORED_ROWS):
+        part = targets[start : start + SCORED_ROWS]
+        out.extend(batch_logprobs(logits[start : start + len(part)], part, [top] * len(part), ranks=True))
+    return out
 
 
 # Below this many blocks in common, a shared prefix is attended with each row's own blocks (one gather, SDPA).
@@ -187,7 +188,7 @@ class ModelRunner:
             return None
         return self.vision.prepare(media)
 
-    def load_lora(self, ref: LoraRef) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def load_lora(self, ref: AdapterRef) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """An adapter's weights on this device (blocking: called on a thread by the residency)."""
         return load_lora_weights(ref, self.lora_shapes, self.num_layers, self.max_lora_rank, self.device, self.dtype)
 
@@ -277,8 +278,8 @@ class ModelRunner:
                 on_layer: Callable[[int], None] | None = None,
                 prompt_logprobs: dict[int, list] | None = None) -> torch.Tensor:
         """One packed forward; logits [rows, V]: one per decode row, then one per chunk with `logits`. A chunk with
-        `prompt_logprobs` gets, in `prompt_logprobs[its index]`, (logprob, rank, top) of each prompt token it
-        predicts (the token after each of its positions, as far as the prompt goes)."""
+        `prompt_logprobs` gets, in `prompt_logprobs[its index]`, the TokenLogprobs (with rank) of each prompt token
+        it predicts (the token after each of its positions, as far as the prompt goes)."""
         self._zero_fresh_blocks()
         ids: list[int] = []
         positions: list[int] = []

@@ -144,7 +144,8 @@ class PrefillEngine(PrefillBackend):
                 self._emit(job, PrefillDone(pick[0], (done_at - job.submitted_at) * 1000, pick[1],
                                             forward_ms=(done_at - started) * 1000, done_at=done_at,
                                             cached_tokens=job.cached_tokens,
-                                            prompt_logprobs=job.prompt_logprob_entries or None))
+                                            prompt_logprobs=job.prompt_logprob_entries
+                                            if job.prompt_logprobs is not None else None))
             job.matcher = None
 
     def _with_matcher(self, job: PrefillJob) -> bool:

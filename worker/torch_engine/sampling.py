@@ -177,17 +177,21 @@ def token_logprobs(raw_logits: torch.Tensor, token: int, top: int) -> TokenLogpr
     return batch_logprobs(raw_logits.unsqueeze(0), [token], [top])[0]
 
 
-def batch_logprobs(raw: torch.Tensor, tokens: Sequence[int], tops: Sequence[int]) -> list[TokenLogprobs]:
-    """`token_logprobs` of each row of `raw` [B, V]: one log-softmax and one gather for all rows."""
+def batch_logprobs(raw: torch.Tensor, tokens: Sequence[int], tops: Sequence[int],
+                   ranks: bool = False) -> list[TokenLogprobs]:
+    """`token_logprobs` of each row of `raw` [B, V]: one log-softmax and one gather for all rows (with `ranks`, each
+    token's rank among the row's, 1 for the likeliest)."""
     logprobs = torch.log_softmax(raw.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
+    chosen_t = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long, device=raw.device).unsqueeze(1))
+    chosen = chosen_t.squeeze(1).tolist()
+    rank_of = ((logprobs > chosen_t).sum(dim=1) + 1).tolist() if ranks else [None] * len(chosen)
     out = []
-    for row, (logprob, top) in enumerate(zip(chosen, tops)):
+    for row, (logprob, top, rank) in enumerate(zip(chosen, tops, rank_of)):
         alternatives = ()
         if top > 0:
             values, ids = torch.topk(logprobs[row], min(top, logprobs.shape[-1]))
             alternatives = tuple(zip(ids.tolist(), values.tolist()))
-        out.append(TokenLogprobs(logprob, alternatives))
+        out.append(TokenLogprobs(logprob, alternatives, rank))
     return out
 
 

@@ -131,6 +131,16 @@ def test_cache_affinity_prices_loading_an_adapter_beside_the_cached_blocks():
     assert router.route(prompt(100), lora="a1").prefill.address == "p0:1"  # 52 + 1 < 100
 
 
+def test_cache_affinity_sends_a_fresh_prompt_where_its_adapter_is_loaded_unless_that_one_is_busier():
+    registry = make_registry()
+    router, _ = affinity_router(registry, lora_load_tokens=64)
+    registry.get("prefill", "p2:1").reported = ReportedLoad(loras=frozenset({"a1"}))
+    registry.get("prefill", "p2:1").outstanding_prompt_tokens = 50  # 100 + 50 < 100 + 64 on an idle one
+    assert router.route(prompt(100, start=5000), lora="a1").prefill.address == "p2:1"
+    registry.get("prefill", "p2:1").outstanding_prompt_tokens = 80  # 180 > 164
+    assert router.route(prompt(100, start=6000), lora="a1").prefill.address != "p2:1"
+
+
 def test_cache_affinity_ignores_an_instance_that_is_out_of_rotation():
     registry = make_registry()
     router, index = affinity_router(registry)
