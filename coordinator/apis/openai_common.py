@@ -138,7 +138,7 @@ def vllm_prompt_logprobs(prompt_token_ids: list[int], entries: tuple | None, tok
                     for i, (t, v) in enumerate(alternatives[:top])}
         position[str(token)] = {"logprob": logprob, "rank": rank, "decoded_token": token_text(token)}
         out.append(position)
-    return out
+    return out + [None] * (len(prompt_token_ids) - len(out))  # none came (a simulated worker)
 
 
 def usage(finished: Finished) -> dict:

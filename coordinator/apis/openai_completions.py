@@ -86,6 +86,7 @@ class CompletionFormatter(OpenAIFormatter):
         if self.echo_logprobs is not None and deltas[0].index == 0:
             scored = ((None, ()),) + tuple((lp, top[: self.echo_logprobs])
                                            for lp, _, top in deltas[0].prompt_logprobs or ())
+            scored += ((None, ()),) * (len(self.prompt_token_ids) - len(scored))  # none came (a simulated worker)
             prompt_offset = 0
             for token, (logprob, top) in zip(self.prompt_token_ids, scored):
                 text = self.token_text(token)

@@ -103,7 +103,9 @@ def test_echo_puts_the_prompt_before_the_completion(http):
     assert "".join(c["choices"][0]["text"] for c in chunks) == PROMPT + plain
 
 
-def test_echo_with_logprobs_is_refused_clearly(http):
+def test_echo_with_logprobs_scores_the_echoed_prompt(http, tokenizer):
     resp = http.post("/v1/completions", json={"model": "pdserve-tiny", "prompt": PROMPT, "echo": True,
-                                              "logprobs": 1})
-    assert resp.status_code == 400 and "echo with logprobs is not supported" in resp.json()["error"]["message"]
+                                              "logprobs": 1, "max_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    block = resp.json()["choices"][0]["logprobs"]
+    assert len(block["tokens"]) == len(tokenizer(PROMPT)["input_ids"]) + 2 and block["token_logprobs"][0] is None

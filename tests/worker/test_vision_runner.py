@@ -47,6 +47,8 @@ class Work:
     media: tuple[MediaSpan, ...]
     prepared_media: object
     table: BlockTable = field(default_factory=BlockTable)
+    lora: None = None
+    prompt_logprobs: None = None
 
 
 def greedy(runner: ModelRunner, prompt: list[int], media, chunk: int = 10_000, cached: bool = False) -> list[int]:

@@ -1,5 +1,5 @@
-"""What a simulated worker cannot honour: with no tokenizer and synthetic tokens, no grammar, no logit_bias and no
-prompt logprobs."""
+"""What a simulated worker cannot honour: with no tokenizer and synthetic tokens, no grammar and no logit_bias.
+Logprobs, the prompt's included, it leaves out (null in the answers), as it has no model to give them."""
 
 from __future__ import annotations
 
@@ -15,5 +15,4 @@ class RefusesTokenConstraints:
             raise InvalidRequest("guided decoding (guided) is not available on a simulated worker: it has no tokenizer")
         if sampling.logit_bias:
             raise InvalidRequest("logit_bias is not available on a simulated worker: it has no tokenizer")
-        if sampling.prompt_logprobs is not None:
-            raise InvalidRequest("prompt logprobs are not available on a simulated worker: it has no model")
+
