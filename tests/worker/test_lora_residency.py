@@ -16,7 +16,7 @@ A, B, C = (AdapterRef(name, f"/adapters/{name}", digest=i + 1) for i, name in en
 def residency(max_loras: int = 2) -> tuple[LoraResidency, list[str]]:
     loads: list[str] = []
 
-    def load(ref: AdapterRef) -> str:
+    def load(ref: AdapterRef, slot: int) -> str:
         loads.append(ref.name)
         return f"weights of {ref.name}"
 
@@ -26,11 +26,14 @@ def residency(max_loras: int = 2) -> tuple[LoraResidency, list[str]]:
 async def test_a_resident_adapter_is_loaded_once_and_the_least_recently_used_unpinned_one_evicted():
     loras, loads = residency(2)
     a = await loras.acquire(A)
-    loras.release(await loras.acquire(B))
+    b = await loras.acquire(B)
+    loras.release(b)
+    assert a.slot != b.slot
     loras.release(await loras.acquire(A))  # B is now the least recently used
     loras.release(a)
     c = await loras.acquire(C)
     assert loads == ["a", "b", "c"] and list(loras.resident) == ["a", "c"] and c.weights == "weights of c"
+    assert c.slot == b.slot  # the evicted adapter's place
 
 
 async def test_a_request_waits_while_every_place_is_pinned_and_is_counted_as_waiting():
@@ -62,7 +65,7 @@ async def test_requests_for_an_adapter_being_loaded_wait_for_that_one_load_and_o
     loop = asyncio.get_running_loop()
     loads: list[str] = []
 
-    def load(ref: AdapterRef) -> str:
+    def load(ref: AdapterRef, slot: int) -> str:
         loads.append(ref.name)
         if ref.name == "a":  # a slow disk: the load of `a` blocks until the test lets it end
             loop.call_soon_threadsafe(started.set)
@@ -81,7 +84,7 @@ async def test_requests_for_an_adapter_being_loaded_wait_for_that_one_load_and_o
 
 
 async def test_a_failed_load_fails_its_waiters_and_frees_the_place():
-    def load(ref: AdapterRef) -> str:
+    def load(ref: AdapterRef, slot: int) -> str:
         raise LoraUnavailable(f"{ref.name}: no such adapter folder")
 
     loras = LoraResidency(1, load)

@@ -23,16 +23,16 @@ def runner(model_dir) -> ModelRunner:
     return ModelRunner(model_dir, device="cpu", max_loras=4)
 
 
-def loaded(runner: ModelRunner, name: str, path) -> LoadedLora:
+def loaded(runner: ModelRunner, name: str, path, slot: int) -> LoadedLora:
     ref = AdapterRef(name, str(path), read_adapter(path, runner.lora_shapes, runner.num_layers, 16).digest)
-    return LoadedLora(ref, runner.load_lora(ref), pins=1)
+    return LoadedLora(ref, runner.load_lora(ref, slot), pins=1, slot=slot)
 
 
 def test_mixed_adapters_in_one_forward_match_peft_greedy_tokens(runner, model_dir, lora_adapters):
     rng = random.Random(5)
     names = [None, "a1", "a2", "a3", None, "a1"]
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(5, 60))] for _ in names]
-    loras = {name: loaded(runner, name, path) for name, path in lora_adapters.items()}
+    loras = {name: loaded(runner, name, path, slot) for slot, (name, path) in enumerate(lora_adapters.items())}
     pool = paged_pool(runner, 8192, BLOCK)
     tables = [BlockTable() for _ in names]
     for table, prompt in zip(tables, prompts):
@@ -52,6 +52,6 @@ def test_mixed_adapters_in_one_forward_match_peft_greedy_tokens(runner, model_di
 def test_adapter_changed_since_the_coordinator_read_it_is_unavailable_here(runner, lora_adapters):
     ref = AdapterRef("a1", str(lora_adapters["a1"]), digest=12345)
     with pytest.raises(LoraUnavailable, match="differs"):
-        runner.load_lora(ref)
+        runner.load_lora(ref, 3)
     with pytest.raises(LoraUnavailable, match="no such adapter folder"):
-        runner.load_lora(AdapterRef("gone", "/nonexistent/adapter", digest=1))
+        runner.load_lora(AdapterRef("gone", "/nonexistent/adapter", digest=1), 3)

@@ -47,6 +47,7 @@ class LoadedLora:
     weights: Any
     pins: int = 0
     loading: asyncio.Future | None = None
+    slot: int = 0  # its place among the max_loras: where the backend keeps its weights
 
 
 @dataclass
@@ -54,10 +55,12 @@ class LoraResidency:
     """The adapters resident on one worker, at most `max_loras`, evicted least recently used among the unpinned."""
 
     max_loras: int
-    load: Callable[[AdapterRef], Any]  # folder -> weights (blocking: run on a thread); AdapterError / LoraUnavailable
+    # (folder, its place) -> weights kept in that place (blocking: run on a thread); LoraUnavailable when it cannot
+    load: Callable[[AdapterRef, int], Any]
     resident: OrderedDict[str, LoadedLora] = field(default_factory=OrderedDict)
     waiting: dict[str, int] = field(default_factory=dict)  # adapter name -> requests waiting for a place
     _freed: asyncio.Event | None = None  # set by a release: requests waiting for a place look again
+    _free_slots: list[int] | None = None  # places no resident adapter holds
 
     @property
     def running(self) -> list[str]:
@@ -85,21 +88,23 @@ class LoraResidency:
                             lora.pins -= 1
                             raise
                     return lora
-                if self._make_room(ref.name):
-                    return await self._load(ref)
+                slot = self._make_room(ref.name)
+                if slot is not None:
+                    return await self._load(ref, slot)
                 await self._freed.wait()
         finally:
             self._unwait(ref.name)
 
-    async def _load(self, ref: AdapterRef) -> LoadedLora:
-        """Take the place for `ref` now, load it on a thread (other adapters' requests go on meanwhile)."""
+    async def _load(self, ref: AdapterRef, slot: int) -> LoadedLora:
+        """Take place `slot` for `ref` now, load it on a thread (other adapters' requests go on meanwhile)."""
         lora = self.resident[ref.name] = LoadedLora(ref, None, pins=1,
-                                                    loading=asyncio.get_running_loop().create_future())
+                                                    loading=asyncio.get_running_loop().create_future(), slot=slot)
         try:
-            lora.weights = await asyncio.to_thread(self.load, ref)
+            lora.weights = await asyncio.to_thread(self.load, ref, slot)
         except BaseException as exc:
             if self.resident.get(ref.name) is lora:
                 del self.resident[ref.name]
+                self._free_slots.append(slot)
             failure = exc if isinstance(exc, Exception) else LoraUnavailable(f"LoRA adapter {ref.name!r}: its load "
                                                                               "was cancelled")
             lora.loading.set_exception(failure)
@@ -111,21 +116,25 @@ class LoraResidency:
         lora.loading = None
         return lora
 
-    def _make_room(self, name: str) -> bool:
-        """Free a place for `name` (replacing another identity under that name, or the least recently used unpinned
-        adapter); False when every place is pinned."""
+    def _make_room(self, name: str) -> int | None:
+        """A free place for `name` (replacing another identity under that name, or the least recently used unpinned
+        adapter); None when every place is pinned."""
+        if self._free_slots is None:
+            self._free_slots = list(range(self.max_loras))
         old = self.resident.get(name)
         if old is not None:
             if old.pins:
-                return False  # the old identity ends its requests first
-            del self.resident[name]
-        if len(self.resident) < self.max_loras:
-            return True
-        for key, lora in self.resident.items():
-            if not lora.pins:
-                del self.resident[key]
-                return True
-        return False
+                return None  # the old identity ends its requests first
+            self._evict(name)
+        if not self._free_slots:
+            victim = next((key for key, lora in self.resident.items() if not lora.pins), None)
+            if victim is None:
+                return None
+            self._evict(victim)
+        return self._free_slots.pop()
+
+    def _evict(self, name: str) -> None:
+        self._free_slots.append(self.resident.pop(name).slot)
 
     def _unwait(self, name: str) -> None:
         left = self.waiting[name] - 1

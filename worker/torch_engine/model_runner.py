@@ -164,11 +164,12 @@ class ModelRunner:
             raise ValueError(f"--max-loras {max_loras} must be >= 0 and --max-lora-rank {max_lora_rank} >= 1")
         self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
         self.lora_shapes = {}  # target projection -> shape, once wrapped for adapters (max_loras > 0)
+        self.lora_projections = []
         if max_loras:
             if self.vision is not None:
                 raise ValueError(f"{config.model_type}: LoRA adapters on a vision-language model are not supported "
                                  "yet (start it with --max-loras 0)")
-            self.lora_shapes = wrap_projections(self.model)
+            self.lora_shapes, self.lora_projections = wrap_projections(self.model, max_loras, max_lora_rank)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -188,9 +189,14 @@ class ModelRunner:
             return None
         return self.vision.prepare(media)
 
-    def load_lora(self, ref: AdapterRef) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """An adapter's weights on this device (blocking: called on a thread by the residency)."""
-        return load_lora_weights(ref, self.lora_shapes, self.num_layers, self.max_lora_rank, self.device, self.dtype)
+    def load_lora(self, ref: AdapterRef, slot: int) -> int:
+        """Read an adapter's weights into place `slot` of every adapted projection (blocking: called on a thread by
+        the residency; no running request uses that place while it is written)."""
+        weights = load_lora_weights(ref, self.lora_shapes, self.num_layers, self.max_lora_rank, self.device, self.dtype)
+        with torch.inference_mode():
+            for projection in self.lora_projections:
+                projection.write_slot(slot, weights.get(projection.key))
+        return slot
 
     def prompt_chunks(self, chunks: Sequence[Chunk], sample: Callable[[Chunk], bool]
                       ) -> tuple[list[PromptChunk], list[tuple[Chunk, Exception]]]:
@@ -316,7 +322,10 @@ class ModelRunner:
         inputs = {"input_ids": input_ids}
         if any(chunk.media for chunk in chunks):
             inputs = {"inputs_embeds": self._embeds_with_media(input_ids, len(decode), chunks)}
-        with attention_batch(batch), lora_rows(self._token_adapters(decode, chunks), self.device):
+        adapters = lora_rows([row.lora.slot if row.lora is not None else -1 for row in decode],
+                             [(seg.start, seg.end, chunk.lora.slot) for chunk, seg in zip(chunks, batch.segments)
+                              if chunk.lora is not None], self.max_lora_rank, self.max_loras, self.device, self.dtype)
+        with attention_batch(batch), adapters:
             out = self.model(**inputs, position_ids=position_ids, use_cache=False,
                              logits_to_keep=torch.tensor(rows, dtype=torch.long, device=self.device))
         logits = out.logits[0]
@@ -328,15 +337,7 @@ class ModelRunner:
             offset += end - start
         return logits[: len(keep)].float()
 
-    @staticmethod
-    def _token_adapters(decode: Sequence[DecodeRow], chunks: Sequence[PromptChunk]) -> list[LoadedLora | None]:
-        """Per packed token, the adapter it runs under ([] when none does: the base model's forward alone)."""
-        if all(row.lora is None for row in decode) and all(chunk.lora is None for chunk in chunks):
-            return []
-        adapters = [row.lora for row in decode]
-        for chunk in chunks:
-            adapters.extend([chunk.lora] * len(chunk.token_ids))
-        return adapters
+
 
     def _embeds_with_media(self, input_ids: torch.Tensor, row: int, chunks: Sequence[PromptChunk]) -> torch.Tensor:
         """The row's token embeddings, with each image's encoder output in the positions of it a chunk computes
