@@ -10,6 +10,7 @@ with the server certificate and asks the coordinator for its client one.
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +35,30 @@ def default_vllm_venv() -> Path:
     return Path(os.environ.get(VENV_ENV) or REPO / ".vllm-venv")
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, for a process that binds it later: taken below the kernel's ephemeral range, so that no
+    socket bound to port 0 meanwhile takes it (a vLLM instance's own ZMQ sockets took a NIXL side-channel port
+    picked by binding 0 before the instance bound it)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,7 @@ import io
 import json
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +22,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv_transfer.base import TransferredKv
+from launcher.vllm_fleet import free_port as launcher_free_port
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 
@@ -406,30 +405,7 @@ def local_prefill_by_hand(address: str, request_id: str, prompt_token_ids: list[
     return events[0].accepted.token_channel_address
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A port free now, for a process that binds it later: taken below the kernel's ephemeral range, so that no
-    outgoing connection of the many processes a test run starts takes it meanwhile (a port picked by binding 0
-    was, now and then, before `pdserve up` started its coordinator on it)."""
-    low = _ephemeral_low()
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+free_port = launcher_free_port  # one rule for ports bound later, launcher's and tests' alike
 
 
 def image_bytes(color: tuple[int, int, int], size: tuple[int, int] = (40, 30), fmt: str = "PNG") -> bytes:
