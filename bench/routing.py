@@ -500,8 +500,9 @@ def parse_args(argv=None):
     p.add_argument("--prefill-cache-tokens", type=int, default=PREFILL_CACHE_TOKENS,
                    help=f"each prefill worker's KV pool, in tokens (default {PREFILL_CACHE_TOKENS}: between two and three "
                    "system prompts; `single`'s one prefill worker gets 4x, the fleet's total)")
-    p.add_argument("--baseline-repo", type=Path, default=Path("/work/wt/guess"),
-                   help="checkout of the previous release, for the `guess` row (default /work/wt/guess)")
+    p.add_argument("--baseline-repo", type=Path, default=REPO.parent / "guess",
+                   help="checkout of the previous release, for the `guess` row (default: a `guess` folder beside this "
+                        "checkout, e.g. made by `git worktree add ../guess <tag>`)")
     p.add_argument("--seed", type=int, default=1, help="seed of the prompts, arrivals and answers (default 1)")
     p.add_argument("--log-dir", type=Path, default=None, help="process logs (default: a temp folder, printed)")
     args = p.parse_args(argv)

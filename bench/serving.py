@@ -4,7 +4,7 @@ measured in the same run.
 
     .venv/bin/python bench/serving.py --targets pdserve vllm --ratio-against vllm \\
         --workload distinct shared-prefix multiturn --concurrency 16 64 128
-    .venv/bin/python bench/serving.py --targets pdserve baseline --baseline-repo /work/wt/main-before \\
+    .venv/bin/python bench/serving.py --targets pdserve baseline --baseline-repo ../main-before \\
         --ratio-against baseline --workload distinct --concurrency 16 64
     .venv/bin/python bench/serving.py --targets pdserve vllm --requests 8 --concurrency 4 --max-tokens 16  # smoke
 
