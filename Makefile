@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: on this machine 2.13.0 is a local CPU wheel; anything else downloads GBs.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	# The engine's CPU kernels, compiled here once (workers build them at start-up if a source changed since).
+	$(BIN)/python -m worker.torch_engine.kernels
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -3,6 +3,7 @@
     .venv/bin/python bench/engine.py [--requests 64] [--new-tokens 64] [--concurrency 1 4 16 64]
     .venv/bin/python bench/engine.py --guided [--concurrency 16 64]
     .venv/bin/python bench/engine.py --step-overhead [--concurrency 16 64] [--repeats 3]
+    .venv/bin/python bench/engine.py --context-steps [--contexts 256 2048] [--rows 64]
     .venv/bin/python bench/engine.py --device cuda --model /path/SmolLM2-135M-Instruct --dtype bfloat16 \
         --concurrency 16 64
 
@@ -23,6 +24,10 @@ Every engine run also times each decode step whole and its model forward alone (
 forward's kernels finishing): the rest (sampling, stop checks, detokenizing, the hand-off to the event
 loop) is the step's overhead, printed per batch size (the decode-only steps whose batch held exactly
 `concurrency` sequences). `--step-overhead` prints only that.
+
+`--context-steps` times one decode step of `--rows` sequences at each context length, with each attention path
+(the engine's paged kernel and the torch reference that gathers blocks), the contexts distinct per row or all
+but the last block shared (a system prompt): the kernel reads the blocks where they lie, and a shared prefix once.
 """
 
 from __future__ import annotations
@@ -50,9 +55,10 @@ from embedded_model import ModelSpec, build_model, default_model_dir  # noqa: E4
 from kv_transfer.base import TransferredKv  # noqa: E402
 from worker.engine.messages import KvLayerReady, PrefillDone  # noqa: E402
 from worker.engine.sequence import SamplingParams  # noqa: E402
+from worker.engine.block_pool import BlockTable  # noqa: E402
 from worker.torch_engine.build import paged_pool  # noqa: E402
 from worker.torch_engine.decode_engine import DecodeEngine  # noqa: E402
-from worker.torch_engine.model_runner import DTYPES, ModelRunner, resolve_device  # noqa: E402
+from worker.torch_engine.model_runner import DTYPES, DecodeRow, ModelRunner, resolve_device  # noqa: E402
 from worker.torch_engine.prefill_engine import PrefillEngine  # noqa: E402
 
 BENCH_SPEC = ModelSpec(name="pdserve-bench-512x8", hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
@@ -348,6 +354,54 @@ def run_step_overhead(args, model_name, runner, decode_runner, prompts, concurre
     print_step_overhead(rows)
 
 
+def context_step_ms(runner: ModelRunner, rows: int, context: int, shared: bool, steps: int) -> float:
+    """Median time of a decode step of `rows` sequences at `context` positions over a pool of random keys and
+    values (the step's cost does not depend on them); `shared`: every row holds the same leading blocks."""
+    blocks = context // BLOCK_SIZE + 1
+    own = 1 if shared else blocks
+    paged_pool(runner, ((blocks - own) + rows * own + 1) * BLOCK_SIZE, BLOCK_SIZE, prefix_caching=False)
+    for t in runner.cache.keys + runner.cache.values:
+        t.normal_(0, 0.5)
+    ids = iter(range(1, runner.block_pool.num_blocks))
+    common = [next(ids) for _ in range(blocks - own)]
+    decode = [DecodeRow(7, context, BlockTable(common + [next(ids) for _ in range(own)])) for _ in range(rows)]
+    times = []
+    for i in range(steps + 2):
+        synchronize(runner.device)
+        started = time.perf_counter()
+        runner.forward(decode, [])
+        synchronize(runner.device)
+        if i >= 2:  # two warm-up steps
+            times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def run_context_steps(args, model_name, model_dir: Path) -> None:
+    """A decode step's time by context length, layout and attention path; prints the table."""
+    runners = {name: ModelRunner(model_dir, args.dtype, args.device, attention=name) for name in ("kernel", "torch")}
+    results = {}
+    for layout in ("distinct", "shared"):
+        for context in args.contexts:
+            for name, runner in runners.items():
+                ms = context_step_ms(runner, args.rows, context, layout == "shared", args.steps)
+                results[layout, context, name] = ms
+                print(f"{layout} context {context} {name}: {ms:.1f} ms/step", file=sys.stderr)
+                runner.cache = None
+                gc.collect()
+    runner = runners["kernel"]
+    first = args.contexts[0]
+    print(f"\nModel {model_name} ({str(runner.dtype).removeprefix('torch.')}) on {device_label(runner.device)}: one "
+          f"decode step of {args.rows} rows (no prompt chunks), median of {args.steps}; shared: all rows hold the "
+          f"same blocks but their last.\n")
+    print(f"| context | contexts | kernel ms/step | torch (gather) ms/step | kernel vs torch | kernel vs {first} |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for layout in ("distinct", "shared"):
+        for context in args.contexts:
+            kernel, gather = results[layout, context, "kernel"], results[layout, context, "torch"]
+            print(f"| {context} | {layout} | {kernel:.1f} | {gather:.1f} | {gather / kernel:.2f}x faster "
+                  f"| {kernel / results[layout, first, 'kernel']:.2f}x |")
+
+
 def run_baselines(model_dir: Path, dtype: str, device: torch.device, base, new_tokens) -> tuple[float, float]:
     """tokens/s of sequential and of one static batch of `model.generate`; the model is freed after."""
     model = load_baseline(model_dir, dtype, device)
@@ -378,6 +432,11 @@ def main() -> None:
                         help="with --guided: runs per mode, the best one counts; with --step-overhead: runs pooled")
     parser.add_argument("--step-overhead", action="store_true",
                         help="only the decode step's time outside the model forward, at each concurrency")
+    parser.add_argument("--context-steps", action="store_true",
+                        help="one decode step's time by context length, kernel against the torch reference")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 2048], help="with --context-steps")
+    parser.add_argument("--rows", type=int, default=64, help="with --context-steps: sequences per step")
+    parser.add_argument("--steps", type=int, default=10, help="with --context-steps: steps timed per point")
     parser.add_argument("--model", type=Path, help=f"checkpoint directory (default: the built {BENCH_SPEC.name})")
     parser.add_argument("--device", default="auto",
                         help="auto (the first CUDA device if any, else cpu), cpu or cuda[:N]; the baselines too")
@@ -387,6 +446,9 @@ def main() -> None:
     device = resolve_device(args.device)  # refuses cuda where there is none
     model_dir = args.model or bench_model_dir()
     model_name = BENCH_SPEC.name if args.model is None else model_dir.name
+    if args.context_steps:
+        run_context_steps(args, model_name, model_dir)
+        return
     prompts = make_prompts(args.requests, AutoConfig.from_pretrained(model_dir).vocab_size)
     baselines = None
     if not (args.guided or args.step_overhead):  # before the engine's two copies are loaded, and freed after

@@ -72,7 +72,7 @@ def _worker(args: argparse.Namespace) -> int:
             model = str(ensure_default_model())
         backend = ModelBackend(model_dir=model, dtype=args.dtype, device=args.device, threads=args.threads,
                                encoder_cache_images=args.encoder_cache_images, max_loras=args.max_loras,
-                               max_lora_rank=args.max_lora_rank)
+                               max_lora_rank=args.max_lora_rank, attention=args.attention)
     try:
         security = load_security_file(args.security_config) if args.security_config else SecurityFile()
     except ValueError as exc:
@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the largest LoRA rank this worker loads (an adapter above it is refused)")
     p.add_argument("--device", default="auto",
                    help="auto|cpu|cuda|cuda:N: where the model and KV pool live (auto: CUDA when present)")
+    p.add_argument("--attention", default="auto", choices=("auto", "kernel", "torch"),
+                   help="kernel: the engine's paged-attention kernel, reading blocks where they lie (CPU; built with "
+                        "the machine's C++ compiler); torch: blocks gathered, then SDPA (the reference; CUDA); "
+                        "auto: the kernel on the CPU when it builds, else torch")
     p.add_argument("--max-running", type=int, default=64, help="sequences per decode step")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port (0 picks one, -1 disables it)")

@@ -21,12 +21,14 @@ CLUSTER_FIXTURES = {"cluster", "http", "etcd", "shared_coordinator"}
 
 
 def pytest_configure(config):
-    """Build the embedded model and its LoRA adapters once, before any pytest-xdist worker starts, so workers never
-    race to build them (a no-op once they are in the cache)."""
+    """Build the embedded model, its LoRA adapters and the engine's kernels once, before any pytest-xdist worker
+    starts, so workers never race to build them (a no-op once they are in the cache)."""
     if not hasattr(config, "workerinput"):
         from embedded_model.lora_adapters import embedded_adapters
+        from worker.torch_engine import kernels
 
         embedded_adapters(3)
+        kernels.build()
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the marks into work units

@@ -16,9 +16,10 @@ NUM_NEW = 12
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def runner(model_dir) -> ModelRunner:
-    return ModelRunner(model_dir, device="cpu")
+@pytest.fixture(scope="module", params=["kernel", "torch"])
+def runner(model_dir, request) -> ModelRunner:
+    """Both attention paths: the engine's paged kernel and the torch reference it is checked against."""
+    return ModelRunner(model_dir, device="cpu", attention=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +186,21 @@ def test_rows_sharing_cached_leading_blocks_attend_them_once_with_the_same_token
     assert len(shared_leading_blocks(rows, BLOCK)) == 5 >= MIN_SHARED_BLOCKS  # the cascade path runs
     done = harness.run_until_done()
     assert [done[str(i)] for i in range(6)] == [generate(hf_model, p) for p in prompts]
+
+
+def test_groups_sharing_different_prefixes_beside_unshared_rows_keep_every_sequences_tokens(runner, hf_model):
+    from worker.torch_engine.attention_plan import decode_groups
+
+    rng = random.Random(8)
+    systems = [[rng.randrange(3, 1000) for _ in range(70)] for _ in range(2)]  # 4 shared blocks each
+    prompts = [systems[i % 2] + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 40))] for i in range(6)]
+    prompts += [[rng.randrange(3, 1000) for _ in range(rng.randrange(20, 80))] for _ in range(3)]  # alone
+    harness = Harness(runner)
+    for i, p in enumerate(prompts):
+        harness.join(str(i), p, cached=True)
+    tables = [table.block_ids for _, table, _ in harness.seqs.values()]
+    positions = [len(p) for p, _, _ in harness.seqs.values()]
+    groups = sorted((sorted(rows), shared) for rows, shared in decode_groups(tables, positions, BLOCK))
+    assert groups == [([0, 2, 4], 4), ([1, 3, 5], 4), ([6], 0), ([7], 0), ([8], 0)]
+    done = harness.run_until_done()
+    assert [done[str(i)] for i in range(len(prompts))] == [generate(hf_model, p) for p in prompts]

@@ -22,6 +22,7 @@ class ModelBackend:
     encoder_cache_images: int = 32  # a vision-language model's encoder outputs kept by image content hash; 0: off
     max_loras: int | None = None  # LoRA adapters resident at once; None: 4 on a text model, 0 on a vision one
     max_lora_rank: int = 16  # the largest adapter rank it loads
+    attention: str = "auto"  # kernel | torch | auto (model_runner.resolve_attention)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ def build_engine(options) -> PrefillEngine | DecodeEngine:
         torch.set_num_threads(options.backend.threads)
     backend = options.backend
     runner = ModelRunner(backend.model_dir, backend.dtype, backend.device, backend.encoder_cache_images,
-                         backend.max_loras, backend.max_lora_rank)
+                         backend.max_loras, backend.max_lora_rank, backend.attention)
     tokens = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token(), runner.device.type)
     pool = paged_pool(runner, tokens, options.block_size, options.prefix_caching)
     if options.role == "prefill":

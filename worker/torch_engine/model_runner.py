@@ -29,6 +29,8 @@ from worker.engine.sequence import TokenLogprobs
 from worker.torch_engine.sampling import batch_logprobs
 from worker.torch_engine.kv_cache import KvCache
 from worker.torch_engine.lora import load_lora_weights, lora_rows, wrap_projections
+from worker.torch_engine import kernels
+from worker.torch_engine.attention_plan import MIN_SHARED_BLOCKS, build_plan
 from worker.torch_engine.paged_attention import ATTENTION_NAME, AttentionBatch, PrefillSegment, attention_batch
 from worker.engine.scheduler import Chunk
 from worker.torch_engine.vision import PreparedMedia, VisionEncoder
@@ -46,6 +48,29 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: no CUDA device is available here")
     return device
+
+
+ATTENTION_BACKENDS = ("auto", "kernel", "torch")
+
+
+def resolve_attention(name: str, device: torch.device) -> str:
+    """`kernel` (the engine's paged kernel: CPU only, built here by the C++ compiler) or `torch` (gathers blocks,
+    then SDPA: the reference, and the CUDA path); `auto`: the kernel on the CPU when it builds, else torch."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention {name}: must be one of {', '.join(ATTENTION_BACKENDS)}")
+    if name == "torch" or (name == "auto" and device.type != "cpu"):
+        return "torch"
+    if device.type != "cpu":
+        raise ValueError(f"--attention kernel: the paged kernel runs on the CPU only, not {device.type} "
+                         "(use --attention torch or auto)")
+    try:
+        kernels.load()
+    except kernels.KernelUnavailable as exc:
+        if name == "kernel":
+            raise ValueError(f"--attention kernel: {exc}") from exc
+        logger.warning("paged-attention kernel unavailable, attending with torch (gathers blocks): %s", exc)
+        return "torch"
+    return "kernel"
 
 
 def refuse_unsupported_attention(config) -> None:
@@ -89,9 +114,6 @@ def scored_tokens(logits: torch.Tensor, targets: Sequence[int], top: int) -> lis
 
 
 # Below this many blocks in common, a shared prefix is attended with each row's own blocks (one gather, SDPA).
-MIN_SHARED_BLOCKS = 4
-
-
 def shared_leading_blocks(decode: Sequence[DecodeRow], block_size: int) -> list[int]:
     """The leading blocks every decode row holds (the same block ids: cached blocks shared through the prefix
     cache), before any row's current block; [] for a single row."""
@@ -139,9 +161,10 @@ class ModelRunner:
     """Owns the model, the tokenizer and the KV pool's tensors; called only from an engine thread."""
 
     def __init__(self, model_dir: Path | str, dtype: str = "auto", device: str = "auto", encoder_cache_items: int = 32,
-                 max_loras: int | None = 0, max_lora_rank: int = 16):
+                 max_loras: int | None = 0, max_lora_rank: int = 16, attention: str = "auto"):
         self.model_dir = Path(model_dir)
         self.device = resolve_device(device)
+        self.attention = resolve_attention(attention, self.device)
         hf_logging.disable_progress_bar()  # keep worker logs quiet and line-structured
         kwargs = {} if dtype == "auto" else {"dtype": DTYPES[dtype]}
         config = AutoConfig.from_pretrained(self.model_dir)
@@ -178,8 +201,8 @@ class ModelRunner:
         self.cache: KvCache | None = None
         self.block_size = 0
         self.block_pool: BlockPool | None = None  # whose blocks `cache` holds (set by `paged_pool`)
-        logger.info("loaded %s (%s, %s) on %s", self.model_dir, type(self.model).__name__, self.model.dtype,
-                    self.device)
+        logger.info("loaded %s (%s, %s) on %s, attention %s", self.model_dir, type(self.model).__name__,
+                    self.model.dtype, self.device, self.attention)
 
     def prepare_media(self, media: Sequence[MediaSpan]) -> PreparedMedia | None:
         """What a request's images need for its forwards; InvalidRequest unless every item decodes and fits its
@@ -297,23 +320,35 @@ class ModelRunner:
         nd = len(decode)
         keep.extend(range(nd))
         batch = AttentionBatch(self.cache, slots=torch.empty(0), num_decode=nd, on_layer=on_layer)
-        if nd:
+        kernel = self.attention == "kernel"
+        if nd and not kernel:
             slot_parts.append(self._decode_inputs(decode, batch))
+        elif nd:
+            slot_parts.append(self._decode_slots(decode))
+        segments, paged_chunks = [], []
         for chunk in chunks:
             start, n = chunk.start, len(chunk.token_ids)
             seg = PrefillSegment(len(ids), len(ids) + n)
+            segments.append(seg)
             ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))
             slot_parts.append(self._slots(chunk.table, start, start + n))
+            if start and kernel:
+                paged_chunks.append((chunk.table.block_ids, seg.start, start, n))
+                continue
             if start:
                 seg.context_slots = self._slots(chunk.table, 0, start + n).to(self.device)
                 seg.mask = (torch.arange(start + n).unsqueeze(0)
                             <= torch.arange(start, start + n).unsqueeze(1)).to(self.device)
             batch.segments.append(seg)
+        for chunk, seg in zip(chunks, segments):
             if chunk.logits:
-                keep.append(len(ids) - 1)
+                keep.append(seg.end - 1)
+        if kernel and (nd or paged_chunks):
+            batch.kernel = build_plan([(row.table.block_ids, row.position) for row in decode], paged_chunks,
+                                      self.block_size)
         # Rows whose logits score the prompt itself go after the sampled ones.
-        scored = [(i, seg.start, seg.end) for i, (chunk, seg) in enumerate(zip(chunks, batch.segments))
+        scored = [(i, seg.start, seg.end) for i, (chunk, seg) in enumerate(zip(chunks, segments))
                   if chunk.prompt_logprobs is not None and prompt_logprobs is not None]
         rows = keep + [r for _, start, end in scored for r in range(start, end)]
         batch.slots = torch.cat(slot_parts).to(self.device)
@@ -323,7 +358,7 @@ class ModelRunner:
         if any(chunk.media for chunk in chunks):
             inputs = {"inputs_embeds": self._embeds_with_media(input_ids, len(decode), chunks)}
         adapters = lora_rows([row.lora.slot if row.lora is not None else -1 for row in decode],
-                             [(seg.start, seg.end, chunk.lora.slot) for chunk, seg in zip(chunks, batch.segments)
+                             [(seg.start, seg.end, chunk.lora.slot) for chunk, seg in zip(chunks, segments)
                               if chunk.lora is not None], self.max_lora_rank, self.max_loras, self.device, self.dtype)
         with attention_batch(batch), adapters:
             out = self.model(**inputs, position_ids=position_ids, use_cache=False,
@@ -351,6 +386,12 @@ class ModelRunner:
                     chunk.features[span.content_hash][lo - span.offset : hi - span.offset].to(embeds.dtype)
             row += len(chunk.token_ids)
         return embeds
+
+    def _decode_slots(self, decode: Sequence[DecodeRow]) -> torch.Tensor:
+        """The decode tokens' own slots (where each row's new key and value go)."""
+        bs = self.block_size
+        return torch.tensor([row.table.block_ids[row.position // bs] * bs + row.position % bs for row in decode],
+                            dtype=torch.long)
 
     def _decode_inputs(self, decode: Sequence[DecodeRow], batch: AttentionBatch) -> torch.Tensor:
         """Fill the batch's decode blocks and mask (and the leading blocks all rows share); return the decode

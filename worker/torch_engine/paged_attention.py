@@ -3,9 +3,14 @@
 Every forward is one packed row of tokens from many sequences ([1, T]): first one token per decoding
 sequence, then chunks of prompts. The model computes q/k/v and rotary embeddings as it always does;
 this function writes each layer's new keys and values into the pool at their slots and attends
-each query over its own sequence's slots, so no KV is ever copied into a batch. Decode rows are
-attended together (their slots gathered, padded with the zero block, masked); each prompt chunk
-separately, causally over the positions before it.
+each query over its own sequence's slots, so no KV is ever copied into a batch.
+
+Two ways to attend, one answer: with a `KernelPlan` (the default on the CPU), decode rows and prompt chunks with
+earlier positions are attended by the engine's kernel, which reads each sequence's blocks where they lie in the
+pool (`kernels/paged_attention.cpp`; rows sharing leading blocks read them once per group), and a chunk that is
+its whole context by SDPA over its own keys. Without one (the reference, and the CUDA path), decode rows are
+attended together over their blocks gathered into a buffer (padded with the zero block, masked; the leading
+blocks every row shares attended once) and each prompt chunk over its gathered context.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from worker.torch_engine.attention_plan import KernelPlan
 from worker.torch_engine.kv_cache import KvCache
 
 ATTENTION_NAME = "pdserve_paged"
@@ -49,6 +55,8 @@ class AttentionBatch:
     decode_blocks: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, blocks * block_size] bool: its positions among them
     segments: list[PrefillSegment] = field(default_factory=list)
+    # With it, the kernel attends every decode row and every chunk not in `segments` (those are whole contexts).
+    kernel: KernelPlan | None = None
     # Called as soon as layer i's keys and values are in the pool (the prefill worker streams them out).
     on_layer: Callable[[int], None] | None = None
 
@@ -84,8 +92,16 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if batch.on_layer is not None:
         batch.on_layer(layer)
     hq, hkv, d = query.shape[1], key.shape[1], query.shape[3]
-    out = query.new_empty(query.shape[2], hq, d)
     nd = batch.num_decode
+    if batch.kernel is not None:
+        plan = batch.kernel
+        queries = query[0].transpose(0, 1).contiguous()  # [T, Hq, D]
+        out = torch.empty_like(queries)
+        torch.ops.pdserve.paged_attention(out, queries, k_pool, v_pool, plan.tables, plan.queries, plan.items,
+                                          scaling if scaling is not None else d ** -0.5, batch.cache.block_size)
+        nd = 0  # the kernel attended them
+    else:
+        out = query.new_empty(query.shape[2], hq, d)
     if nd:
         # GQA with one query per row: the group's query heads become the "query length" of their kv head.
         q = query[0, :, :nd].transpose(0, 1).reshape(nd, hkv, hq // hkv, d)
