@@ -54,31 +54,29 @@ inline v8 exp8(v8 x) {
   return y * reinterpret_cast<const v8&>(bits);
 }
 
-// scores[j] = q . keys[j * stride] for j < n <= 8: eight independent dot products at once (one accumulator per
-// key, so no chain of dependent adds), summed across lanes together at the end.
-inline void scores8(const float* q, const float* keys, int64_t stride, int64_t n, int64_t d, float* scores) {
+// scores[k] = q . keys[k * stride] for k < 8: eight independent dot products at once (one accumulator per key,
+// so no chain of dependent adds), summed across lanes together at the end. A block's size is a multiple of 8, so
+// the eight keys are always there (scores past a query's last position are computed and ignored).
+inline void scores8(const float* q, const float* keys, int64_t stride, int64_t d, float* scores) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (n == 8) {
-    __m256 acc[8];
-    for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + k * stride + i), acc[k]);
-    }
-    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-    _mm256_storeu_ps(scores, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                                           _mm256_permute2f128_ps(t0, t1, 0x31)));
-    return;
+  __m256 acc[8];
+  for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + k * stride + i), acc[k]);
   }
-#endif
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  _mm256_storeu_ps(scores, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+#else
   v8 acc[8] = {};
   for (int64_t i = 0; i < d; i += 8) {
     const v8 qv = load8(q + i);
-    for (int64_t k = 0; k < n; ++k) acc[k] += qv * load8(keys + k * stride + i);
+    for (int k = 0; k < 8; ++k) acc[k] += qv * load8(keys + k * stride + i);
   }
-  for (int64_t k = 0; k < n; ++k)
+  for (int k = 0; k < 8; ++k)
     scores[k] = ((acc[k][0] + acc[k][1]) + (acc[k][2] + acc[k][3])) + ((acc[k][4] + acc[k][5]) + (acc[k][6] + acc[k][7]));
+#endif
 }
 
 struct Shape {
@@ -100,33 +98,71 @@ struct BlockView {
   int64_t stride;
 };
 
-// Fold a block into a query's state, for its first `valid` positions.
-inline void fold_block(QueryState& st, const BlockView& blk, int64_t valid, const Shape& s, float* scores) {
-  const int64_t d = s.dim;
-  for (int64_t j = 0; j < valid; j += 8)
-    scores8(st.q, blk.keys + j * blk.stride, blk.stride, std::min<int64_t>(8, valid - j), d, scores + j);
-  float block_max = scores[0];
-  for (int64_t j = 1; j < valid; ++j) block_max = std::max(block_max, scores[j]);
-  const float new_max = std::max(st.max, block_max);
-  const float alpha = std::exp(st.max - new_max);  // 0 on the first block (max was -inf)
-  for (int64_t j = 0; j < valid; j += 8) store8(scores + j, exp8(load8(scores + j) - new_max));
-  float sum = 0.f;
-  for (int64_t j = 0; j < valid; ++j) sum += scores[j];
-  // The output, 64 lanes at a time held in registers across the block's positions (independent adds).
-  for (int64_t i0 = 0; i0 < d; i0 += 64) {
-    const int64_t lanes = std::min<int64_t>(8, (d - i0) / 8);
-    v8 acc[8];
-    for (int64_t k = 0; k < lanes; ++k) acc[k] = load8(st.acc + i0 + 8 * k) * alpha;
-    for (int64_t j = 0; j < valid; ++j) {
-      const float p = scores[j];
-      const float* v = blk.values + j * blk.stride + i0;
-      for (int64_t k = 0; k < lanes; ++k) acc[k] += p * load8(v + 8 * k);
-    }
-    for (int64_t k = 0; k < lanes; ++k) store8(st.acc + i0 + 8 * k, acc[k]);
+// acc[0, 8 * LANES) = acc * alpha + sum_j p[j] * values[j * stride], the accumulators held in registers across the
+// positions (LANES is a constant, so the compiler keeps them there).
+template <int LANES>
+inline void accumulate(float* acc, float alpha, const float* p, const float* values, int64_t stride, int64_t valid) {
+  v8 a[LANES];
+  for (int k = 0; k < LANES; ++k) a[k] = load8(acc + 8 * k) * alpha;
+  for (int64_t j = 0; j < valid; ++j) {
+    const float pj = p[j];
+    const float* v = values + j * stride;
+    for (int k = 0; k < LANES; ++k) a[k] += pj * load8(v + 8 * k);
   }
-  st.sum = st.sum * alpha + sum;
-  st.max = new_max;
+  for (int k = 0; k < LANES; ++k) store8(acc + 8 * k, a[k]);
 }
+
+// Query vectors folded together: each stage runs for all of them before the next, so the processor overlaps
+// their independent work (a single vector's stages form one long chain of dependent steps).
+constexpr int FOLD = 4;
+
+// Fold a block into `n` <= FOLD query states, state k for its first valid[k] positions (scores: FOLD * block).
+inline void fold_block(QueryState* const* st, const int64_t* valid, int n, const BlockView& blk, const Shape& s,
+                       float* scores) {
+  const int64_t d = s.dim, bs = s.block_size;
+  float alpha[FOLD], new_max[FOLD];
+  for (int k = 0; k < n; ++k)
+    for (int64_t j = 0; j < valid[k]; j += 8)
+      scores8(st[k]->q, blk.keys + j * blk.stride, blk.stride, d, scores + k * bs + j);
+  for (int k = 0; k < n; ++k) {
+    const float* sc = scores + k * bs;
+    float block_max = sc[0];
+    for (int64_t j = 1; j < valid[k]; ++j) block_max = std::max(block_max, sc[j]);
+    new_max[k] = std::max(st[k]->max, block_max);
+    alpha[k] = std::exp(st[k]->max - new_max[k]);  // 0 on the first block (max was -inf)
+  }
+  for (int k = 0; k < n; ++k)
+    for (int64_t j = 0; j < valid[k]; j += 8) store8(scores + k * bs + j, exp8(load8(scores + k * bs + j) - new_max[k]));
+  for (int k = 0; k < n; ++k) {
+    const float* sc = scores + k * bs;
+    float sum = 0.f;
+    for (int64_t j = 0; j < valid[k]; ++j) sum += sc[j];
+    st[k]->sum = st[k]->sum * alpha[k] + sum;
+    st[k]->max = new_max[k];
+  }
+  for (int k = 0; k < n; ++k) {
+    int64_t i = 0;
+    for (; i + 64 <= d; i += 64) accumulate<8>(st[k]->acc + i, alpha[k], scores + k * bs, blk.values + i, blk.stride, valid[k]);
+    for (; i < d; i += 8) accumulate<1>(st[k]->acc + i, alpha[k], scores + k * bs, blk.values + i, blk.stride, valid[k]);
+  }
+}
+
+// Collects the query vectors that read one block, folding them FOLD at a time.
+struct FoldBatch {
+  QueryState* states[FOLD];
+  int64_t valid[FOLD];
+  int n = 0;
+
+  void add(QueryState* st, int64_t v, const BlockView& blk, const Shape& s, float* scores) {
+    states[n] = st;
+    valid[n++] = v;
+    if (n == FOLD) flush(blk, s, scores);
+  }
+  void flush(const BlockView& blk, const Shape& s, float* scores) {
+    if (n) fold_block(states, valid, n, blk, s, scores);
+    n = 0;
+  }
+};
 
 // Reads blocks out of the pool as BlockViews: float pools where they lie, others converted into a buffer first.
 template <typename scalar_t>
@@ -177,7 +213,8 @@ void run_items(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_poo
 
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     BlockReader<scalar_t> reader(k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(), s);
-    std::vector<float> qbuf, acc, scores(bs);
+    std::vector<float> qbuf, acc, scores(FOLD * bs);
+    FoldBatch batch;
     std::vector<QueryState> states;
     for (int64_t item = begin; item < end; ++item) {
       const int32_t qb = its[item * 3], qe = its[item * 3 + 1], shared = its[item * 3 + 2];
@@ -201,8 +238,9 @@ void run_items(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_poo
           for (int64_t qi = 0; qi < nq; ++qi) {
             const int64_t valid = std::min<int64_t>(bs, qs[(qb + qi) * 3 + 2] - b * bs + 1);
             if (valid <= 0) continue;
-            for (int64_t j = 0; j < g; ++j) fold_block(states[qi * s.hq + h * g + j], blk, valid, s, scores.data());
+            for (int64_t j = 0; j < g; ++j) batch.add(&states[qi * s.hq + h * g + j], valid, blk, s, scores.data());
           }
+          batch.flush(blk, s, scores.data());
         }
       }
       for (int64_t qi = 0; qi < nq; ++qi) {  // then each query's own blocks
@@ -213,7 +251,8 @@ void run_items(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_poo
           const int64_t valid = std::min<int64_t>(bs, last - b * bs + 1);
           for (int64_t h = 0; h < s.hkv; ++h) {
             const BlockView blk = reader.head(h);
-            for (int64_t j = 0; j < g; ++j) fold_block(states[qi * s.hq + h * g + j], blk, valid, s, scores.data());
+            for (int64_t j = 0; j < g; ++j) batch.add(&states[qi * s.hq + h * g + j], valid, blk, s, scores.data());
+            batch.flush(blk, s, scores.data());
           }
         }
       }
