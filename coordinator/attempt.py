@@ -219,7 +219,7 @@ class AttemptRunner:
                         self.first_token_timeout, kv_data_address=accepted.kv_data_address,
                         kv_transfer_token=accepted.kv_transfer_token, traceparent=tracing.traceparent_of(span),
                         decode_cached_tokens=accepted.cached_tokens,
-                        sampling=sampling)
+                        sampling=sampling, kv_layout_version=accepted.kv_layout_version)
                 finally:
                     placement.prefill.last_heard = time.monotonic()  # an answer, for the silence watch
             trace.add_time("prefill_queue", (done.prefill_time_ms - done.forward_ms) / 1000)

@@ -44,6 +44,7 @@ class DecodeAccepted:
     kv_data_address: str  # its raw-TCP KV receiver; "" = push over gRPC
     kv_transfer_token: str = ""  # one-time: the prefill worker must send it with the KV cache, or is refused
     cached_tokens: int = 0  # leading prompt positions the decode worker holds already: not sent again
+    kv_layout_version: int = 0  # the KV layout it reads, passed to the prefill worker (which refuses another)
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ def report_from_pb(reply: pb.HealthResponse) -> HealthReport:
 
 
 def accepted_from_pb(accepted: pb.Accepted) -> DecodeAccepted:
-    return DecodeAccepted(accepted.kv_data_address, accepted.kv_transfer_token, accepted.cached_tokens)
+    return DecodeAccepted(accepted.kv_data_address, accepted.kv_transfer_token, accepted.cached_tokens,
+                          accepted.kv_layout_version)
 
 
 def _call_error(stage: str, address: str, exc: grpc.aio.AioRpcError) -> WorkerCallError:
@@ -334,11 +336,11 @@ class WorkerClient:
     async def prefill(
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
         kv_data_address: str = "", kv_transfer_token: str = "", traceparent: str = "", decode_cached_tokens: int = 0,
-        sampling: pb.SamplingParams | None = None,
+        sampling: pb.SamplingParams | None = None, kv_layout_version: int = 0,
     ) -> PrefillResult:
         """Prefill on `address` and push the KV cache to the decode worker that answered `accepted` with
-        `kv_data_address`, `kv_transfer_token` and `cached_tokens` (passed as `decode_cached_tokens`: positions it
-        holds already, not sent); `sampling` as in open_decode."""
+        `kv_data_address`, `kv_transfer_token`, `cached_tokens` (passed as `decode_cached_tokens`: positions it
+        holds already, not sent) and `kv_layout_version` (the KV layout it reads); `sampling` as in open_decode."""
         message = pb.PrefillRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -347,6 +349,7 @@ class WorkerClient:
             kv_data_address=kv_data_address,
             kv_transfer_token=kv_transfer_token,
             decode_cached_tokens=decode_cached_tokens,
+            kv_layout_version=kv_layout_version,
             traceparent=traceparent,
             media=media_to_pb(request.media, with_data=True),
             lora=lora_to_pb(request),

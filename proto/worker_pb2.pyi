@@ -133,7 +133,7 @@ class PromptLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address", "kv_transfer_token", "traceparent", "decode_cached_tokens", "media", "lora")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address", "kv_transfer_token", "traceparent", "decode_cached_tokens", "media", "lora", "kv_layout_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class PrefillRequest(_message.Message):
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -154,7 +155,8 @@ class PrefillRequest(_message.Message):
     decode_cached_tokens: int
     media: _containers.RepeatedCompositeFieldContainer[MediaItem]
     lora: LoraAdapter
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+    kv_layout_version: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., kv_layout_version: _Optional[int] = ...) -> None: ...
 
 class MediaItem(_message.Message):
     __slots__ = ("kind", "data", "content_hash", "offset", "num_tokens", "source")
@@ -219,16 +221,18 @@ class DecodeEvent(_message.Message):
     def __init__(self, accepted: _Optional[_Union[Accepted, _Mapping]] = ..., token: _Optional[_Union[TokenEvent, _Mapping]] = ...) -> None: ...
 
 class Accepted(_message.Message):
-    __slots__ = ("kv_data_address", "kv_transfer_token", "token_channel_address", "cached_tokens")
+    __slots__ = ("kv_data_address", "kv_transfer_token", "token_channel_address", "cached_tokens", "kv_layout_version")
     KV_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_CHANNEL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     kv_data_address: str
     kv_transfer_token: str
     token_channel_address: str
     cached_tokens: int
-    def __init__(self, kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., token_channel_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    kv_layout_version: int
+    def __init__(self, kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., token_channel_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_layout_version: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_id", "text", "time_ms", "finish_reason", "index", "matched_stop", "logprob", "top_logprobs", "batch_size", "queue_wait_ms", "prompt_logprobs")
@@ -305,7 +309,7 @@ class HealthResponse(_message.Message):
     def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_running: _Optional[_Iterable[str]] = ..., lora_waiting: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes", "transfer_token", "first_position", "lora_digest")
+    __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes", "transfer_token", "first_position", "lora_digest", "kv_layout_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +318,7 @@ class KvHeader(_message.Message):
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     LORA_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     dtype: str
     num_layers: int
@@ -322,7 +327,8 @@ class KvHeader(_message.Message):
     transfer_token: str
     first_position: int
     lora_digest: bytes
-    def __init__(self, request_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., tensor_bytes: _Optional[int] = ..., transfer_token: _Optional[str] = ..., first_position: _Optional[int] = ..., lora_digest: _Optional[bytes] = ...) -> None: ...
+    kv_layout_version: int
+    def __init__(self, request_id: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., tensor_bytes: _Optional[int] = ..., transfer_token: _Optional[str] = ..., first_position: _Optional[int] = ..., lora_digest: _Optional[bytes] = ..., kv_layout_version: _Optional[int] = ...) -> None: ...
 
 class KvTrailer(_message.Message):
     __slots__ = ("first_token_id", "prefill_time_ms", "first_logprob", "first_top_logprobs", "prompt_logprobs")

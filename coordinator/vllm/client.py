@@ -165,8 +165,10 @@ class VllmClient:
 
     async def prefill(self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str,
                       timeout: float, kv_data_address: str = "", kv_transfer_token: str = "", traceparent: str = "",
-                      decode_cached_tokens: int = 0, sampling: pb.SamplingParams | None = None) -> PrefillResult:
-        """Step 1 of the handshake on the prefill instance; its kv_transfer_params go to the decode stream."""
+                      decode_cached_tokens: int = 0, sampling: pb.SamplingParams | None = None,
+                      kv_layout_version: int = 0) -> PrefillResult:
+        """Step 1 of the handshake on the prefill instance; its kv_transfer_params go to the decode stream (vLLM's
+        NIXL connector agrees on its own KV layout: `kv_layout_version` is not used)."""
         handoff = self._handoffs.pop(request.request_id, None)
         started = time.monotonic()
         try:

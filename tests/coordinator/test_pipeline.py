@@ -69,7 +69,8 @@ class ScriptedWorkers:
         return ScriptedStream(self.decode_scripts[address].pop(0))
 
     async def prefill(self, address, request, max_tokens, decode_address, timeout, kv_data_address="",
-                      kv_transfer_token="", traceparent="", decode_cached_tokens=0, sampling=None):
+                      kv_transfer_token="", traceparent="", decode_cached_tokens=0, sampling=None,
+                      kv_layout_version=0):
         self.traceparents.append(("prefill", traceparent))
         if address in self.prefill_errors:
             raise self.prefill_errors[address]
