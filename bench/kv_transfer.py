@@ -51,10 +51,10 @@ def tls_link(cert_dir: str | None, side: str, link: str = "tls_config.kv_transfe
 
 
 def make_kv(size_mb: int, request_id: str) -> TransferredKv:
-    # fp16, [1, 8 heads, seq, 128]: seq chosen so the whole cache is `size_mb` MiB.
+    # fp16, [seq, 8 heads, 128] (the wire's layout): seq chosen so the whole cache is `size_mb` MiB.
     per_position = 2 * NUM_LAYERS * 8 * 128 * 2
     seq = max(1, size_mb * 2**20 // per_position)
-    layers = [(torch.randn(1, 8, seq, 128, dtype=torch.float16), torch.randn(1, 8, seq, 128, dtype=torch.float16))
+    layers = [(torch.randn(seq, 8, 128, dtype=torch.float16), torch.randn(seq, 8, 128, dtype=torch.float16))
               for _ in range(NUM_LAYERS)]
     return TransferredKv(request_id, layers, first_token_id=1, prefill_time_ms=0.0)
 

@@ -1,21 +1,24 @@
 """KV caches of tensors as streams: header, checksummed blocks, trailer (framing and checks in wire.py).
 
 Tensors travel as raw bytes (bf16 included: reinterpreted, never converted), sliced without
-per-element Python work. Each block carries an xxh3-64 checksum; the receiver writes blocks
-into one preallocated buffer per tensor and refuses any gap, overlap, overrun or mismatch.
+per-element Python work, each layer's key and value token-major ([positions, kv_heads, head_dim], the
+block pool's own layout). Each block carries an xxh3-64 checksum; the receiver writes blocks straight
+into its block pool's slots (or one preallocated buffer per tensor) and refuses any gap, overlap,
+overrun or mismatch.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.base import KvTransferError, TransferredKv
+from kv_transfer.base import KvLanding, KvTransferError, TransferredKv
 from kv_transfer.buffer_pool import KvBufferPool
 from kv_transfer.wire import (  # noqa: F401  (re-exported: the tensor path's one import site)
     DEFAULT_CHUNK_BYTES,
+    ByteRuns,
     KvStreamVerifier,
     byte_blocks,
     checksum,
@@ -88,24 +91,37 @@ def encode_kv(kv: TransferredKv, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iter
 
 
 class KvAssembler(KvStreamVerifier):
-    """Rebuilds a TransferredKv from a header, blocks and a trailer, refusing anything inconsistent."""
+    """Rebuilds a TransferredKv from a header, blocks and a trailer, refusing anything inconsistent.
 
-    def __init__(self, header: pb.KvHeader, max_bytes: int | None = None, pool: KvBufferPool | None = None):
+    Blocks land where `landing_for(header)` says, once the header is checked: in pool blocks it hands over (a decode
+    worker receiving straight into its block pool; the result then carries no tensors, only `landed`), or, where it
+    hands none (or there is no `landing_for`), in one receive buffer for the whole cache, from `pool` if given.
+    """
+
+    def __init__(self, header: pb.KvHeader, max_bytes: int | None = None, pool: KvBufferPool | None = None,
+                 landing_for: Callable[[pb.KvHeader], KvLanding | None] | None = None):
         super().__init__(header, max_bytes)
         self.dtype = DTYPES[header.dtype]
+        self._pool = pool
+        self._storage = None
+        self.landing = landing_for(header) if landing_for is not None else None
+        if self.landing is not None:
+            self._runs = [ByteRuns(runs) for runs in self.landing.runs]
+            return
         expected = self.tensor_bytes
         # One allocation for the whole cache, from the pool when there is one.
-        self._pool = pool
         self._storage = pool.take(self.total_bytes) if pool else torch.empty(self.total_bytes, dtype=torch.uint8)
         self._buffers = [self._storage[i * expected : (i + 1) * expected] for i in range(2 * header.num_layers)]
-        self._views = [memoryview(b.numpy()) for b in self._buffers]  # writable: blocks land in place
+        self._runs = [ByteRuns([memoryview(b.numpy())]) for b in self._buffers]  # writable: blocks land in place
 
-    def _slot(self, index: int, offset: int, length: int) -> memoryview:
-        return self._views[index][offset : offset + length]
+    def _pieces(self, index: int, offset: int, length: int) -> list[memoryview]:
+        return self._runs[index].pieces(offset, length)
 
     def _result(self) -> TransferredKv:
-        tensors = [b.view(self.dtype).reshape(self.shape) for b in self._buffers]
-        layers = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(self.header.num_layers)]
+        layers = []
+        if self.landing is None:
+            tensors = [b.view(self.dtype).reshape(self.shape) for b in self._buffers]
+            layers = [(tensors[2 * i], tensors[2 * i + 1]) for i in range(self.header.num_layers)]
         return TransferredKv(
             request_id=self.header.request_id,
             layers=layers,
@@ -113,13 +129,17 @@ class KvAssembler(KvStreamVerifier):
             prefill_time_ms=self.trailer.prefill_time_ms,
             first_logprobs=(self.trailer.first_logprob,
                             tuple((t.token_id, t.logprob) for t in self.trailer.first_top_logprobs)),
-            on_release=self.discard if self._pool else None,
+            on_release=self.discard if self._pool or self.landing else None,
             first_position=self.header.first_position,
             prompt_logprobs=list(self.trailer.prompt_logprobs) or None,
+            landed=self.landing,
         )
 
     def discard(self) -> None:
-        """Return the buffer to the pool (after a failure, or once the cache has been copied out)."""
+        """Give the memory back: the pool blocks to the engine unless it took them, the buffer to the pool (after a
+        failure, or once the cache has been copied out)."""
+        if self.landing is not None:
+            self.landing.release()
         if self._pool is not None and self._storage is not None:
             self._pool.give(self._storage)
         self._storage = None

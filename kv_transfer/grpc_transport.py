@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from kv_transfer.base import KvStreamRefused, KvTransferError, TransferredKv
@@ -82,7 +84,7 @@ class KvReceiverServicer(pb_grpc.KvReceiverServicer):
                 if verifier is not None:
                     verifier.add_message(message)
                 elif message.HasField("header"):
-                    verifier = self._sink.open(message.header, "grpc")
+                    verifier = await self._open(message.header)
                     request_id = message.header.request_id  # only now: a refused stream must not fail it
                 else:
                     raise KvTransferError("KV stream does not start with a header")
@@ -93,3 +95,19 @@ class KvReceiverServicer(pb_grpc.KvReceiverServicer):
             self._sink.reject(request_id, verifier, str(exc))
             code = grpc.StatusCode.PERMISSION_DENIED if isinstance(exc, KvStreamRefused) else grpc.StatusCode.DATA_LOSS
             await context.abort(code, str(exc))
+
+    async def _open(self, header: pb.KvHeader):
+        """The sink's verifier for the stream, opened on a thread as the TCP receiver's are: a decode engine may take
+        pool blocks for it, which waits for its engine thread. Should this call be cancelled meanwhile, whatever the
+        verifier took is given back."""
+        opening = asyncio.get_running_loop().run_in_executor(None, self._sink.open, header, "grpc")
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            opening.add_done_callback(_discard_opened)
+            raise
+
+
+def _discard_opened(opening: asyncio.Future) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().discard()

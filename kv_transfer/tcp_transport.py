@@ -1,6 +1,6 @@
 """KV transfer over a raw TCP connection: the same header, blocks and trailer as the gRPC path,
-framed by hand so tensor bytes go from the sender's tensors straight into the receiver's
-preallocated buffers (gRPC's HTTP/2 framing caps at a quarter of a socket's speed here).
+framed by hand so tensor bytes go from the sender's tensors straight into the receiver's memory
+(its block pool, or a preallocated buffer; gRPC's HTTP/2 framing caps at a quarter of a socket's speed here).
 
 Frames, after the 6-byte preamble b"PDKV1\\n":
   b"H" u32 length, KvHeader      b"B" layer u32, is_value u8, offset u64, length u64, bytes, xxh3 u64
@@ -272,7 +272,7 @@ class TcpKvReceiver:
             seen.get("sock", conn).close()
 
     def _receive(self, conn: socket.socket, seen: dict, deadline: float) -> KvStreamVerifier:
-        """Read one whole stream on a worker thread, straight into the assembler's buffers."""
+        """Read one whole stream on a worker thread, straight into the assembler's memory."""
         if self._tls is not None:
             # The handshake runs here, on the worker thread, bounded by the socket's timeout.
             conn = seen["sock"] = self._tls.ssl_context().wrap_socket(conn, server_side=True)
@@ -296,7 +296,8 @@ class TcpKvReceiver:
             if kind == b"B":
                 _recv_into_blocking(conn, memoryview(block_head))
                 layer, is_value, offset, length = BLOCK.unpack(block_head)
-                _recv_into_blocking(conn, assembler.reserve(layer, bool(is_value), offset, length))
+                for piece in assembler.reserve(layer, bool(is_value), offset, length):
+                    _recv_into_blocking(conn, piece)
                 _recv_into_blocking(conn, memoryview(digest))
                 if pending is not None:
                     pending.result()

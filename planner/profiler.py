@@ -26,6 +26,7 @@ import grpc
 from kv_transfer.sink import KvSink
 from kv_transfer.tcp_transport import TcpKvReceiver
 from kv_transfer.transfer_tokens import KvTransferTokens
+from kv_transfer.wire import KV_LAYOUT_VERSION
 from planner.profile import (
     DecodeCosts,
     DecodePoint,
@@ -110,7 +111,8 @@ async def _profile_prefill(stub, settings: ProfileSettings, progress: Progress, 
             reply = await stub.Prefill(pb.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt_ids(length, next(salts)),
                 sampling=pb.SamplingParams(max_tokens=1, top_p=1), decode_address=kv_address,
-                kv_data_address=kv_address, kv_transfer_token=tokens.issue(request_id)), timeout=120, metadata=metadata)
+                kv_data_address=kv_address, kv_transfer_token=tokens.issue(request_id),
+                kv_layout_version=KV_LAYOUT_VERSION), timeout=120, metadata=metadata)
             call_ms = (loop.time() - started) * 1000
             if failures:
                 raise ProfileFailed(f"the KV stream of a {length}-token prompt was rejected: {failures[-1]}")

@@ -21,7 +21,8 @@ from aiohttp import web
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kv_transfer.base import TransferredKv
+from kv_transfer.base import KvLanding, TransferredKv
+from kv_transfer.wire import kv_tensor_shape
 from launcher.vllm_fleet import free_port as launcher_free_port
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
@@ -259,9 +260,51 @@ def reference_tokens(hf_model, prompt_ids: list[int], max_new_tokens: int) -> li
 def make_kv(dtype: torch.dtype, layers: int = 3, seq: int = 37) -> TransferredKv:
     """A small seeded KV cache for transport tests."""
     g = torch.Generator().manual_seed(7)
-    tensors = [(torch.randn(1, 2, seq, 16, generator=g).to(dtype), torch.randn(1, 2, seq, 16, generator=g).to(dtype))
+    tensors = [(torch.randn(seq, 2, 16, generator=g).to(dtype), torch.randn(seq, 2, 16, generator=g).to(dtype))
                for _ in range(layers)]
     return TransferredKv(request_id="req-1", layers=tensors, first_token_id=42, prefill_time_ms=1.5)
+
+
+def wire_kv_shape(runner, positions: int) -> tuple[int, int, int]:
+    """One layer's key (or value) on the wire for `positions` positions of the runner's model."""
+    _, kv_heads, _, head_dim = runner.kv_shape(positions)
+    return kv_tensor_shape(positions, kv_heads, head_dim)
+
+
+def token_major(t: torch.Tensor) -> torch.Tensor:
+    """A transformers cache tensor ([1, kv_heads, positions, head_dim]) in the wire's layout."""
+    return t[0].transpose(0, 1).contiguous()
+
+
+def hf_prefill(hf_model, request_id: str, ids: list[int]) -> TransferredKv:
+    """What a prefill worker would send: the prompt's KV and its greedy first token, from HF itself."""
+    model, _ = hf_model
+    with torch.inference_mode():
+        out = model(torch.tensor([ids]), use_cache=True)
+    layers = [(token_major(layer.keys), token_major(layer.values)) for layer in out.past_key_values.layers]
+    return TransferredKv(request_id, layers, int(out.logits[0, -1].argmax()), prefill_time_ms=1.0)
+
+
+def scattered_landing(header: pb.KvHeader, block_positions: int = 5) -> tuple[KvLanding, list[list[int]]]:
+    """A stand-in for a decode worker's pool blocks, for a stream that `header` starts: blocks of `block_positions`
+    positions placed in reverse order in one buffer per tensor, a run each; and the list the blocks are given back
+    to."""
+    n = header.shape[0]
+    row = header.tensor_bytes // n
+    blocks = -(-n // block_positions)
+    size = block_positions * row
+    runs = []
+    for _ in range(2 * header.num_layers):
+        memory = memoryview(bytearray(blocks * size))
+        starts = [(blocks - 1 - b) * size for b in range(blocks)]
+        runs.append([memory[start : start + min(size, header.tensor_bytes - b * size)] for b, start in enumerate(starts)])
+    given_back: list[list[int]] = []
+    return KvLanding(list(range(1, blocks + 1)), n, runs, given_back.append), given_back
+
+
+def landed_bytes(landing: KvLanding, index: int) -> bytes:
+    """Tensor `index`'s bytes (2 * layer + is_value) as its landing holds them, in position order."""
+    return b"".join(bytes(run) for run in landing.runs[index])
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -273,7 +316,7 @@ def fake_prompt_kv(request_id: str, hf_model, prompt_len: int) -> TransferredKv:
     """A random KV cache shaped as the model's for a prompt of `prompt_len` tokens."""
     config = hf_model[0].config
     head_dim = config.hidden_size // config.num_attention_heads
-    shape = (1, config.num_key_value_heads, prompt_len, head_dim)
+    shape = kv_tensor_shape(prompt_len, config.num_key_value_heads, head_dim)
     layers = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
     return TransferredKv(request_id=request_id, layers=layers, first_token_id=5, prefill_time_ms=1.0)
 

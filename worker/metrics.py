@@ -53,6 +53,11 @@ class WorkerMetrics:
         self.kv_failures = Counter("pdserve_kv_transfer_failures_total", "KV transfers that failed.", registry=r)
         self.kv_refused = Counter("pdserve_worker_kv_streams_refused_total", "Decode worker: KV streams refused "
                                   "for a missing, wrong or spent transfer token.", registry=r)
+        self.kv_receive_fallbacks = Counter(
+            "pdserve_worker_kv_receive_fallbacks_total", "Decode worker: KV streams received into a receive buffer and "
+            "copied into their blocks when the sequence joins, instead of straight into the block pool, by reason: "
+            "no_room (the pool could not spare the blocks when the header came), device (the pool is not on the CPU), "
+            "engine_busy (the engine thread did not answer in time).", ["reason"], registry=r)
         self.requests = Counter("pdserve_worker_requests_total", "Requests this worker admitted (gave KV budget to).",
                                 registry=r)
         self.step = Histogram("pdserve_worker_step_duration_seconds", "One engine forward (prefill or decode).",
@@ -131,7 +136,7 @@ class _NoOp:
 class NullMetrics:
     """WorkerMetrics' methods doing nothing: what an engine records into before (or without) a metrics server."""
 
-    kv_bytes = kv_duration = kv_failures = kv_refused = requests = _NoOp()
+    kv_bytes = kv_duration = kv_failures = kv_refused = kv_receive_fallbacks = requests = _NoOp()
 
     def observe_step(self, kind: str, seconds: float, batch_size: int) -> None:
         pass

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kv_transfer.base import KvTransferError
-from kv_transfer.codec import KvLayer, checksum, kv_items, tensor_bytes
+from kv_transfer.codec import KvAssembler, KvLayer, checksum, kv_items, tensor_bytes
 from kv_transfer.tcp_transport import ACK, BLOCK, DIGEST, LENGTH, PREAMBLE, TcpKvReceiver, TcpKvSender
 from kv_transfer.sink import KvSink
 from kv_transfer.transfer_tokens import KvTransferTokens
-from tests.helpers import bits, make_kv
+from tests.helpers import bits, landed_bytes, make_kv, scattered_landing
 
 
 def with_token(kv, tokens: KvTransferTokens):
@@ -40,6 +40,29 @@ async def test_kv_sent_over_tcp_arrives_bit_exact(receiver, dtype):
     assert out.first_token_id == 42 and out.prefill_time_ms == 1.5
     for (k0, v0), (k1, v1) in zip(kv.layers, out.layers):
         assert torch.equal(bits(k0), bits(k1)) and torch.equal(bits(v0), bits(v1))
+
+
+async def test_kv_sent_over_tcp_lands_in_scattered_pool_blocks_exact():
+    received, failures, tokens, landings = [], [], KvTransferTokens(), []
+
+    def land(header):
+        landings.append(scattered_landing(header)[0])
+        return landings[-1]
+
+    sink = KvSink(received.append, lambda rid, msg: failures.append(msg), tokens,
+                  assembler=lambda header, max_bytes, pool: KvAssembler(header, max_bytes, pool, land))
+    rx = TcpKvReceiver(sink, timeout_s=5)
+    port = await rx.start("127.0.0.1", 0)
+    kv = with_token(make_kv(torch.float32, layers=2, seq=37), tokens)
+    try:  # 1000-byte blocks over 640-byte runs: most blocks are received into two pieces
+        assert await TcpKvSender(chunk_bytes=1000).send(f"127.0.0.1:{port}", kv) == kv.num_bytes
+    finally:
+        await rx.stop()
+    (out,) = received
+    assert failures == [] and out.landed is landings[0] and out.layers == []
+    for i, (k, v) in enumerate(kv.layers):
+        assert landed_bytes(out.landed, 2 * i) == bytes(tensor_bytes(k))
+        assert landed_bytes(out.landed, 2 * i + 1) == bytes(tensor_bytes(v))
 
 
 async def send_raw(address: str, frames: list[bytes]) -> tuple[int, str]:

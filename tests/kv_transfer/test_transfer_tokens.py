@@ -93,5 +93,5 @@ def test_a_stream_computed_under_another_adapter_is_refused_and_fails_its_reques
                   assembler=lambda *args: pytest.fail("no stream may be opened"))
     token = tokens.issue("r1", lora_digest=b"\x01" * 16)
     with pytest.raises(KvTransferError, match="computed under the base model; this request runs under LoRA"):
-        sink.open(header("r1", "float32", 1, (1, 1, 4, 2), token), "tcp")
+        sink.open(header("r1", "float32", 1, (4, 1, 2), token), "tcp")
     assert failed and failed[0][0] == "r1"

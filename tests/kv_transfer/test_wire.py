@@ -27,14 +27,14 @@ def test_transports_import_without_torch():
 @pytest.mark.parametrize("chunk_bytes", [100, 4096])
 async def test_raw_byte_layers_arrive_as_the_tensors_they_encode(chunk_bytes):
     g = torch.Generator().manual_seed(3)
-    tensors = [(torch.randn(1, 2, 9, 8, generator=g).half(), torch.randn(1, 2, 9, 8, generator=g).half())
+    tensors = [(torch.randn(9, 2, 8, generator=g).half(), torch.randn(9, 2, 8, generator=g).half())
                for _ in range(3)]
     received, failures, tokens = [], [], KvTransferTokens()
     rx = TcpKvReceiver(KvSink(received.append, lambda rid, msg: failures.append(msg), tokens), timeout_s=5)
     port = await rx.start("127.0.0.1", 0)
 
     async def items():
-        yield header("raw-1", "float16", 3, (1, 2, 9, 8), tokens.issue("raw-1"))
+        yield header("raw-1", "float16", 3, (9, 2, 8), tokens.issue("raw-1"))
         for i, (k, v) in enumerate(tensors):
             yield RawKvLayer(i, memoryview(k.numpy().tobytes()), memoryview(v.numpy().tobytes()))
         yield make_trailer(7, 2.5)
@@ -51,7 +51,7 @@ async def test_raw_byte_layers_arrive_as_the_tensors_they_encode(chunk_bytes):
 
 
 def test_assembler_refuses_what_the_verifier_refuses():
-    bad = header("r", "float32", 2, (1, 2, 3, 4))
+    bad = header("r", "float32", 2, (3, 2, 4))
     bad.tensor_bytes += 4
     with pytest.raises(Exception, match="shape implies 96"):
         KvAssembler(bad)

@@ -95,7 +95,7 @@ async def test_kv_with_wrong_prompt_length_is_refused(decode_channel, hf_model):
     call, token = await open_decode(decode_channel, rid)
     kv = fake_prompt_kv(rid, hf_model, PROMPT_LEN)
     kv.transfer_token = token
-    kv.layers = [(k[:, :, :-1], v[:, :, :-1]) for k, v in kv.layers]
+    kv.layers = [(k[:-1], v[:-1]) for k, v in kv.layers]
     with pytest.raises(grpc.aio.AioRpcError) as push_err:
         await push(decode_channel, list(encode_kv(kv)))
     assert "prompt has 9 tokens" in push_err.value.details()

@@ -12,6 +12,7 @@ import pytest
 from kv_transfer.grpc_transport import GrpcKvSender
 from kv_transfer.tcp_transport import TcpKvSender
 from kv_transfer.transfer_tokens import KvTransferTokens
+from kv_transfer.wire import KV_LAYOUT_VERSION
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from worker.engine.block_pool import BlockPool
@@ -50,7 +51,7 @@ class InProcessWorker:
                 if stage == "prefill":
                     await pb_grpc.PrefillServiceStub(channel).Prefill(pb.PrefillRequest(
                         request_id=uuid.uuid4().hex, prompt_token_ids=PROMPT, sampling=sampling,
-                        decode_address="127.0.0.1:1"), timeout=10)
+                        decode_address="127.0.0.1:1", kv_layout_version=KV_LAYOUT_VERSION), timeout=10)
                 else:
                     call = pb_grpc.DecodeServiceStub(channel).Decode(pb.DecodeRequest(
                         request_id=uuid.uuid4().hex, prompt_len=len(PROMPT), max_seq_len=64, sampling=sampling,

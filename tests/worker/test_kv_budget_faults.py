@@ -140,7 +140,7 @@ async def prefill_into_stopped_decode_worker(bc, transport: str, prompt_len: int
         prefill = asyncio.ensure_future(pb_grpc.PrefillServiceStub(pchannel).Prefill(pb.PrefillRequest(
             request_id=rid, prompt_token_ids=[7] * prompt_len, decode_address=victim.address,
             kv_data_address=kv_data_address, kv_transfer_token=accepted.accepted.kv_transfer_token,
-            sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=60))
+            kv_layout_version=accepted.accepted.kv_layout_version, sampling=pb.SamplingParams(temperature=0, top_p=1, max_tokens=4)), timeout=60))
         deadline = time.monotonic() + 10
         while health(bc.prefill.address, "prefill").num_kv_leases == 0:
             assert time.monotonic() < deadline and not prefill.done()

@@ -57,7 +57,7 @@ async def attacked_request(cluster, hf_model, transport: str, attack: bool) -> l
         await pb_grpc.PrefillServiceStub(pch).Prefill(pb.PrefillRequest(
             request_id=rid, prompt_token_ids=ids, sampling=sampling, decode_address=cluster.decode.address,
             kv_data_address=accepted.kv_data_address if transport == "tcp" else "",
-            kv_transfer_token=accepted.kv_transfer_token), timeout=30)
+            kv_transfer_token=accepted.kv_transfer_token, kv_layout_version=accepted.kv_layout_version), timeout=30)
         if attack:  # the genuine token, seen on the wire and replayed: spent
             forged.transfer_token = accepted.kv_transfer_token
             with pytest.raises(KvTransferError, match=REFUSED):

@@ -9,11 +9,11 @@ import grpc
 import pytest
 import torch
 
-from kv_transfer.base import TransferredKv
 from kv_transfer.codec import encode_kv
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.helpers import GREEDY_PROMPTS, metrics_url, reference_tokens, scrape, start_worker, wait_for_idle
+from tests.helpers import (GREEDY_PROMPTS, hf_prefill, metrics_url, reference_tokens, scrape, start_worker,
+                           wait_for_idle)
 
 pytestmark = pytest.mark.system
 
@@ -55,15 +55,6 @@ def open_decode(channel, prompt_ids: list[int], sampling: pb.SamplingParams, loc
 
 def prompt_ids(hf_model, prompt: str) -> list[int]:
     return hf_model[1](prompt)["input_ids"]
-
-
-def hf_prefill(hf_model, request_id: str, ids: list[int]) -> TransferredKv:
-    """What a prefill worker would send: the prompt's KV and its greedy first token, from HF itself."""
-    model, _ = hf_model
-    with torch.inference_mode():
-        out = model(torch.tensor([ids]), use_cache=True)
-    layers = [(layer.keys.clone(), layer.values.clone()) for layer in out.past_key_values.layers]
-    return TransferredKv(request_id, layers, int(out.logits[0, -1].argmax()), prefill_time_ms=1.0)
 
 
 @pytest.mark.parametrize("prompt", GREEDY_PROMPTS)
@@ -133,8 +124,8 @@ async def test_seeded_sampling_with_local_prefill_equals_the_prefill_worker_path
         accepted = await call.read()
         await pb_grpc.PrefillServiceStub(prefill_channel).Prefill(pb.PrefillRequest(
             request_id=rid, prompt_token_ids=ids, sampling=sampling, decode_address=cluster.decode.address,
-            kv_data_address=accepted.accepted.kv_data_address,
-            kv_transfer_token=accepted.accepted.kv_transfer_token), timeout=30)
+            kv_data_address=accepted.accepted.kv_data_address, kv_transfer_token=accepted.accepted.kv_transfer_token,
+            kv_layout_version=accepted.accepted.kv_layout_version), timeout=30)
         remote = []
         while (event := await call.read()) is not grpc.aio.EOF:
             remote.append(event.token)

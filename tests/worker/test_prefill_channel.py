@@ -48,7 +48,8 @@ async def disaggregated(client: WorkerClient, prefill: str, decode: str, seed: i
         accepted = await stream.read()
         assert isinstance(accepted, DecodeAccepted)
         done = await client.prefill(prefill, req, 6, decode, 30, kv_data_address=accepted.kv_data_address,
-                                    kv_transfer_token=accepted.kv_transfer_token)
+                                    kv_transfer_token=accepted.kv_transfer_token,
+                                    kv_layout_version=accepted.kv_layout_version)
         tokens = []
         while (token := await stream.read()) is not None:
             tokens.append(token.token_id)
@@ -98,7 +99,8 @@ async def slow_prefill_running(client: WorkerClient, prefill: str, decode: str, 
     accepted = await stream.read()
     task = asyncio.create_task(client.prefill(prefill, req, 6, decode, timeout_s,
                                               kv_data_address=accepted.kv_data_address,
-                                              kv_transfer_token=accepted.kv_transfer_token))
+                                              kv_transfer_token=accepted.kv_transfer_token,
+                                              kv_layout_version=accepted.kv_layout_version))
     await asyncio.sleep(0.3)
     assert not task.done()
     return task, stream

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import time
 import uuid
@@ -17,6 +18,7 @@ from kv_transfer.tcp_transport import TcpKvSender
 from kv_transfer.wire import header, item_messages, make_trailer
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from proto.failure_reason import reason_from_metadata
 from tests.helpers import (REPO, ServerProcess, health, metrics_url, pdserve_argv, scrape, sse_events,
                           start_coordinator, wait_for_idle, write_config)
 from worker.simulated.kv import VerifyOnlyKvAssembler, synthetic_layer
@@ -212,7 +214,8 @@ async def test_prefill_pushes_over_grpc_when_no_tcp_receiver_is_named(sim):
         resp = await pb_grpc.PrefillServiceStub(pch).Prefill(pb.PrefillRequest(
             request_id=rid, prompt_token_ids=list(range(prompt_len)), sampling=pb.SamplingParams(max_tokens=4),
             decode_address=sim.decode.address, kv_data_address="",
-            kv_transfer_token=accepted.accepted.kv_transfer_token))
+            kv_transfer_token=accepted.accepted.kv_transfer_token,
+            kv_layout_version=accepted.accepted.kv_layout_version))
         tokens = await read_tokens(decode)
     assert resp.kv_bytes == KV_BYTES_PER_TOKEN * prompt_len
     assert tokens[0].token_id == resp.first_token_id and [t.index for t in tokens] == [0, 1, 2, 3]
@@ -225,7 +228,7 @@ async def test_kv_stream_of_the_wrong_size_is_refused(sim):
         accepted = await decode.read()
 
         async def items():  # 9 positions for a 10-token prompt
-            yield header(rid, "float32", LAYERS, (1, KV_HEADS, 9, HEAD_DIM), accepted.accepted.kv_transfer_token)
+            yield header(rid, "float32", LAYERS, (9, KV_HEADS, HEAD_DIM), accepted.accepted.kv_transfer_token)
             for i in range(LAYERS):
                 yield synthetic_layer(i, KV_HEADS * 9 * HEAD_DIM * DTYPE_BYTES)
             yield make_trailer(5, 1.0)
@@ -235,6 +238,47 @@ async def test_kv_stream_of_the_wrong_size_is_refused(sim):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await decode.read()
         assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    wait_for_idle(sim.decode.address, "decode")
+
+
+async def test_a_prefill_for_a_decode_worker_of_another_kv_layout_is_refused_naming_both_versions(sim):
+    async with grpc.aio.insecure_channel(sim.prefill.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.PrefillServiceStub(channel).Prefill(pb.PrefillRequest(
+                request_id=f"old-{uuid.uuid4().hex}", prompt_token_ids=[1, 2, 3],
+                sampling=pb.SamplingParams(max_tokens=2), decode_address=sim.decode.address, kv_layout_version=1),
+                timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details() == ("KV layout version 1 (head-major) from the decode worker; this worker writes "
+                                   "version 2 (token-major per block)")
+    # The coordinator reads it as a hand-over that failed: retried elsewhere, the decode worker blamed.
+    assert reason_from_metadata(err.value.trailing_metadata()) == pb.FAILURE_REASON_KV_SEND_FAILED
+    wait_for_idle(sim.prefill.address, "prefill")
+
+
+async def test_a_kv_stream_from_a_prefill_worker_before_layout_versions_is_refused_naming_it(sim):
+    rid = f"old-{uuid.uuid4().hex}"
+    refusal = ("KV layout version 0 (not set: a worker from before layout versions, head-major) from the prefill "
+               "worker; this worker reads version 2 (token-major per block)")
+    async with grpc.aio.insecure_channel(sim.decode.address) as channel:
+        decode = await open_decode(pb_grpc.DecodeServiceStub(channel), rid, 10, 4)
+        accepted = await decode.read()
+        assert accepted.accepted.kv_layout_version == 2
+
+        async def items():  # as such a worker sent it: no version, head-major
+            old = header(rid, "float32", LAYERS, (10, KV_HEADS, HEAD_DIM), accepted.accepted.kv_transfer_token)
+            old.ClearField("kv_layout_version")
+            old.shape[:] = [1, KV_HEADS, 10, HEAD_DIM]
+            yield old
+            for i in range(LAYERS):
+                yield synthetic_layer(i, KV_HEADS * 10 * HEAD_DIM * DTYPE_BYTES)
+            yield make_trailer(5, 1.0)
+
+        with pytest.raises(KvTransferError, match=re.escape(refusal)):
+            await TcpKvSender().send_items(accepted.accepted.kv_data_address, items())
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await decode.read()
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS and refusal in err.value.details()
     wait_for_idle(sim.decode.address, "decode")
 
 
@@ -275,7 +319,7 @@ def test_bad_cost_model_flag_is_refused_clearly():
 
 @pytest.mark.parametrize("flip", [False, True])
 def test_simulated_receiver_verifies_every_block(flip):
-    items = [header("r", "float16", 2, (1, 2, 5, 8)), *(synthetic_layer(i, 2 * 5 * 8 * 2) for i in range(2)),
+    items = [header("r", "float16", 2, (5, 2, 8)), *(synthetic_layer(i, 2 * 5 * 8 * 2) for i in range(2)),
              make_trailer(3, 0.5)]
     messages = [m for item in items for m in item_messages(item, chunk_bytes=48)]
     if flip:

@@ -5,6 +5,7 @@ Plain dataclasses, dispatched with `match`; no torch here.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -137,4 +138,50 @@ class Stop:
     """The engine shuts down."""
 
 
-DecodeCommand = AddSequence | QueueLocalPrefill | CancelSequence | Stop
+class BlocksAsked:
+    """A KV receiver's request for pool blocks to receive a stream of `num_positions` positions into, answered by the
+    engine thread; the receiver waits only so long, and blocks answered after it gave up go back."""
+
+    def __init__(self, num_positions: int):
+        self.num_positions = num_positions
+        self._answered = threading.Event()
+        self._lock = threading.Lock()
+        self._landing = None
+        self.gave_up = False  # the receiver stopped waiting before the engine answered
+
+    def answer(self, landing) -> bool:
+        """On the engine thread: hand over a KvLanding (None: no room); False if the receiver gave up waiting (the
+        landing is then the engine's to give back)."""
+        with self._lock:
+            if self.gave_up:
+                return False
+            self._landing = landing
+            self._answered.set()
+            return True
+
+    def wait(self, timeout_s: float):
+        """On the receiver's thread: the KvLanding, or None if the pool had no room or no answer came within
+        `timeout_s` (then `gave_up`)."""
+        if not self._answered.wait(timeout_s):
+            with self._lock:
+                if not self._answered.is_set():
+                    self.gave_up = True
+                    return None
+        return self._landing
+
+
+@dataclass(frozen=True)
+class TakeBlocks:
+    """A KV stream's header arrived: take pool blocks to receive it straight into (or say there is no room)."""
+
+    ask: BlocksAsked
+
+
+@dataclass(frozen=True)
+class ReturnBlocks:
+    """Blocks a transfer took and never handed to a sequence (it failed, or its request is gone): back to the pool."""
+
+    block_ids: list[int]
+
+
+DecodeCommand = AddSequence | QueueLocalPrefill | CancelSequence | TakeBlocks | ReturnBlocks | Stop

@@ -7,6 +7,7 @@ The backend is picked like SGLang's KV transports: one set of servicers, engines
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 
@@ -92,9 +93,16 @@ async def _serve(options: WorkerOptions) -> None:
             metrics.kv_bytes.labels("receive", receipt.transport).inc(receipt.num_bytes)
             metrics.kv_duration.labels("receive", receipt.transport).observe(receipt.receive_ms / 1000)
 
+        loop, loop_thread = asyncio.get_running_loop(), threading.get_ident()
+
         def on_failure(request_id: str, message: str):
+            # Called on the event loop, or on a receiver's thread when a stream's header is refused: the request's
+            # events are the loop's.
             metrics.kv_failures.inc()
-            engine.fail(request_id, message)
+            if threading.get_ident() == loop_thread:
+                engine.fail(request_id, message)
+            else:
+                loop.call_soon_threadsafe(engine.fail, request_id, message)
 
         tokens = KvTransferTokens()  # issued by the servicer in `accepted`, redeemed by the sink
         sink = KvSink(on_kv, on_failure, tokens, pool=engine.kv_pool, assembler=engine.kv_assembler,

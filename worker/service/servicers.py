@@ -17,7 +17,7 @@ from kv_transfer.base import KvTransferError
 from kv_transfer.grpc_transport import GrpcKvSender
 from kv_transfer.tcp_transport import TcpKvSender
 from kv_transfer.transfer_tokens import KvTransferTokens
-from kv_transfer.wire import header, make_trailer
+from kv_transfer.wire import KV_LAYOUT_VERSION, header, layout_mismatch, make_trailer
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from proto.failure_reason import reason_metadata
@@ -244,6 +244,11 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
                            times: PrefillTimes) -> pb.PrefillResponse:
         if not request.prompt_token_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        mismatch = layout_mismatch(request.kv_layout_version, "decode worker", "writes")
+        if mismatch is not None:  # refused before anything is computed: the decode worker could not read the cache
+            self.metrics.kv_failures.inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(mismatch),
+                                trailing_metadata=reason_metadata(pb.FAILURE_REASON_KV_SEND_FAILED))
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
             media, prepared = await checked_media(self.engine, request.media, len(request.prompt_token_ids), True)
@@ -419,7 +424,7 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
                 handle.relay = lambda output: channel.send(relayed(request.request_id, output))
             yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address, kv_transfer_token=token,
                                                       token_channel_address=self.token_channel_address,
-                                                      cached_tokens=cached))
+                                                      cached_tokens=cached, kv_layout_version=KV_LAYOUT_VERSION))
             if request.local_prefill:
                 self.engine.prefill_locally(handle)
             await self._wait_for_kv(handle, context)

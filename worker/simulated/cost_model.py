@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kv_transfer.wire import DTYPE_SIZES
+from kv_transfer.wire import DTYPE_SIZES, kv_tensor_shape
 
 SIMULATED_MODEL = "simulated"  # the model name a simulated worker reports
 
@@ -47,9 +47,9 @@ class KvShape:
         if min(self.num_layers, self.kv_heads, self.head_dim) <= 0:
             raise ValueError(f"layers, kv heads and head dim must be > 0, got {self}")
 
-    def tensor_shape(self, seq_len: int) -> tuple[int, int, int, int]:
+    def tensor_shape(self, seq_len: int) -> tuple[int, int, int]:
         """One layer's key (or value) for one sequence, as the real worker's header names it."""
-        return (1, self.kv_heads, seq_len, self.head_dim)
+        return kv_tensor_shape(seq_len, self.kv_heads, self.head_dim)
 
     def tensor_bytes(self, seq_len: int) -> int:
         return self.kv_heads * seq_len * self.head_dim * DTYPE_SIZES[self.dtype]

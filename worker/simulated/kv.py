@@ -56,17 +56,17 @@ class VerifyOnlyKvAssembler(KvStreamVerifier):
         self._turn = 0
         self._reserved_views: dict[tuple[int, int], memoryview] = {}
 
-    def _slot(self, index: int, offset: int, length: int) -> memoryview:
+    def _pieces(self, index: int, offset: int, length: int) -> list[memoryview]:
         self._turn ^= 1
         if len(self._scratch[self._turn]) < length:
             self._scratch[self._turn] = bytearray(length)
         view = memoryview(self._scratch[self._turn])[:length]
         self._reserved_views[(index, offset)] = view
-        return view
+        return [view]
 
-    def _written(self, index: int, offset: int, length: int) -> memoryview:
-        return self._reserved_views.pop((index, offset))
+    def _written(self, index: int, offset: int, length: int) -> list[memoryview]:
+        return [self._reserved_views.pop((index, offset))]
 
     def _result(self) -> VerifiedKv:
-        return VerifiedKv(self.header.request_id, self.shape[2], self.bytes_received, self.trailer.first_token_id,
+        return VerifiedKv(self.header.request_id, self.positions, self.bytes_received, self.trailer.first_token_id,
                           self.trailer.prefill_time_ms, first_position=self.header.first_position)

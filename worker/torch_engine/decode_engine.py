@@ -9,16 +9,18 @@ import queue
 import threading
 import time
 
+import torch
+
 from guidance.compiler import grammar_failure
-from kv_transfer.base import KvTransferError, TransferredKv
+from kv_transfer.base import KvLanding, KvTransferError, TransferredKv
 from kv_transfer.buffer_pool import KvBufferPool
-from kv_transfer.codec import KvAssembler
+from kv_transfer.codec import DTYPE_NAMES, KvAssembler
 from worker.engine.decode_backend import DecodeBackend
 from worker.engine.errors import InvalidRequest, RequestFailed, SequencePreempted
 from worker.torch_engine.grammar_masks import Guidance
-from worker.engine.block_pool import BlockPool
-from worker.engine.messages import (AddSequence, CancelSequence, DecodeCommand, LocalPrefill, QueueLocalPrefill,
-                                    Recompute, Stop)
+from worker.engine.block_pool import BlockPool, BlockTable
+from worker.engine.messages import (AddSequence, BlocksAsked, CancelSequence, DecodeCommand, LocalPrefill,
+                                    QueueLocalPrefill, Recompute, ReturnBlocks, Stop, TakeBlocks)
 from worker.engine.scheduler import Chunk
 from worker.torch_engine.model_runner import DecodeRow, ModelRunner
 from worker.engine.output import OutputProcessor
@@ -27,11 +29,13 @@ from worker.engine.sequence import DecodeState, SamplingParams, Sequence, TokenL
 
 logger = logging.getLogger(__name__)
 
+# How long a KV receiver waits for the engine thread to hand it blocks (the engine answers between two steps) before
+# it receives into a buffer instead.
+BLOCKS_WAIT_S = 1.0
+
 
 class DecodeEngine(DecodeBackend):
     """Continuous batching on its own thread, fed by KV arrivals or local prefills, read by gRPC streams."""
-
-    kv_assembler = KvAssembler
 
     def __init__(self, runner: ModelRunner, pool: BlockPool, max_running: int = 64,
                  max_prefill_tokens: int = 2048, max_prefill_batch_size: int = 16):
@@ -69,6 +73,46 @@ class DecodeEngine(DecodeBackend):
         seq.pending_kv = kv
         self._inbox.put(AddSequence(seq))
 
+    # KV receivers' threads ---------------------------------------------------------------
+    def kv_assembler(self, header, max_bytes: int | None = None, pool: KvBufferPool | None = None) -> KvAssembler:
+        """What a KV stream is received into (the KV sink's `assembler`, on a receiver's thread).
+
+        Straight into blocks of the pool, taken for it now by the engine thread (`_landing_for`): the cache is in its
+        sequence's blocks when it arrives, and joining the batch copies nothing. The fallback is a pooled receive
+        buffer, copied into the sequence's blocks when it joins (one `index_copy_` per layer), counted in
+        `pdserve_worker_kv_receive_fallbacks_total` by reason: `no_room` (the pool cannot hold the stream now
+        beside what the sequences waiting to join need), `device` (the pool is not on the CPU: its memory is not
+        the host's), `engine_busy` (the engine thread did not answer within BLOCKS_WAIT_S)."""
+        return KvAssembler(header, max_bytes, pool, self._landing_for)
+
+    def _landing_for(self, header) -> KvLanding | None:
+        """Pool blocks for the stream `header` starts, asked of the engine thread (whose pool it is); None: use a
+        receive buffer. Raises KvTransferError for a cache this pool cannot hold (another model's)."""
+        self._refuse_misfit(header)
+        if self.runner.device.type != "cpu":
+            self.metrics.kv_receive_fallbacks.labels("device").inc()
+            return None
+        ask = BlocksAsked(header.shape[0])
+        self._inbox.put(TakeBlocks(ask))
+        landing = ask.wait(BLOCKS_WAIT_S)
+        if landing is None:
+            self.metrics.kv_receive_fallbacks.labels("engine_busy" if ask.gave_up else "no_room").inc()
+        return landing
+
+    def _refuse_misfit(self, header) -> None:
+        """A stream whose layers, dtype, kv heads or head size are not the pool's is refused when its header comes."""
+        keys = self.runner.cache.keys
+        pool = (DTYPE_NAMES.get(keys[0].dtype, str(keys[0].dtype)), len(keys), *keys[0].shape[1:])
+        sent = (header.dtype, header.num_layers, *header.shape[1:])
+        if sent != pool:
+            raise KvTransferError("KV cache of {1} layers of {0} [positions, {2}, {3}] does not fit this worker's pool "
+                                  "of {5} layers of {4} [slots, {6}, {7}]: the workers run different models or "
+                                  "dtypes".format(*sent, *pool))
+
+    def _give_back(self, block_ids: list[int]) -> None:
+        """Blocks a transfer took and never handed to its sequence go back, on the engine thread (any thread)."""
+        self._inbox.put(ReturnBlocks(block_ids))
+
     def _queue_local_prefill(self, job: LocalPrefill) -> None:
         self._inbox.put(QueueLocalPrefill(job))
 
@@ -102,6 +146,12 @@ class DecodeEngine(DecodeBackend):
                     self._admit(seq)
                 case QueueLocalPrefill(job):
                     self.local_prefills.add(job)
+                case TakeBlocks(ask):
+                    landing = self._take_blocks(ask.num_positions)
+                    if not ask.answer(landing) and landing is not None:
+                        landing.release()  # the receiver stopped waiting: it uses a receive buffer
+                case ReturnBlocks(block_ids):
+                    self.pool.release(BlockTable(block_ids))
                 case CancelSequence(request_id):
                     seq = self.scheduler.find(request_id) or self._take_prompt_work(request_id)
                     if seq is not None:
@@ -110,18 +160,48 @@ class DecodeEngine(DecodeBackend):
                 case Stop():
                     return
 
+    def _take_blocks(self, num_positions: int) -> KvLanding | None:
+        """Blocks to receive `num_positions` positions straight into (blocks never used before zeroed: attention reads
+        a block's unfilled tail), unless the pool cannot spare them beside what the sequences waiting to join need."""
+        need = self.pool.blocks_for(num_positions)
+        waiting = sum(max(0, self.pool.blocks_for(s.total_len) - s.table.num_blocks) for s in self.scheduler.waiting)
+        table = BlockTable()
+        if need + waiting > self.pool.num_free or not self.pool.grow(table, num_positions):
+            return None
+        fresh = self.pool.take_fresh()
+        if fresh:
+            with torch.inference_mode():
+                self.runner.cache.zero_blocks(fresh)
+        return KvLanding(table.block_ids, num_positions, self.runner.cache.block_runs(table.block_ids, num_positions),
+                         self._give_back)
+
     def _admit(self, seq: Sequence) -> None:
-        """A sequence whose KV arrived: emit the first token it carries and queue it to join the batch (its KV is
-        written into its blocks when it joins)."""
+        """A sequence whose KV arrived: emit the first token it carries and queue it to join the batch (a cache received
+        into pool blocks is already in them; one in a receive buffer is written into its blocks when it joins)."""
         kv = seq.pending_kv
+        if kv.landed is not None:
+            self._take_landed(seq, kv)
+        else:
+            self._reuse_cached_blocks(seq, kv.first_position)
         if seq.sampling.grammar is not None and seq.matcher is None and not self._attach_matcher(seq, kv):
             return
-        self._reuse_cached_blocks(seq, kv.first_position)
         first_logprobs = None
         if seq.sampling.return_logprobs and kv.first_logprobs is not None:
             first_logprobs = TokenLogprobs(kv.first_logprobs[0], tuple(kv.first_logprobs[1]))
         self._start(seq, kv.first_token_id, kv.prefill_time_ms, first_logprobs,
                     kv.prompt_logprobs if seq.sampling.prompt_logprobs is not None else None)
+
+    def _take_landed(self, seq: Sequence, kv: TransferredKv) -> None:
+        """The blocks its cache was received into join its table after the cached prefix it holds. Those whose
+        contents the prefix cache has come to hold since it was accepted (a burst sharing a prompt: another request
+        placed them) are shared instead, as `_reuse_cached_blocks` shares them, and the received copies go back."""
+        blocks = kv.landed.take()
+        held = seq.table.num_blocks
+        self._reuse_cached_blocks(seq, kv.first_position)
+        shared = seq.table.num_blocks - held
+        if shared:
+            self.pool.release(BlockTable(blocks[:shared]))
+        seq.table.block_ids.extend(blocks[shared:])
 
     def _start(self, seq: Sequence, first_token_id: int, prefill_ms: float, logprobs: TokenLogprobs | None,
                prompt_logprobs=None) -> None:
@@ -175,6 +255,9 @@ class DecodeEngine(DecodeBackend):
         return None
 
     def _preempted(self, seq: Sequence) -> None:
+        if seq.pending_kv is not None:  # preempted before it joined: its blocks went, and it is recomputed whole
+            seq.pending_kv.release()
+            seq.pending_kv = None
         if not seq.can_recompute:
             logger.info("preempted request %s after %d tokens: its images are not here, so it moves on",
                         seq.request_id, seq.num_generated)
@@ -213,12 +296,13 @@ class DecodeEngine(DecodeBackend):
                 self._flush()
 
     def _place_received(self, seq: Sequence) -> None:
-        """A received cache joins: its positions not already in shared blocks are written into its blocks, and the
-        receive buffer goes back."""
+        """A received cache joins. One received into its blocks is already there: they are only registered in the
+        prefix cache, nothing is copied. One in a receive buffer (`kv_assembler`'s fallback) has its positions not
+        already in shared blocks written into its blocks, and the buffer goes back."""
         kv, start = seq.pending_kv, seq.num_computed
-        if start < seq.prompt_len:
+        if kv.landed is None and start < seq.prompt_len:
             skip = start - kv.first_position
-            self.runner.write_kv(seq.table, start, [(k[:, :, skip:], v[:, :, skip:]) for k, v in kv.layers])
+            self.runner.write_kv(seq.table, start, [(k[skip:], v[skip:]) for k, v in kv.layers])
         kv.release()
         seq.pending_kv = None
         seq.num_computed = seq.prompt_len

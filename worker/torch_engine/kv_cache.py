@@ -1,8 +1,9 @@
 """The block pool's tensors: per layer, one key and one value tensor of [slots, kv_heads, head_dim] on the device.
 
 A slot is `block * block_size + offset`; which blocks a sequence owns is the BlockPool's business.
-Transferred caches are written straight into their sequence's slots and read out of them to be sent,
-in the wire's per-layer [1, kv_heads, positions, head_dim] layout.
+The wire's layout is the pool's (per layer, [positions, kv_heads, head_dim]): a prompt's KV is read out
+of its slots with one gather to be sent, and a decode worker on the CPU receives a cache straight into
+its blocks' memory (`block_runs`); `write` copies one that came into a receive buffer instead.
 """
 
 from __future__ import annotations
@@ -47,21 +48,51 @@ class KvCache:
             t.view(-1, self.block_size, *t.shape[1:]).index_fill_(0, index, 0)
 
     def write(self, slots: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put a transferred cache ([1, kv_heads, n, head_dim] per layer) at `slots` ([n])."""
+        """Put a transferred cache ([n, kv_heads, head_dim] per layer, the pool's own layout) at `slots` ([n]): the
+        copy a cache received into a receive buffer takes when its sequence joins (`block_runs` avoids it)."""
         slots = slots.to(self.device)
         for i, (k, v) in enumerate(layers):
-            self.keys[i].index_copy_(0, slots, k[0].transpose(0, 1).to(self.device))
-            self.values[i].index_copy_(0, slots, v[0].transpose(0, 1).to(self.device))
+            self.keys[i].index_copy_(0, slots, k.to(self.device))
+            self.values[i].index_copy_(0, slots, v.to(self.device))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s keys and values at `slots`, as contiguous host tensors [1, kv_heads, n, head_dim]."""
-        k = self.keys[layer][slots].permute(1, 0, 2).unsqueeze(0)
-        v = self.values[layer][slots].permute(1, 0, 2).unsqueeze(0)
+        """Layer `layer`'s keys and values at `slots`, as contiguous host tensors [n, kv_heads, head_dim] (the
+        wire's layout is the pool's: one gather, no permute)."""
+        k = self.keys[layer][slots]
+        v = self.values[layer][slots]
         if self.device.type == "cpu":
-            return k.contiguous(), v.contiguous()
+            return k, v
         # Staged through pinned host memory: the TCP and gRPC senders read host bytes.
         host_k = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
         host_v = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
         host_k.copy_(k)
         host_v.copy_(v)
         return host_k, host_v
+
+    def block_runs(self, block_ids: list[int], num_positions: int) -> list[list[memoryview]]:
+        """Writable memoryviews over the slots of `block_ids` (in position order) that hold `num_positions`
+        positions, per tensor in a KV stream's order (index 2 * layer + is_value): a view per stretch of consecutive
+        blocks, whose bytes are the stream's for those positions, so a cache can be received straight into the pool.
+        CPU only (the memory must be the host's)."""
+        if self.device.type != "cpu":
+            raise ValueError(f"a KV cache on {self.device} cannot be received into: its memory is not the host's")
+        stretches: list[list[int]] = []  # [first block, blocks]
+        for block in block_ids:
+            if stretches and stretches[-1][0] + stretches[-1][1] == block:
+                stretches[-1][1] += 1
+            else:
+                stretches.append([block, 1])
+        runs = []
+        for i in range(2 * len(self.keys)):
+            pool = (self.values if i % 2 else self.keys)[i // 2]
+            raw = memoryview(pool.view(torch.uint8).reshape(-1).numpy())
+            row = len(raw) // pool.shape[0]  # bytes of one slot
+            left = num_positions * row
+            tensor_runs = []
+            for first, count in stretches:
+                size = min(count * self.block_size * row, left)
+                start = first * self.block_size * row
+                tensor_runs.append(raw[start : start + size])
+                left -= size
+            runs.append(tensor_runs)
+        return runs

@@ -286,8 +286,9 @@ class ModelRunner:
             self.cache.zero_blocks(fresh)
 
     def write_kv(self, table: BlockTable, start: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put a transferred cache of positions [start, start + n) into `table`'s slots."""
-        n = layers[0][0].shape[2]
+        """Put a transferred cache of positions [start, start + n) ([n, kv_heads, head_dim] per layer) into `table`'s
+        slots."""
+        n = layers[0][0].shape[0]
         with torch.inference_mode():
             self._zero_fresh_blocks()
             self.cache.write(self._slots(table, start, start + n), layers)
