@@ -265,12 +265,6 @@ def make_kv(dtype: torch.dtype, layers: int = 3, seq: int = 37) -> TransferredKv
     return TransferredKv(request_id="req-1", layers=tensors, first_token_id=42, prefill_time_ms=1.5)
 
 
-def wire_kv_shape(runner, positions: int) -> tuple[int, int, int]:
-    """One layer's key (or value) on the wire for `positions` positions of the runner's model."""
-    _, kv_heads, _, head_dim = runner.kv_shape(positions)
-    return kv_tensor_shape(positions, kv_heads, head_dim)
-
-
 def token_major(t: torch.Tensor) -> torch.Tensor:
     """A transformers cache tensor ([1, kv_heads, positions, head_dim]) in the wire's layout."""
     return t[0].transpose(0, 1).contiguous()

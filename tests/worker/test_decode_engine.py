@@ -14,7 +14,6 @@ from worker.engine.errors import RequestFailed, SequencePreempted
 from worker.engine.media import MediaSpan
 from worker.torch_engine.model_runner import ModelRunner
 from worker.engine.sequence import DecodeState, SamplingParams
-from tests.helpers import wire_kv_shape
 
 PROMPT = list(range(3, 12))
 
@@ -25,7 +24,7 @@ def runner(model_dir) -> ModelRunner:
 
 
 def prompt_kv(runner: ModelRunner, request_id: str) -> TransferredKv:
-    shape = wire_kv_shape(runner, len(PROMPT))
+    shape = runner.kv_shape(len(PROMPT))
     layers = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(runner.num_layers)]
     return TransferredKv(request_id, layers, first_token_id=5, prefill_time_ms=1.0)
 

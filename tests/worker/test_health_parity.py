@@ -19,7 +19,6 @@ from worker.torch_engine.model_runner import ModelRunner
 from worker.torch_engine.prefill_engine import PrefillEngine
 from worker.engine.sequence import DecodeState, SamplingParams
 from worker.service.servicers import load_to_pb
-from tests.helpers import wire_kv_shape
 from worker.simulated.cost_model import CostModel, KvShape
 from worker.simulated.decode_engine import SimulatedDecodeEngine
 from worker.simulated.kv import VerifiedKv
@@ -44,7 +43,7 @@ def runner(model_dir) -> ModelRunner:
 
 
 def real_kv(runner: ModelRunner, request_id: str) -> TransferredKv:
-    shape = wire_kv_shape(runner, PROMPT_LEN)
+    shape = runner.kv_shape(PROMPT_LEN)
     layers = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(runner.num_layers)]
     return TransferredKv(request_id, layers, first_token_id=5, prefill_time_ms=1.0)
 

@@ -93,3 +93,14 @@ def test_an_unknown_backend_or_the_kernel_on_cuda_is_refused_by_name():
     with pytest.raises(ValueError, match="the paged kernel runs on the CPU only, not cuda"):
         resolve_attention("kernel", torch.device("cuda"))
     assert resolve_attention("auto", torch.device("cuda")) == "torch"
+
+
+def test_a_block_size_the_kernel_cannot_read_falls_back_to_torch_or_is_refused_when_asked_for(model_dir):
+    from worker.torch_engine.model_runner import ModelRunner
+
+    runner = ModelRunner(model_dir, device="cpu")
+    assert runner.attention == "kernel"
+    runner.allocate_cache(8, 4)
+    assert runner.attention == "torch"
+    with pytest.raises(ValueError, match="--attention kernel: the paged kernel needs a block size .* multiples of 8"):
+        ModelRunner(model_dir, device="cpu", attention="kernel").allocate_cache(8, 12)

@@ -24,6 +24,7 @@ from transformers.utils import logging as hf_logging
 from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.media import MediaSpan, refuse_media
 from adapters.peft_folder import AdapterRef
+from kv_transfer.wire import kv_tensor_shape
 from worker.engine.lora import LoadedLora
 from worker.engine.sequence import TokenLogprobs
 from worker.torch_engine.sampling import batch_logprobs
@@ -164,6 +165,7 @@ class ModelRunner:
                  max_loras: int | None = 0, max_lora_rank: int = 16, attention: str = "auto"):
         self.model_dir = Path(model_dir)
         self.device = resolve_device(device)
+        self.attention_requested = attention
         self.attention = resolve_attention(attention, self.device)
         hf_logging.disable_progress_bar()  # keep worker logs quiet and line-structured
         kwargs = {} if dtype == "auto" else {"dtype": DTYPES[dtype]}
@@ -256,19 +258,28 @@ class ModelRunner:
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 
-    def kv_shape(self, seq_len: int) -> tuple[int, int, int, int]:
-        """Shape of one layer's key (or value) tensor for one sequence of `seq_len` positions, as on the wire."""
+    def kv_shape(self, seq_len: int) -> tuple[int, int, int]:
+        """Shape of one layer's key (or value) for `seq_len` positions as the pool and the wire hold it:
+        [positions, kv_heads, head_dim]."""
         head_dim = getattr(self.config, "head_dim", None) or self.config.hidden_size // self.config.num_attention_heads
         kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
-        return (1, kv_heads, seq_len, head_dim)
+        return kv_tensor_shape(seq_len, kv_heads, head_dim)
 
     def kv_bytes_per_token(self) -> int:
-        _, kv_heads, _, head_dim = self.kv_shape(1)
+        _, kv_heads, head_dim = self.kv_shape(1)
         return 2 * self.num_layers * kv_heads * head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
     def allocate_cache(self, num_blocks: int, block_size: int) -> None:
         """Make the pool's tensors: `num_blocks` blocks of `block_size` positions on every layer."""
-        _, kv_heads, _, head_dim = self.kv_shape(1)
+        _, kv_heads, head_dim = self.kv_shape(1)
+        if self.attention == "kernel" and (block_size % 8 or head_dim % 8):
+            # The kernel reads eight positions and eight lanes at a time.
+            message = (f"the paged kernel needs a block size and head_dim that are multiples of 8 (block size "
+                       f"{block_size}, head_dim {head_dim})")
+            if self.attention_requested == "kernel":
+                raise ValueError(f"--attention kernel: {message}")
+            logger.warning("%s: attending with torch (gathers blocks)", message)
+            self.attention = "torch"
         self.cache = KvCache(self.num_layers, num_blocks, block_size, kv_heads, head_dim, self.dtype, self.device)
         self.block_size = block_size
 

@@ -10,7 +10,6 @@ import time
 
 from guidance.compiler import grammar_failure
 from kv_transfer.codec import DTYPE_NAMES, KvLayer
-from kv_transfer.wire import kv_tensor_shape
 from worker.engine.errors import InvalidRequest
 from worker.torch_engine.grammar_masks import Guidance
 from worker.engine.block_pool import BlockPool
@@ -57,8 +56,7 @@ class PrefillEngine(PrefillBackend):
     def kv_layout(self, job: PrefillJob) -> KvLayout:
         # An unsupported dtype keeps its torch name, which the stream header refuses.
         dtype_name = DTYPE_NAMES.get(self.runner.dtype, str(self.runner.dtype))
-        _, kv_heads, positions, head_dim = self.runner.kv_shape(job.num_sent_tokens)
-        return KvLayout(dtype_name, self.runner.num_layers, kv_tensor_shape(positions, kv_heads, head_dim))
+        return KvLayout(dtype_name, self.runner.num_layers, self.runner.kv_shape(job.num_sent_tokens))
 
     @property
     def num_queued_tokens(self) -> int:
