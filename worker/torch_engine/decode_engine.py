@@ -4,6 +4,7 @@ prefills; each step is one forward of every running sequence's next token plus a
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -29,8 +30,8 @@ from worker.engine.sequence import DecodeState, SamplingParams, Sequence, TokenL
 
 logger = logging.getLogger(__name__)
 
-# How long a KV receiver waits for the engine thread to hand it blocks (the engine answers between two steps) before
-# it receives into a buffer instead.
+# How long a KV receiver waits for the engine thread to hand it blocks (the engine answers between two steps and
+# between the layers of a step) before it receives into a buffer instead.
 BLOCKS_WAIT_S = 1.0
 
 
@@ -48,6 +49,9 @@ class DecodeEngine(DecodeBackend):
         self._processors: dict[str, OutputProcessor] = {}
         self._outbox: list[tuple[str, TokenOutput]] = []  # tokens for the next hand-off to the event loop
         self._inbox: queue.SimpleQueue[DecodeCommand] = queue.SimpleQueue()
+        # Receivers' asks for blocks, also answered between the layers of a forward (a step can take longer than a
+        # receiver should wait); the TakeBlocks in the inbox wakes an idle engine thread.
+        self._asks: collections.deque[BlocksAsked] = collections.deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
@@ -93,6 +97,7 @@ class DecodeEngine(DecodeBackend):
             self.metrics.kv_receive_fallbacks.labels("device").inc()
             return None
         ask = BlocksAsked(header.shape[0])
+        self._asks.append(ask)
         self._inbox.put(TakeBlocks(ask))
         landing = ask.wait(BLOCKS_WAIT_S)
         if landing is None:
@@ -146,10 +151,8 @@ class DecodeEngine(DecodeBackend):
                     self._admit(seq)
                 case QueueLocalPrefill(job):
                     self.local_prefills.add(job)
-                case TakeBlocks(ask):
-                    landing = self._take_blocks(ask.num_positions)
-                    if not ask.answer(landing) and landing is not None:
-                        landing.release()  # the receiver stopped waiting: it uses a receive buffer
+                case TakeBlocks():
+                    self._answer_asks()
                 case ReturnBlocks(block_ids):
                     self.pool.release(BlockTable(block_ids))
                 case CancelSequence(request_id):
@@ -159,6 +162,15 @@ class DecodeEngine(DecodeBackend):
                         logger.info("cancelled request %s after %d tokens", request_id, seq.num_generated)
                 case Stop():
                     return
+
+    def _answer_asks(self, layer: int | None = None) -> None:
+        """Answer the receivers waiting for blocks (between steps, and between the layers of a step: `layer`);
+        blocks taken for a receiver that stopped waiting go back."""
+        while self._asks:
+            ask = self._asks.popleft()
+            landing = self._take_blocks(ask.num_positions)
+            if not ask.answer(landing) and landing is not None:
+                landing.release()  # the receiver stopped waiting: it uses a receive buffer
 
     def _take_blocks(self, num_positions: int) -> KvLanding | None:
         """Blocks to receive `num_positions` positions straight into (blocks never used before zeroed: attention reads
@@ -360,7 +372,7 @@ class DecodeEngine(DecodeBackend):
             chunks = [c for c in chunks if all(c is not b for b, _ in broken)]
             if not batch and not chunks:
                 return
-        logits = self.runner.forward(rows, prompt_chunks)
+        logits = self.runner.forward(rows, prompt_chunks, self._answer_asks)
         now = time.perf_counter()
         self._stepped(batch, len(chunks), started, now)
         self._sample_decode(batch, logits[: len(batch)], started, now)
