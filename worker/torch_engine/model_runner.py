@@ -422,5 +422,4 @@ class ModelRunner:
         mask = torch.arange(p * bs, width_blocks * bs).unsqueeze(0) < lengths.unsqueeze(1)
         batch.decode_blocks = tables.reshape(-1).to(self.device)
         batch.decode_mask = mask[:, None, None, :].to(self.device)
-        last = lengths - 1
-        return tables[torch.arange(len(decode)), last // bs - p] * bs + last % bs
+        return self._decode_slots(decode)
