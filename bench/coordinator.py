@@ -24,7 +24,7 @@ the stream parsed once it has ended (an aiohttp client cost the shared core abou
 - coordinator: `pdserve coordinator` (round robin) in front of `--workers` simulated prefill and decode workers
   (`pdserve worker --simulate`, a process each: prefill 0 ms, one decode step `--decode-step-ms`, no model).
 - direct gRPC (at c=1 always, at every level with `--direct`): no HTTP at all; the bench makes the coordinator pipeline's worker calls itself (open
-  the Decode stream, then Prefill naming the decode worker, then read the tokens) via coordinator/worker_client.py.
+  the Decode stream, then Prefill naming the decode worker, then read the tokens) via coordinator/workers/client.py.
 - `--tls`: a second cluster with mutual TLS on every link the requests use, as `pdserve up --tls` sets it up
   (clients -> predict port, coordinator -> workers' gRPC, prefill -> decode KV over raw TCP); its rows run beside
   the plaintext ones, and a second table gives TLS's cost against plaintext. `--plain-kv` (implies `--tls`)
@@ -93,8 +93,8 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 
-from coordinator.request import GenerationRequest, SamplingOptions  # noqa: E402
-from coordinator.worker_client import WorkerClient  # noqa: E402
+from coordinator.requests.request import GenerationRequest, SamplingOptions  # noqa: E402
+from coordinator.workers.client import WorkerClient  # noqa: E402
 from bench.cpu_quota import CpuQuota, check_available  # noqa: E402
 from bench.stream_client import StreamClient  # noqa: E402
 from launcher.cli import run_event_loop  # noqa: E402

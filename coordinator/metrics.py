@@ -11,8 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from coordinator.request_trace import CURRENT_REQUEST, PHASES, RequestTrace
-from coordinator.route_table import ROUTE_TABLE, UNROUTED_LABEL
+from coordinator.requests.trace import CURRENT_REQUEST, PHASES, RequestTrace
+from coordinator.http.route_table import ROUTE_TABLE, UNROUTED_LABEL
 from security.api_keys import FAILURE_REASONS as AUTH_FAILURE_REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -143,7 +143,7 @@ class RequestCollector:
         self.queue_time = LoopHistogram("pdserve_request_queue_time_seconds",
                                         "Time from arrival to leaving the coordinator's queue.", LATENCY_BUCKETS)
         self.phase_seconds = LoopHistogram(
-            "pdserve_request_phase_seconds", "Time a generation spent in each phase (coordinator/request_trace.py): "
+            "pdserve_request_phase_seconds", "Time a generation spent in each phase (coordinator/requests/trace.py): "
             "queue, route, decode_admission, prefill (of it, as the prefill worker timed them: prefill_queue, "
             "prefill_forward, kv_transfer), first_token, decode, summed over its attempts; tokenize once per "
             "client request (all its prompts).", LATENCY_BUCKETS_FINE, ("phase",))

@@ -9,21 +9,21 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from coordinator.health_monitor import HealthMonitor
-from coordinator.instances import InstanceRegistry
-from coordinator.limits import ModelLimits
-from coordinator.loras import LoraRegistry
-from coordinator.media import MediaFetcher
-from coordinator.pipeline import RequestPipeline
+from coordinator.workers.health_monitor import HealthMonitor
+from coordinator.workers.instances import InstanceRegistry
+from coordinator.requests.limits import ModelLimits
+from coordinator.requests.loras import LoraRegistry
+from coordinator.requests.media import MediaFetcher
+from coordinator.requests.pipeline import RequestPipeline
 from coordinator.scheduling.router import Router
-from coordinator.tokenization import PromptTokenizer
-from coordinator.vllm.client import VllmClient
-from coordinator.worker_client import WorkerClient
+from coordinator.requests.tokenization import PromptTokenizer
+from coordinator.workers.vllm.client import VllmClient
+from coordinator.workers.client import WorkerClient
 from guidance.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
     from coordinator.cluster.node import ClusterNode
-    from coordinator.kv_event_watch import InstanceFollowers
+    from coordinator.workers.kv_event_watch import InstanceFollowers
 
 
 @dataclass

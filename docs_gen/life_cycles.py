@@ -12,18 +12,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 # (title, module file), in the order a newcomer would follow a request.
 LIFE_CYCLES = (
-    ("A request in the coordinator", "coordinator/pipeline.py"),
-    ("Where a request's time went", "coordinator/request_trace.py"),
+    ("A request in the coordinator", "coordinator/requests/pipeline.py"),
+    ("Where a request's time went", "coordinator/requests/trace.py"),
     ("A request on a prefill and a decode worker", "worker/engine/__init__.py"),
-    ("A request's images, from the client to the prefill worker", "coordinator/media.py"),
+    ("A request's images, from the client to the prefill worker", "coordinator/requests/media.py"),
     ("An image on a vision-language worker", "worker/torch_engine/vision.py"),
-    ("A LoRA adapter served by the coordinator", "coordinator/loras.py"),
+    ("A LoRA adapter served by the coordinator", "coordinator/requests/loras.py"),
     ("A LoRA adapter on a worker", "worker/engine/lora.py"),
     ("A token channel", "worker/service/token_channel.py"),
     ("A worker's KV events subscription", "worker/service/kv_event_log.py"),
-    ("A coordinator's watch of one worker's KV events", "coordinator/kv_event_watch.py"),
-    ("A request on vLLM instances", "coordinator/vllm/client.py"),
-    ("A coordinator's subscription to one vLLM instance's KV events", "coordinator/vllm/kv_events.py"),
+    ("A coordinator's watch of one worker's KV events", "coordinator/workers/kv_event_watch.py"),
+    ("A request on vLLM instances", "coordinator/workers/vllm/client.py"),
+    ("A coordinator's subscription to one vLLM instance's KV events", "coordinator/workers/vllm/kv_events.py"),
     ("A coordinator's leadership on etcd", "coordinator/cluster/leadership.py"),
     ("A worker's registration on etcd", "coordinator/cluster/registry_sync.py"),
 )

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
-from coordinator.instances import InstanceRegistry
+from coordinator.workers.instances import InstanceRegistry
 from coordinator.scheduling.kv_index import KvIndex
 from coordinator.metrics import CoordinatorMetrics
 from docs_gen.markdown import banner, cell, table

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from coordinator.management import MANAGEMENT_ROUTES
-from coordinator.route_table import ErrorStyle, Route, RouteTable
-from coordinator.routes import PREDICT_ROUTES
+from coordinator.http.management import MANAGEMENT_ROUTES
+from coordinator.http.route_table import ErrorStyle, Route, RouteTable
+from coordinator.http.routes import PREDICT_ROUTES
 from docs_gen.markdown import banner, table
 
 # The API a handler's module serves; a route from a module missing here fails the generation, naming it.
@@ -18,7 +18,7 @@ API_OF_MODULE = {
     "coordinator.apis.tokenizer": "tokenizer",
     "coordinator.apis.mindie": "MindIE native",
     "coordinator.apis.triton": "Triton",
-    "coordinator.management": "management",
+    "coordinator.http.management": "management",
 }
 
 ERROR_BODY = {
@@ -28,8 +28,8 @@ ERROR_BODY = {
 
 INTRO = """# HTTP routes
 
-Every route of the coordinator's two ports, from their route tables (`coordinator/routes.py`,
-`coordinator/management.py`). The error body is the one every error of that route answers with (4xx and 5xx, a
+Every route of the coordinator's two ports, from their route tables (`coordinator/http/routes.py`,
+`coordinator/http/management.py`). The error body is the one every error of that route answers with (4xx and 5xx, a
 missing API key's 401 included); a path that matches no route takes OpenAI's under `/v1/`, else TGI's.
 *max_requests* marks the routes that run a generation and so count against `request_limit.max_requests`;
 *standby* marks those a standby coordinator still answers (every other predict route answers 503 there). What
@@ -57,7 +57,7 @@ def route_rows(routes: RouteTable, counted: bool) -> list[list[str]]:
 
 def render() -> str:
     return "\n".join([
-        banner("coordinator/routes.py and coordinator/management.py"), INTRO,
+        banner("coordinator/http/routes.py and coordinator/http/management.py"), INTRO,
         "## Predict port (`http_config.predict_ip:predict_port`)\n",
         "The `api` label is the one the request metrics carry.\n",
         table(["method", "path", "API", "error body", "`api` label", "max_requests", "standby"],

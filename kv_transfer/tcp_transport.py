@@ -44,8 +44,8 @@ DIGEST = struct.Struct("<Q")
 OVERLAP_MIN_BYTES = 256 * 1024  # blocks at least this big are hashed on a helper thread
 ACK = struct.Struct("<BQI")
 END = b"E"
-# A header is a few hundred bytes, a trailer too but for prompt logprobs (coordinator/limits.py keeps them under
-# about 0.75 MiB).
+# A header is a few hundred bytes, a trailer too but for prompt logprobs (coordinator/requests/limits.py keeps them
+# under about 0.75 MiB).
 MAX_MESSAGE_BYTES = 1 << 20
 DRAIN_MAX_S, DRAIN_MAX_BYTES = 5.0, 1 << 30  # how long and how much a refused sender may still send
 MAX_RECEIVING = 64  # connections read at once, on the receiver's own threads

@@ -14,7 +14,7 @@ from launcher.simulated_worker import add_simulation_flags, simulated_backend
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from coordinator.server import run_coordinator
+    from coordinator.http.server import run_coordinator
     from coordinator.config import ConfigError, load_config
     from security.secrets import SecretError
     from security.tls import TlsError

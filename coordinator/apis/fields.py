@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, Validati
 
 from coordinator.errors import ApiError
 from guidance.token_rules import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS_ENTRIES
-from coordinator.request import SamplingOptions
+from coordinator.requests.request import SamplingOptions
 
 # The MindIE API (docs/compatibility.md) types these fields "uint32_t" yet gives the range (0, 2147483647]: the
 # int32 range.

@@ -7,7 +7,7 @@ from aiohttp import web
 from coordinator.apis import tgi, vllm_native
 from coordinator.apis.fields import read_json
 from coordinator.apis.response_models import Reply, TgiResponse, VllmResponse
-from coordinator.route_table import ErrorStyle, Route
+from coordinator.http.route_table import ErrorStyle, Route
 from coordinator.errors import ApiError
 
 

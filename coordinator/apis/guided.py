@@ -19,7 +19,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       model_validator)
 
 from coordinator.errors import ApiError
-from coordinator.request import GuidedGrammar
+from coordinator.requests.request import GuidedGrammar
 from guidance.compiler import GrammarCompiler, GrammarError, one_line
 
 # JSON whitespace when the request names none: any JSON whitespace, but at most this many characters

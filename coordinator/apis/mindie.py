@@ -9,10 +9,10 @@ from pydantic import BaseModel, ConfigDict
 from coordinator.apis.fields import PromptInput, new_id, read_request
 from coordinator.apis.prompts import tokenize_input
 from coordinator.apis.response_models import MindieResponse, MindieStreamEvent, Reply, TextGenErrorBody
-from coordinator.route_table import ErrorStyle, Route
+from coordinator.http.route_table import ErrorStyle, Route
 from coordinator.apis.tgi_family import QueuedParameters, TextGenFormatter, finish_details, token_timing
-from coordinator.request import Finished, TokenDelta
-from coordinator.serving import Transcript, serve_generation
+from coordinator.requests.request import Finished, TokenDelta
+from coordinator.requests.serving import Transcript, serve_generation
 from coordinator.state import STATE
 
 

@@ -24,10 +24,10 @@ from coordinator.apis.openai_common import (
     vllm_prompt_logprobs,
 )
 from coordinator.apis.response_models import ChatCompletion, ChatCompletionChunk, Reply
-from coordinator.route_table import ErrorStyle, Route
+from coordinator.http.route_table import ErrorStyle, Route
 from coordinator.errors import ApiError
-from coordinator.request import Finished, GenerationRequest, TokenDelta
-from coordinator.serving import Transcript
+from coordinator.requests.request import Finished, GenerationRequest, TokenDelta
+from coordinator.requests.serving import Transcript
 from coordinator.state import STATE
 
 

@@ -11,11 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coordinator.apis.fields import MinTokens, TokenIds, VllmSamplingFields
 from coordinator.apis.guided import GuidedFields
-from coordinator.choices import fan_out, serve_choices
+from coordinator.requests.choices import fan_out, serve_choices
 from coordinator.errors import ApiError
-from coordinator.request import Finished, FinishReason, GenerationRequest, GuidedGrammar, SamplingOptions, TokenDelta
-from coordinator.serving import SseFormatter
-from coordinator.sse import ChunkTemplate
+from coordinator.requests.request import (Finished, FinishReason, GenerationRequest, GuidedGrammar, SamplingOptions,
+                                         TokenDelta)
+from coordinator.requests.serving import SseFormatter
+from coordinator.http.sse import ChunkTemplate
 from coordinator.state import STATE
 
 # Fields real clients send that later work will honour; until then a non-default value is a

@@ -21,10 +21,10 @@ from coordinator.apis.openai_common import (
 )
 from coordinator.apis.prompts import CompletionPrompt, prompt_batch, tokenize_batch
 from coordinator.apis.response_models import Completion, Reply
-from coordinator.route_table import ErrorStyle, Route
+from coordinator.http.route_table import ErrorStyle, Route
 from coordinator.errors import ApiError
-from coordinator.request import Finished, GenerationRequest, TokenDelta
-from coordinator.serving import Transcript
+from coordinator.requests.request import Finished, GenerationRequest, TokenDelta
+from coordinator.requests.serving import Transcript
 from coordinator.state import STATE
 
 

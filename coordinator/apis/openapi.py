@@ -18,8 +18,8 @@ from aiohttp import web
 from pydantic import TypeAdapter
 
 from coordinator.apis.response_models import ERROR_BODY_MODELS, OpenApiDocument, Reply
-from coordinator.auth import API_KEYS
-from coordinator.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
+from coordinator.http.auth import API_KEYS
+from coordinator.http.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
 from coordinator.state import STATE
 
 REF_TEMPLATE = "#/components/schemas/{model}"

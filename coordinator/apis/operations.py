@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from coordinator.apis.response_models import Health, Liveness, ModelList, Reply
-from coordinator.route_table import ErrorStyle, Route
+from coordinator.http.route_table import ErrorStyle, Route
 from coordinator.metrics import METRICS
 from coordinator.state import STATE
 

@@ -11,8 +11,8 @@ from pydantic import AfterValidator, ValidationInfo, WithJsonSchema
 from coordinator.apis import multimodal
 from coordinator.apis.fields import check_in_vocab
 from coordinator.errors import ApiError
-from coordinator.media import place_media, truncate_with_media
-from coordinator.request import MediaInput
+from coordinator.requests.media import place_media, truncate_with_media
+from coordinator.requests.request import MediaInput
 from coordinator.state import CoordinatorState
 
 

@@ -3,7 +3,7 @@
 The formatters build plain dicts; these models only describe them. They are exact where a shape is
 fixed (a TGI token, an error body) and allow extra keys where it grows with options or versions
 (top-level responses, choices). A field that may be absent has a default; one that is always sent,
-even as null, has none. The system test (tests/coordinator/test_openapi.py) checks real responses
+even as null, has none. The system test (tests/coordinator/apis/test_openapi.py) checks real responses
 against them.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from coordinator.route_table import ErrorStyle
+from coordinator.http.route_table import ErrorStyle
 
 
 @dataclass(frozen=True)

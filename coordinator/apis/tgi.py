@@ -20,11 +20,11 @@ from coordinator.apis.fields import PositiveInt32, PromptInput, new_id, parse_re
 from coordinator.apis.guided import TgiGrammar, checked_grammar
 from coordinator.apis.prompts import tokenize_input
 from coordinator.apis.response_models import Reply, TextGenErrorBody, TgiResponse, TgiStreamEvent
-from coordinator.route_table import ErrorStyle, Route
+from coordinator.http.route_table import ErrorStyle, Route
 from coordinator.apis.tgi_family import TextGenFormatter, TextGenParameters, finish_details
 from coordinator.errors import ApiError
-from coordinator.request import Finished, SamplingOptions, TokenDelta
-from coordinator.serving import Transcript, serve_generation
+from coordinator.requests.request import Finished, SamplingOptions, TokenDelta
+from coordinator.requests.serving import Transcript, serve_generation
 from coordinator.state import STATE
 
 STOP_ITEM_CHARS = 1024

@@ -10,8 +10,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from coordinator.apis.fields import MaxTokens, PositiveInt32, Seed, new_seed
 from coordinator.errors import ApiError
-from coordinator.request import Finished, FinishReason, GenerationRequest, GuidedGrammar, SamplingOptions, TokenDelta
-from coordinator.serving import SseFormatter, Transcript
+from coordinator.requests.request import (Finished, FinishReason, GenerationRequest, GuidedGrammar, SamplingOptions,
+                                         TokenDelta)
+from coordinator.requests.serving import SseFormatter, Transcript
 
 
 # The family states some ranges differently from OpenAI/vLLM.

@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.apis.fields import read_request
 from coordinator.apis.response_models import Reply, TokenizeResponse
-from coordinator.route_table import ErrorStyle, Route
+from coordinator.http.route_table import ErrorStyle, Route
 from coordinator.state import STATE
 
 

@@ -12,7 +12,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from coordinator.apis.fields import INT32_MAX, PromptInput, TopP, new_id, read_request
 from coordinator.apis.prompts import tokenize_input
 from coordinator.apis.response_models import Reply, TritonInferResponse, TritonResponse, TritonStreamError
-from coordinator.route_table import ErrorStyle, Route
+from coordinator.http.route_table import ErrorStyle, Route
 from coordinator.apis.tgi_family import (
     QueuedParameters,
     TextGenFormatter,
@@ -23,8 +23,8 @@ from coordinator.apis.tgi_family import (
 )
 from coordinator.errors import ApiError
 from adapters.peft_folder import AdapterRef
-from coordinator.request import Finished, TokenDelta
-from coordinator.serving import SseFormatter, Transcript, serve_generation
+from coordinator.requests.request import Finished, TokenDelta
+from coordinator.requests.serving import SseFormatter, Transcript, serve_generation
 from coordinator.state import STATE
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9_-]{1,256}$")

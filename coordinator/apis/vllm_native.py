@@ -11,8 +11,8 @@ from coordinator.apis.fields import PromptInput, VllmSamplingFields, new_id, par
 from coordinator.apis.prompts import tokenize_input
 from coordinator.apis.tgi_family import error_frame
 from coordinator.errors import ApiError
-from coordinator.request import Finished, GenerationRequest, TokenDelta
-from coordinator.serving import Transcript, serve_generation
+from coordinator.requests.request import Finished, GenerationRequest, TokenDelta
+from coordinator.requests.serving import Transcript, serve_generation
 from coordinator.state import STATE
 
 

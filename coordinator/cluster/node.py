@@ -21,8 +21,8 @@ from coordinator.cluster.leadership import Leadership, Role
 from coordinator.cluster.registry_sync import RegistrySync
 from coordinator.cluster.shared_health import SharedHealth
 from coordinator.config import CoordinatorConfig
-from coordinator.health_monitor import HealthMonitor
-from coordinator.instances import Instance, InstanceRegistry
+from coordinator.workers.health_monitor import HealthMonitor
+from coordinator.workers.instances import Instance, InstanceRegistry
 
 logger = logging.getLogger(__name__)
 

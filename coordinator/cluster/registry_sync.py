@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 from coordinator.cluster.etcd_store import Entry, EtcdError, EtcdStore, EtcdUnavailable
-from coordinator.instances import ROLES, Instance, InstanceRegistry
+from coordinator.workers.instances import ROLES, Instance, InstanceRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from coordinator.cluster.etcd_store import EtcdError, EtcdStore
-from coordinator.instances import ROLES, InstanceRegistry, InstanceState
+from coordinator.workers.instances import ROLES, InstanceRegistry, InstanceState
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from aiohttp import web
 
 from coordinator.cluster.leadership import Leadership
 from coordinator.errors import ApiError
-from coordinator.route_table import ROUTE_TABLE
+from coordinator.http.route_table import ROUTE_TABLE
 
 
 class StandbyGate:

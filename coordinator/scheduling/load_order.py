@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Collection
 
-from coordinator.instances import Instance, RolePool
+from coordinator.workers.instances import Instance, RolePool
 
 
 def nth_outside(ordered: list[str], turn: int, exclude: Collection[str]) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from coordinator.instances import Instance, RolePool
+from coordinator.workers.instances import Instance, RolePool
 from coordinator.scheduling.kv_index import NO_MATCH, CacheMatch, KvIndex
 from coordinator.scheduling.load_order import LoadOrder, nth_outside
 

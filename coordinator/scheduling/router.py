@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from coordinator.errors import WorkerError
-from coordinator.instances import Instance, InstanceRegistry
+from coordinator.workers.instances import Instance, InstanceRegistry
 from coordinator.scheduling.policies import RoundRobinPolicy
 
 

@@ -109,7 +109,7 @@ def test_a_folder_name_follows_a_new_weight_path_through_a_dump():
 
 
 def test_the_coordinator_answers_as_its_model_folder(model_dir, tmp_path):
-    from coordinator.app import create_app
+    from coordinator.http.app import create_app
     from coordinator.state import STATE
 
     (tmp_path / "my-model").symlink_to(model_dir, target_is_directory=True)

@@ -118,7 +118,7 @@ def test_kubernetes_coordinators_share_the_cluster_through_the_etcd_service():
 
 
 def test_kubernetes_coordinator_probes_and_services_match_what_it_serves():
-    from coordinator.management import MANAGEMENT_ROUTES
+    from coordinator.http.management import MANAGEMENT_ROUTES
 
     docs = kubernetes_docs()
     config = coordinator_config(docs)

@@ -43,3 +43,37 @@ def test_layout_page_lists_every_module_and_package_of_the_detailed_packages():
     tree = tree_paths()
     assert sorted(tree - listed) == [], "modules missing from docs/design/layout.md"
     assert sorted(listed - tree) == [], "docs/design/layout.md names modules that do not exist"
+
+
+# The packages pip installs (pyproject's packages.find), whose modules a newcomer reads; generated code aside.
+PACKAGES = ("coordinator", "worker", "guidance", "kv_transfer", "security", "launcher", "embedded_model", "telemetry",
+            "planner", "kv_events", "adapters", "docs_gen")
+MAX_MODULE_LINES = 450
+MAX_FOLDER_MODULES = 20  # past this, a folder's modules are grouped by stage into sub-folders
+MAX_COORDINATOR_TOP_LEVEL = 12
+
+
+def package_modules() -> list:
+    return [m for package in PACKAGES for m in (REPO / package).rglob("*.py") if "_pb2" not in m.name]
+
+
+def test_no_module_of_the_packages_passes_450_lines():
+    long = {str(m.relative_to(REPO)): n for m in package_modules()
+            if (n := len(m.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
+
+
+def test_no_package_folder_holds_more_than_20_modules_at_its_top_level():
+    folders: dict[str, int] = {}
+    for module in package_modules():
+        if module.name != "__init__.py":
+            folder = str(module.parent.relative_to(REPO))
+            folders[folder] = folders.get(folder, 0) + 1
+    assert {f: n for f, n in folders.items() if n > MAX_FOLDER_MODULES} == {}
+
+
+def test_the_coordinators_top_level_holds_at_most_12_modules_the_rest_grouped_by_stage():
+    top = [m.name for m in (REPO / "coordinator").glob("*.py") if m.name != "__init__.py"]
+    assert len(top) <= MAX_COORDINATOR_TOP_LEVEL, sorted(top)
+    for stage in ("http", "requests", "workers", "apis", "scheduling", "cluster"):
+        assert (REPO / "coordinator" / stage / "__init__.py").is_file(), stage

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.route_table import ErrorStyle, Route, RouteTable
+from coordinator.http.route_table import ErrorStyle, Route, RouteTable
 from docs_gen.routes_reference import route_rows
 
 

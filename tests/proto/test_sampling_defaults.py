@@ -14,8 +14,8 @@ from coordinator.apis.openai_completions import CompletionRequest
 from coordinator.apis.tgi import TgiRequest
 from coordinator.apis.triton import TritonGenerateRequest
 from coordinator.apis.vllm_native import VllmGenerateRequest
-from coordinator.request import GenerationRequest, SamplingOptions
-from coordinator.worker_client import sampling_to_pb
+from coordinator.requests.request import GenerationRequest, SamplingOptions
+from coordinator.workers.client import sampling_to_pb
 from proto import worker_pb2 as pb
 from proto.sampling import DEFAULT_SAMPLING, SamplingRules
 from worker.engine.sequence import SamplingParams

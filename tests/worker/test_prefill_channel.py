@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from coordinator.failures import FailureKind, WorkerCallError
-from coordinator.request import GenerationRequest, SamplingOptions
-from coordinator.worker_client import DecodeAccepted, WorkerClient
+from coordinator.requests.failures import FailureKind, WorkerCallError
+from coordinator.requests.request import GenerationRequest, SamplingOptions
+from coordinator.workers.client import DecodeAccepted, WorkerClient
 from proto import worker_pb2 as pb
 from tests.helpers import start_sim_worker, token_channel_opens, wait_for_idle
 

@@ -15,9 +15,9 @@ import uuid
 
 import pytest
 
-from coordinator.failures import FailureKind, WorkerCallError
-from coordinator.request import GenerationRequest, SamplingOptions
-from coordinator.worker_client import ChannelDecodeStream, DecodeAccepted, DecodeStream, WorkerClient
+from coordinator.requests.failures import FailureKind, WorkerCallError
+from coordinator.requests.request import GenerationRequest, SamplingOptions
+from coordinator.workers.client import ChannelDecodeStream, DecodeAccepted, DecodeStream, WorkerClient
 from proto import worker_pb2 as pb
 from security.secrets import SecretFile
 from security.settings import TlsLink
@@ -196,7 +196,7 @@ async def test_the_channel_runs_over_mutual_tls_and_needs_the_worker_secret(secu
         with pytest.raises(WorkerCallError) as refused:
             await generate(wrong, worker.address, via=DecodeStream)
         assert refused.value.failure.code == "UNAUTHENTICATED"
-        with caplog.at_level(logging.WARNING, logger="coordinator.token_channels"):
+        with caplog.at_level(logging.WARNING, logger="coordinator.workers.token_channels"):
             wrong.token_channels.learn(worker.address, listener)
             await asyncio.sleep(1.0)
         assert wrong.token_channels.open_channel(worker.address) is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from coordinator.app import create_app
+from coordinator.http.app import create_app
 from coordinator.cluster.leadership import Role
 from coordinator.cluster.node import coordinator_name
 from coordinator.config import parse_config
@@ -45,7 +45,7 @@ def test_the_health_body_with_etcd_matches_the_openapi_document():
 
     from coordinator.apis.openapi import build_document
     from coordinator.apis.operations import health_body
-    from coordinator.routes import PREDICT_ROUTES
+    from coordinator.http.routes import PREDICT_ROUTES
 
     document = build_document(PREDICT_ROUTES)
     schema = jsonschema.Draft202012Validator({"$ref": "#/components/schemas/Health",
@@ -66,7 +66,7 @@ async def test_a_node_starts_and_syncs_on_after_a_first_round_that_failed():
     from coordinator.cluster.node import ClusterNode
     from coordinator.cluster.registry_sync import RegistrySync
     from coordinator.cluster.shared_health import SharedHealth
-    from coordinator.instances import InstanceRegistry
+    from coordinator.workers.instances import InstanceRegistry
     from tests.coordinator.cluster.fake_store import FakeStore
 
     store, registry = FakeStore(), InstanceRegistry()

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from coordinator.cluster.registry_sync import LocalView, RegistrySync, WorkerRecord, plan_sync
-from coordinator.instances import InstanceRegistry, InstanceState
+from coordinator.workers.instances import InstanceRegistry, InstanceState
 from tests.coordinator.cluster.fake_store import FakeStore
 
 TTL = 3.0

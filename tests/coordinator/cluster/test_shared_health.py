@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from coordinator.cluster.shared_health import SharedHealth
-from coordinator.instances import InstanceRegistry, InstanceState
+from coordinator.workers.instances import InstanceRegistry, InstanceState
 from tests.coordinator.cluster.fake_store import FakeStore
 
 ADDRESS = "w:1"

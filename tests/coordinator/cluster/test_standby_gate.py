@@ -8,10 +8,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from coordinator.app import error_middleware
+from coordinator.http.app import error_middleware
 from coordinator.cluster.standby_gate import StandbyGate
-from coordinator.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
-from coordinator.routes import PREDICT_ROUTES
+from coordinator.http.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
+from coordinator.http.routes import PREDICT_ROUTES
 
 
 async def ok(request: web.Request) -> web.Response:

@@ -101,7 +101,7 @@ def test_the_digest_depends_on_the_blocks_held_not_on_their_order():
 
 
 def test_a_prompt_with_an_image_matches_the_worker_that_computed_that_image_and_no_other():
-    from coordinator.request import GenerationRequest, MediaInput, SamplingOptions
+    from coordinator.requests.request import GenerationRequest, MediaInput, SamplingOptions
     from worker.engine.media import MediaSpan, cache_token_ids
 
     ids = prompt(8) + [99] * 16 + prompt(24, start=200)  # an image's 16 placeholders at position 8

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from coordinator.instances import InstanceRegistry, ReportedLoad
+from coordinator.workers.instances import InstanceRegistry, ReportedLoad
 from coordinator.scheduling.load_order import LoadOrder, nth_outside
 from coordinator.scheduling.policies import (
     CacheAffinityPolicy,

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from coordinator.errors import WorkerError
-from coordinator.instances import InstanceRegistry, ReportedLoad
+from coordinator.workers.instances import InstanceRegistry, ReportedLoad
 from coordinator.scheduling.kv_index import KvIndex
 from coordinator.scheduling.policies import CacheAffinityPolicy, LoadBalancePolicy, RoundRobinPolicy
 from coordinator.scheduling.router import Router

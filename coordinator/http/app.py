@@ -1,0 +1,206 @@
+"""create_app(config) and the coordinator process's run loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from coordinator.apis.fields import BODY_TIMEOUT
+from coordinator.http.auth import API_KEYS, ApiKeyGate, load_api_keys
+from coordinator.cluster.node import ClusterNode
+from coordinator.cluster.standby_gate import StandbyGate
+from coordinator.config import ConfigError, CoordinatorConfig
+from coordinator.http.error_response import error_response
+from coordinator.errors import ApiError
+from coordinator.workers.health_monitor import HealthMonitor
+from coordinator.workers.silence_watch import SilenceWatch
+from coordinator.workers.instances import InstanceRegistry
+from coordinator.workers.kv_event_watch import KvEventWatch
+from coordinator.requests.limits import ModelLimits
+from coordinator.requests.loras import LoraRegistry
+from coordinator.http.management import MANAGEMENT_ROUTES
+from coordinator.requests.media import MediaFetcher
+from coordinator.metrics import METRICS, CoordinatorMetrics
+from coordinator.requests.pipeline import RequestPipeline
+from coordinator.requests.queue import RequestQueue
+from coordinator.http.route_table import ROUTE_TABLE
+from coordinator.http.routes import PREDICT_ROUTES
+from coordinator.scheduling.kv_index import KvIndex
+from coordinator.scheduling.policies import make_policy
+from coordinator.scheduling.router import Router
+from coordinator.state import STATE, CoordinatorState
+from coordinator.requests.tokenization import PromptTokenizer
+from guidance.compiler import compiler_for
+from coordinator.http.trust import TRUST, CoordinatorTrust
+from coordinator.workers.vllm.client import VllmClient
+from coordinator.workers.vllm.kv_events import VllmKvEventWatch
+from coordinator.workers.client import WorkerClient
+
+logger = logging.getLogger(__name__)
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Every failure leaves as the API's own error body; nothing escapes as a bare 500 page."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(request, exc, headers=exc.headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        reason = exc.reason
+        if exc.status == 413:
+            reason = f"request body exceeds request_limit.body_limit={request.app[STATE].body_limit_mb} MB"
+        return error_response(request, ApiError(exc.status, reason), headers={
+            k: v for k, v in exc.headers.items() if k.lower() == "allow"
+        })
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(request, ApiError(500, "internal server error"))
+
+
+class InFlightLimit:
+    """Counts generation requests in flight; past the limit, new ones get 429 at once."""
+
+    def __init__(self, max_requests: int):
+        self.max_requests = max_requests
+        self.in_flight = 0
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        if not request.app[ROUTE_TABLE].is_generation(request.method, request.path):
+            return await handler(request)
+        if self.in_flight >= self.max_requests:
+            error = ApiError(429, f"too many requests in flight: request_limit.max_requests={self.max_requests}")
+            return error_response(request, error, headers={"Retry-After": "1"})
+        self.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1
+
+
+def served_adapters(model, tokenizer: PromptTokenizer) -> LoraRegistry:
+    """The LoRA adapters `model_config.loraModules` names, checked (ConfigError naming the key otherwise)."""
+    loras = LoraRegistry.for_model(model.modelName, tokenizer.model_config, model.maxLoraRank)
+    for name, path in model.loraModules.items():
+        try:
+            loras.load(name, path)
+        except ValueError as exc:
+            raise ConfigError(f"model_config.loraModules.{name}: {exc}") from None
+    return loras
+
+
+def create_app(config: CoordinatorConfig) -> web.Application:
+    """Build the client-facing app; workers are reached lazily over cached gRPC channels."""
+    from embedded_model import ensure_default_model
+
+    api_keys = load_api_keys(config.auth_config)  # first: a broken keys file fails start-up before the model loads
+    model = config.model_settings
+    model_dir = model.modelWeightPath or str(ensure_default_model())
+    tokenizer = PromptTokenizer(model_dir)
+    limits = ModelLimits(
+        max_seq_len=model.maxSeqLen,
+        max_input_token_len=model.maxInputTokenLen,
+        max_iter_times=model.maxIterTimes,
+        max_position_embeddings=tokenizer.max_position_embeddings,
+    )
+    loras = served_adapters(model, tokenizer)
+    health = config.health_config
+    trust = CoordinatorTrust.from_config(config)
+    engine = config.instances.engine
+    # vLLM instances are spoken to over their OpenAI API (coordinator/workers/vllm/), pdserve workers over gRPC.
+    client = (VllmClient(config.instances.urls(), trust.worker_tls, trust.worker_secret) if engine == "vllm"
+              else WorkerClient(trust.worker_tls, trust.worker_secret))
+    registry = InstanceRegistry([i.address for i in config.instances.prefill],
+                                [i.address for i in config.instances.decode],
+                                failure_threshold=health.failure_threshold,
+                                heartbeat_timeout_s=health.heartbeat_timeout_s, forget_after_s=health.forget_after_s)
+    scheduling = config.digs_scheduler_config
+    # cache_affinity routes on an exact index of the workers' prefix caches, fed by their KV events.
+    kv_watch = None
+    if scheduling.algorithm_type == "cache_affinity":
+        kv_watch = (VllmKvEventWatch(KvIndex(), config.instances.kv_event_endpoints(), loras.digest_of)
+                    if engine == "vllm"
+                    else KvEventWatch(KvIndex(), client))
+    router = Router(registry, make_policy(scheduling, kv_watch.index if kv_watch is not None else None),
+                    scheduling.local_prefill_max_tokens)
+    metrics = CoordinatorMetrics()
+    queue = RequestQueue(config.request_limit.max_running)
+    metrics.watch(queue, registry, kv_watch.index if kv_watch is not None else None)
+    exceptions = config.exception_config
+    pipeline = RequestPipeline(client, router, registry, limits, queue, exceptions.first_token_timeout,
+                               exceptions.infer_timeout, metrics, exceptions.max_retry, exceptions.max_migrations)
+
+    async def forget(instance):
+        await client.forget(instance.address)
+
+    monitor = HealthMonitor(registry, client, health.check_interval_s, health.check_timeout_s, on_forget=forget)
+    silence = SilenceWatch(registry, client, health.silence_timeout_s, health.silence_probe_timeout_s)
+    limit = InFlightLimit(config.request_limit.max_requests)
+    # Coordinators on etcd share the registered workers; in active_standby a standby refuses client requests.
+    on_etcd = bool(config.backup_config.etcd_endpoints)
+
+    # A deregistration seen on etcd is as one on this coordinator: its channels stay open, so requests on it run
+    # to their end (its KV index entries go as the registry removes it).
+    cluster = ClusterNode.from_config(config, registry, monitor) if on_etcd else None
+    standby = [] if cluster is None else [StandbyGate(cluster.leadership).middleware]
+    auth = config.auth_config
+    # The key is checked first, so a client without one takes no in-flight slot and has no body read.
+    gate = [] if api_keys is None else [
+        ApiKeyGate(api_keys, metrics, open_health=auth.open_health, open_metrics=auth.open_metrics).middleware]
+    app = web.Application(middlewares=[*gate, metrics.middleware, error_middleware, *standby, limit.middleware],
+                          client_max_size=config.request_limit.body_limit * 1024 * 1024)
+    app[API_KEYS] = api_keys
+    state = app[STATE] = CoordinatorState(
+        model.modelName, model.fullTextEnabled, tokenizer, limits, client, registry, router, monitor, pipeline,
+        heartbeat_interval_s=health.heartbeat_interval_s, media_dir=Path(model.multimodalInputsDir),
+        media=MediaFetcher(model.mediaFetchTimeout),
+        body_limit_mb=config.request_limit.body_limit,
+        grammars=compiler_for(tokenizer.tokenizer, cache_size=config.request_limit.grammar_cache_size)[0])
+    state.cluster = cluster
+    state.kv_watch = kv_watch
+    state.engine = engine
+    state.loras = loras
+
+    async def background(app: web.Application):
+        if kv_watch is not None:
+            kv_watch.start(registry)
+        monitor.start()
+        silence.start()
+        if cluster is not None:
+            await cluster.start()
+        yield
+        if cluster is not None:
+            await cluster.stop()
+        await silence.stop()
+        await monitor.stop()
+        if kv_watch is not None:
+            await kv_watch.stop()
+        await client.close()
+        await state.media.close()
+
+    app.cleanup_ctx.append(background)
+    app[METRICS] = metrics
+    app[TRUST] = trust
+    app[BODY_TIMEOUT] = config.http_config.body_timeout_s
+    app[ROUTE_TABLE] = PREDICT_ROUTES
+    PREDICT_ROUTES.add_to(app)
+    return app
+
+
+def create_management_app(main_app: web.Application) -> web.Application:
+    """The management port: registration, instances, health and metrics, apart from client traffic."""
+    app = web.Application(middlewares=[error_middleware])
+    app[STATE] = main_app[STATE]
+    app[METRICS] = main_app[METRICS]
+    app[TRUST] = main_app[TRUST]
+    app[BODY_TIMEOUT] = main_app[BODY_TIMEOUT]
+    app[ROUTE_TABLE] = MANAGEMENT_ROUTES
+    MANAGEMENT_ROUTES.add_to(app)
+    return app

@@ -1,0 +1,218 @@
+"""The management port: instance registration and listing, health, Prometheus metrics.
+
+  POST /v1/instances/register    {"role", "address", "metrics_url"?} -> {"heartbeat_interval_s", "credential"}
+  POST /v1/instances/heartbeat   {"role", "address"} -> 200, 404 when unknown (register again)
+  POST /v1/instances/deregister  {"role", "address"} -> 200, 404 when unknown
+  GET  /v1/instances             every instance with its state, load and outstanding work
+  POST /v1/load_lora_adapter     {"lora_name", "lora_path"} -> served under that name (`model`, `adapter_id`)
+  POST /v1/unload_lora_adapter   {"lora_name"} -> no longer served (requests holding it run to their end)
+  GET  /health, GET /health/live, GET /metrics
+
+Only real workers join: with mutual TLS on this port the handshake is the proof; otherwise, when
+auth_config.registration_token_file is set, register and the instance API need
+`Authorization: Bearer <token>` (as do the LoRA adapter calls). Registration issues a per-instance credential that the worker's
+heartbeats and its deregistration carry in `X-Pdserve-Credential`, so a worker speaks only for itself.
+Only the credential's SHA-256 is kept (and, with etcd, shared): any coordinator of the cluster checks a
+worker's heartbeats against it, whichever coordinator issued it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import secrets
+from typing import Annotated, Literal
+
+from aiohttp import web
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from coordinator.apis import operations
+from coordinator.apis.fields import parse_request, read_json
+from coordinator.http.route_table import ErrorStyle, Route, RouteTable
+from coordinator.config import check_host_port
+from coordinator.errors import ApiError
+from coordinator.requests.failures import WorkerCallError
+from coordinator.state import STATE
+from coordinator.http.trust import TRUST
+from security.secrets import bearer_value
+
+CREDENTIAL_HEADER = "X-Pdserve-Credential"
+
+
+class InstanceIdentity(BaseModel):
+    """Which worker a management call is about."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["prefill", "decode"]
+    address: Annotated[str, AfterValidator(check_host_port)] = Field(
+        description="host:port of the worker's gRPC server")
+
+
+class Registration(InstanceIdentity):
+    metrics_url: str = ""
+
+
+def require_proof(request: web.Request) -> None:
+    """401 unless the caller proved it belongs to the cluster (the token; or mutual TLS, checked at the handshake)."""
+    trust = request.app[TRUST]
+    if trust.registration_needs_token and not trust.registration_token.matches(
+            bearer_value(request.headers.get("Authorization"))):
+        raise ApiError(401, "registration needs proof: send Authorization: Bearer <the token in "
+                       "auth_config.registration_token_file>, or a client certificate of the cluster CA "
+                       "(tls_config.management with mutual_tls)",
+                       headers={"WWW-Authenticate": 'Bearer realm="pdserve-registration"'})
+
+
+def credential_digest(credential: bytes) -> str:
+    """What is kept of a credential: its SHA-256, hex."""
+    return hashlib.sha256(credential).hexdigest()
+
+
+def _is_own(request: web.Request, instance) -> bool:
+    presented = request.headers.get(CREDENTIAL_HEADER, "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(credential_digest(presented), instance.credential)
+
+
+def require_own_credential(request: web.Request, body: InstanceIdentity) -> None:
+    """404 for an unknown instance, 403 when the caller is not the worker that registered it."""
+    instance = request.app[STATE].registry.get(body.role, body.address)
+    if instance is None or not instance.registered:
+        raise ApiError(404, f"{body.role} instance {body.address} is not registered; register again")
+    if not _is_own(request, instance):
+        raise ApiError(403, f"{CREDENTIAL_HEADER} does not match the credential issued when {body.role} instance "
+                       f"{body.address} registered: a worker may heartbeat and deregister only itself")
+
+
+def refuse_taking_over(request: web.Request, body: InstanceIdentity) -> None:
+    """409 for registering an address whose worker is registered and heartbeating, unless it is that worker:
+    another member must not take over its slot (a restarted worker registers again once its heartbeats lapse)."""
+    state = request.app[STATE]
+    instance = state.registry.get(body.role, body.address)
+    if instance is None or not instance.registered or _is_own(request, instance):
+        return
+    # On etcd, whether it heartbeats is the cluster's view (during an outage: what was last read, and this
+    # coordinator's own heartbeats), so a worker restarted on its address can register again once they lapse.
+    heartbeating = (state.cluster.heartbeating(body.role, body.address) if state.cluster is not None
+                    else state.registry.clock() - instance.last_heartbeat < state.registry.heartbeat_timeout_s)
+    if heartbeating:
+        raise ApiError(409, f"{body.role} instance {body.address} is registered and heartbeating; only it may "
+                       f"register again (with {CREDENTIAL_HEADER}), or another worker once its heartbeats lapse",
+                       error_type="conflict_error")
+
+
+async def register(request: web.Request) -> web.Response:
+    require_proof(request)
+    state = request.app[STATE]
+    if state.engine != "pdserve":
+        raise ApiError(409, f"this coordinator drives {state.engine} instances (instances in its config): a pdserve "
+                            "worker cannot join them, a KV transfer runs between two instances of one engine")
+    body = parse_request(Registration, await read_json(request))
+    refuse_taking_over(request, body)
+    instance = state.registry.register(body.role, body.address, body.metrics_url)
+    credential = secrets.token_urlsafe(32)
+    instance.credential = credential_digest(credential.encode())
+    if state.cluster is not None:
+        state.cluster.registered(instance)
+    # Probe at once so its load is known before the first request is routed there.
+    await state.health_monitor.check(instance)
+    return web.json_response({"heartbeat_interval_s": state.heartbeat_interval_s, "instance": instance.describe(),
+                              "credential": credential})
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = parse_request(InstanceIdentity, await read_json(request))
+    require_own_credential(request, body)
+    state.registry.heartbeat(body.role, body.address)
+    if state.cluster is not None:
+        state.cluster.heartbeat(state.registry.get(body.role, body.address))
+    return web.json_response({"status": "ok"})
+
+
+async def deregister(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = parse_request(InstanceIdentity, await read_json(request))
+    require_own_credential(request, body)
+    state.registry.deregister(body.role, body.address)
+    if state.cluster is not None:
+        state.cluster.deregistered(body.role, body.address)
+    return web.json_response({"status": "ok"})
+
+
+class LoraLoad(BaseModel):
+    """vLLM's body for POST /v1/load_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_path: str
+
+
+class LoraUnload(BaseModel):
+    """vLLM's body for POST /v1/unload_lora_adapter (`lora_int_id` is vLLM's and not needed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """Serve an adapter from now on: pdserve workers load it on demand; vLLM instances are each told to load it
+    first (all or none)."""
+    require_proof(request)
+    state = request.app[STATE]
+    body = parse_request(LoraLoad, await read_json(request))
+    try:
+        state.loras.add(await asyncio.to_thread(state.loras.check, body.lora_name, body.lora_path))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="lora_path") from None
+    if state.engine == "vllm":
+        try:
+            await state.client.update_adapters("/v1/load_lora_adapter", body.model_dump(include={"lora_name",
+                                                                                               "lora_path"}))
+        except WorkerCallError as exc:
+            state.loras.unload(body.lora_name)
+            with contextlib.suppress(WorkerCallError):  # those that loaded it unload it again
+                await state.client.update_adapters("/v1/unload_lora_adapter", {"lora_name": body.lora_name})
+            raise ApiError(400, f"a vLLM instance refused the adapter: {exc}", param="lora_path") from None
+    return web.json_response({"status": "ok", "lora_name": body.lora_name})
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    require_proof(request)
+    state = request.app[STATE]
+    body = parse_request(LoraUnload, await read_json(request))
+    try:
+        state.loras.unload(body.lora_name)
+    except KeyError:
+        raise ApiError(404, f"lora_name={body.lora_name!r}: no such LoRA adapter; served: "
+                            f"{list(state.loras.adapters)}", param="lora_name") from None
+    if state.engine == "vllm":
+        try:
+            await state.client.update_adapters("/v1/unload_lora_adapter", {"lora_name": body.lora_name})
+        except WorkerCallError as exc:  # no request selects it any more; an instance keeps it loaded
+            raise ApiError(502, f"the adapter is no longer served, but a vLLM instance did not unload it: {exc}",
+                           param="lora_name") from None
+    return web.json_response({"status": "ok", "lora_name": body.lora_name})
+
+
+async def list_instances(request: web.Request) -> web.Response:
+    require_proof(request)
+    return web.json_response(request.app[STATE].instances())
+
+
+MANAGEMENT_ROUTES = RouteTable([
+    Route("POST", "/v1/instances/register", register, ErrorStyle.OPENAI),
+    Route("POST", "/v1/instances/heartbeat", heartbeat, ErrorStyle.OPENAI),
+    Route("POST", "/v1/instances/deregister", deregister, ErrorStyle.OPENAI),
+    Route("GET", "/v1/instances", list_instances, ErrorStyle.OPENAI),
+    Route("POST", "/v1/load_lora_adapter", load_lora_adapter, ErrorStyle.OPENAI),
+    Route("POST", "/v1/unload_lora_adapter", unload_lora_adapter, ErrorStyle.OPENAI),
+    Route("GET", "/health", operations.health, ErrorStyle.TGI),
+    Route("GET", "/health/live", operations.live, ErrorStyle.TGI),
+    Route("GET", "/metrics", operations.metrics, ErrorStyle.TGI),
+])

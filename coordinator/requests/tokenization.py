@@ -1,0 +1,92 @@
+"""Text and chat messages to prompt token ids, with the model's own tokenizer and template."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer
+
+from coordinator.requests.trace import note_tokenized
+
+
+# Text up to this long is tokenized on the event loop (tens of microseconds, less than a thread hop costs).
+INLINE_CHARS = 2048
+
+
+class ImageTokens:
+    """How a vision-language model lays an image into its prompt: the placeholder its template writes (one token),
+    which its processor expands into one position per image token."""
+
+    def __init__(self, model_dir: Path | str, tokenizer):
+        from transformers import AutoProcessor  # its import costs a text model's coordinator 2 s of start-up
+
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.placeholder: str = self.processor.image_token
+        self.token_id: int = tokenizer.convert_tokens_to_ids(self.placeholder)
+
+    def positions(self, width: int, height: int) -> int:
+        """Prompt positions the model gives an image of this size."""
+        counted = self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)])
+        return int(counted["num_image_tokens"][0])
+
+
+class PromptTokenizer:
+    """Tokenizes short text inline with the Rust tokenizer, and long text off the event loop, so a 4 MB
+    prompt never stalls other requests."""
+
+    def __init__(self, model_dir: Path | str):
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        text_config = config.get_text_config()  # a vision-language model's language model
+        self.model_config = config  # the checkpoint's own (LoRA adapters are checked against its projections)
+        self.max_position_embeddings = int(getattr(text_config, "max_position_embeddings", 1 << 30))
+        # The model's logits have one row per id of its embedding, which may be wider than the tokenizer.
+        self.vocab_size = int(getattr(text_config, "vocab_size", None) or len(self.tokenizer))
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        # The fast tokenizer's Rust core, when there is one: the same ids without the Python wrapper's cost.
+        self._rust = getattr(self.tokenizer, "backend_tokenizer", None)
+        # A vision-language model's image placeholder and counts; None: a text model.
+        self.images = ImageTokens(model_dir, self.tokenizer) if hasattr(config, "vision_config") else None
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs report it."""
+        return self.tokenizer.decode([token_id])
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await asyncio.to_thread(self.tokenizer.decode, token_ids)
+
+    async def encode_text(self, text: str) -> list[int]:
+        started = time.monotonic()
+        if len(text) > INLINE_CHARS:
+            ids = await asyncio.to_thread(self.encode_now, text)
+        else:
+            ids = self.encode_now(text)
+        note_tokenized(started)
+        return ids
+
+    def encode_now(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._rust is not None:
+            return self._rust.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                          resume: str | None = None) -> list[int]:
+        """The template's generation prompt; with `resume`, followed by that partial reply's tokens, so the
+        output continues the assistant's turn (no end-of-turn marker after it)."""
+        def run() -> list[int]:
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                        tokenize=False)
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            # Tokenized apart, as the model generated it: no token merges across the turn's header.
+            return ids + self.continuation_ids(resume) if resume else ids
+
+        started = time.monotonic()
+        ids = await asyncio.to_thread(run)
+        note_tokenized(started)
+        return ids
+
+    def continuation_ids(self, text: str) -> list[int]:
+        """A partial reply's tokens, as `encode_chat` appends them (no special tokens)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]

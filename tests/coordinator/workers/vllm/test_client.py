@@ -1,0 +1,174 @@
+"""VllmClient against an in-process HTTP server answering as vLLM does: the handshake, vLLM's failures as the
+codes failures.py classifies, and a lost instance's calls failed at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from coordinator.requests.failures import FailureKind, WorkerCallError
+from coordinator.requests.request import GenerationRequest, SamplingOptions
+from coordinator.workers.vllm.client import VllmClient
+from coordinator.workers.client import DecodeAccepted
+
+PARAMS = {"remote_engine_id": "e1", "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 5600}
+
+
+def chunk(token_ids, text, finish=None) -> bytes:
+    body = {"choices": [{"index": 0, "text": text, "token_ids": token_ids, "finish_reason": finish,
+                         "stop_reason": None}]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class FakeVllm:
+    """What the tests see of vLLM: the bodies it got, and the answers they script."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+        self.prefill_answer: tuple[int, dict] = (200, {"choices": [{"token_ids": [7]}], "kv_transfer_params": PARAMS})
+        self.decode_chunks: list[bytes] = [chunk([7], "a"), chunk([8, 9], "bc", "length"), b"data: [DONE]\n\n"]
+        self.hold = asyncio.Event()  # the stream waits on it after its first chunk when `holding`
+        self.holding = False
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if not body["stream"]:
+            status, answer = self.prefill_answer
+            return web.json_response(answer, status=status)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i, part in enumerate(self.decode_chunks):
+            await response.write(part)
+            if i == 0 and self.holding:
+                await self.hold.wait()
+        return response
+
+
+@pytest.fixture
+async def vllm():
+    fake = FakeVllm()
+    app = web.Application()
+    app.router.add_post("/v1/completions", fake.completions)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    fake.address = f"127.0.0.1:{server.port}"
+    yield fake
+    fake.hold.set()
+    await server.close()
+
+
+@pytest.fixture
+async def client(vllm):
+    made = VllmClient({vllm.address: f"http://{vllm.address}"})
+    yield made
+    await made.close()
+
+
+def request(request_id: str = "r1") -> GenerationRequest:
+    return GenerationRequest(request_id, [1, 2, 3], SamplingOptions())
+
+
+async def read_all(stream) -> list:
+    events = []
+    while (event := await stream.read()) is not None:
+        events.append(event)
+    return events
+
+
+async def test_the_decode_instance_gets_the_prefills_kv_transfer_params_and_streams_every_token(vllm, client):
+    stream = client.open_decode(vllm.address, request(), 3, 64, timeout=10)
+    assert isinstance(await stream.read(), DecodeAccepted)
+    prefill = asyncio.create_task(client.prefill(vllm.address, request(), 3, vllm.address, timeout=10))
+    events = await read_all(stream)
+    assert (await prefill).first_token_id == 7
+    assert [(e.index, e.token_id, e.text) for e in events] == [(0, 7, "a"), (1, 8, ""), (2, 9, "bc")]
+    first, second = vllm.bodies
+    assert first["max_tokens"] == 1 and first["kv_transfer_params"]["do_remote_decode"] is True
+    assert second["kv_transfer_params"] == PARAMS and second["prompt"] == [1, 2, 3]
+
+
+async def test_a_local_prefill_sends_the_request_alone(vllm, client):
+    stream = client.open_decode(vllm.address, request(), 3, 64, timeout=10, local_prefill=True)
+    await stream.read()
+    assert len(await read_all(stream)) == 3
+    assert "kv_transfer_params" not in vllm.bodies[0]
+
+
+@pytest.mark.parametrize("status, code, kind", [
+    (400, "INVALID_ARGUMENT", FailureKind.REQUEST_FAULT),
+    (503, "UNAVAILABLE", FailureKind.WORKER_GONE),
+    (500, "INTERNAL", FailureKind.WORKER_GONE),
+])
+async def test_a_failed_prefill_fails_the_decode_waiting_on_it_with_the_same_failure(vllm, client, status, code, kind):
+    vllm.prefill_answer = (status, {"error": {"message": "temperature must be in [0, 2]"}})
+    stream = client.open_decode(vllm.address, request(), 3, 64, timeout=10)
+    await stream.read()
+    with pytest.raises(WorkerCallError) as prefill_error:
+        await client.prefill(vllm.address, request(), 3, vllm.address, timeout=10)
+    with pytest.raises(WorkerCallError) as decode_error:
+        await stream.read()
+    failure = prefill_error.value.failure
+    assert (failure.stage, failure.code, failure.kind) == ("prefill", code, kind)
+    assert "temperature must be in [0, 2]" in failure.details
+    assert decode_error.value is prefill_error.value
+
+
+async def test_a_producer_without_kv_transfer_params_is_named(vllm, client):
+    vllm.prefill_answer = (200, {"choices": [{"token_ids": [7]}]})
+    with pytest.raises(WorkerCallError, match="kv_producer"):
+        await client.prefill(vllm.address, request(), 3, vllm.address, timeout=10)
+
+
+async def test_an_instance_declared_lost_fails_its_stream_at_once(vllm, client):
+    vllm.holding = True
+    stream = client.open_decode(vllm.address, request(), 3, 64, timeout=30, local_prefill=True)
+    await stream.read()
+    assert (await stream.read()).token_id == 7
+    reading = asyncio.create_task(stream.read())
+    await asyncio.sleep(0.1)
+    await client.lose(vllm.address, "worker lost: silent")
+    with pytest.raises(WorkerCallError) as lost:
+        await reading
+    assert (lost.value.failure.code, lost.value.failure.details) == ("UNAVAILABLE", "worker lost: silent")
+
+
+async def test_no_listener_is_unavailable_and_a_slow_stream_hits_its_deadline(vllm, client):
+    gone = VllmClient({"127.0.0.1:9": "http://127.0.0.1:9"})
+    try:
+        with pytest.raises(WorkerCallError) as refused:
+            await gone.health("127.0.0.1:9", "decode", timeout=5)
+        assert refused.value.failure.kind is FailureKind.WORKER_GONE
+    finally:
+        await gone.close()
+    vllm.holding = True
+    stream = client.open_decode(vllm.address, request(), 3, 64, timeout=0.5, local_prefill=True)
+    await stream.read()
+    await stream.read()
+    with pytest.raises(WorkerCallError) as late:
+        await stream.read()
+    assert late.value.failure.code == "DEADLINE_EXCEEDED"
+    assert late.value.failure.kind is FailureKind.DEADLINE
+
+
+async def test_a_stream_cut_inside_an_event_ends_without_a_final_token(vllm, client):
+    vllm.decode_chunks = [chunk([7], "a"), b'data: {"choices": [{"ind']
+    stream = client.open_decode(vllm.address, request(), 3, 64, timeout=10, local_prefill=True)
+    await stream.read()
+    assert [e.token_id for e in await read_all(stream)] == [7]
+
+
+@pytest.mark.parametrize("code, kind", [(500, FailureKind.KV_NOT_RECEIVED), (400, FailureKind.REQUEST_FAULT)])
+async def test_an_error_vllm_streams_after_its_200_is_a_failure_that_names_it(vllm, client, code, kind):
+    vllm.decode_chunks = [chunk([7], "a"), b'data: {"error": {"message": "KV load failed", "code": %d}}\n\n' % code,
+                          b"data: [DONE]\n\n"]
+    stream = client.open_decode(vllm.address, request(), 3, 64, timeout=10, local_prefill=True)
+    await stream.read()
+    await stream.read()
+    with pytest.raises(WorkerCallError, match="KV load failed") as failed:
+        await stream.read()
+    assert failed.value.failure.kind is kind
