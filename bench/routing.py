@@ -12,7 +12,8 @@ gets a fresh fleet and coordinator(s): empty caches, counters from zero. Setups 
 
 - `round_robin`: this checkout, algorithm round_robin.
 - `guess`: the previous release's cache_affinity, which remembered where it had sent each prefix; coordinator and
-  workers run from `--baseline-repo` (cwd and PYTHONPATH there, so its own code is imported). Skipped if absent.
+  workers run from `--baseline-repo` (cwd and PYTHONPATH there, so its own code is imported). Skipped when not
+  given.
 - `events`: this checkout, cache_affinity: routes on the workers' real cache contents (their KV events).
 - `events x2`: the same, two coordinators with one static instance list; requests alternate between them (a
   session's consecutive turns always go to different coordinators), so each routes conversations it did not start.
@@ -146,7 +147,7 @@ def stop_all(procs: list[Proc]) -> None:
 @dataclass(frozen=True)
 class Setup:
     name: str
-    repo: Path
+    repo: Path | None  # None: `guess` without --baseline-repo
     algorithm: str
     prefill: int = 4
     decode: int = 2
@@ -500,9 +501,9 @@ def parse_args(argv=None):
     p.add_argument("--prefill-cache-tokens", type=int, default=PREFILL_CACHE_TOKENS,
                    help=f"each prefill worker's KV pool, in tokens (default {PREFILL_CACHE_TOKENS}: between two and three "
                    "system prompts; `single`'s one prefill worker gets 4x, the fleet's total)")
-    p.add_argument("--baseline-repo", type=Path, default=REPO.parent / "guess",
-                   help="checkout of the previous release, for the `guess` row (default: a `guess` folder beside this "
-                        "checkout, e.g. made by `git worktree add ../guess <tag>`)")
+    p.add_argument("--baseline-repo", type=Path, default=None,
+                   help="checkout of the previous release, for the `guess` row, e.g. made by `git worktree add "
+                        "../guess <tag>` (without it the row is skipped)")
     p.add_argument("--seed", type=int, default=1, help="seed of the prompts, arrivals and answers (default 1)")
     p.add_argument("--log-dir", type=Path, default=None, help="process logs (default: a temp folder, printed)")
     args = p.parse_args(argv)
@@ -514,10 +515,10 @@ def parse_args(argv=None):
     return args
 
 
-def make_setups(names: list[str], baseline: Path) -> list[Setup]:
+def make_setups(names: list[str], baseline: Path | None) -> list[Setup]:
     """The chosen rows, in the table's order whatever order --setups named them in."""
     known = {"round_robin": Setup("round_robin", REPO, "round_robin"),
-              "guess": Setup("guess", baseline.resolve(), "cache_affinity"),
+              "guess": Setup("guess", baseline.resolve() if baseline else None, "cache_affinity"),
               "events": Setup("events", REPO, "cache_affinity"),
               "events x2": Setup("events x2", REPO, "cache_affinity", coordinators=2),
               "single": Setup("single", REPO, "cache_affinity", prefill=1, decode=1, prefill_cache_scale=4)}
@@ -553,10 +554,11 @@ def main(argv=None) -> int:
 
     results: dict[str, dict[str, Result]] = {w: {} for w in plans}
     for setup in setups:
-        if setup.name == "guess" and not setup.repo.is_dir():
-            log(f"setup guess: {setup.repo} does not exist; skipped")
+        if setup.name == "guess" and (setup.repo is None or not setup.repo.is_dir()):
+            reason = "no --baseline-repo" if setup.repo is None else f"no {setup.repo}"
+            log(f"setup guess: {reason}; skipped")
             for w in plans:
-                results[w][setup.name] = Result(setup.name, w, skipped=f"no {setup.repo}")
+                results[w][setup.name] = Result(setup.name, w, skipped=reason)
             continue
         for workload, plan in plans.items():
             try:
@@ -565,8 +567,8 @@ def main(argv=None) -> int:
                 log(str(exc))
                 results[workload][setup.name] = Result(setup.name, workload, skipped=str(exc).splitlines()[0])
 
-    baseline = (f"`{args.baseline_repo}` at {git_describe(args.baseline_repo)}" if args.baseline_repo.is_dir()
-                else f"`{args.baseline_repo}`: absent, `guess` skipped")
+    baseline = (f"`{args.baseline_repo}` at {git_describe(args.baseline_repo)}"
+                if args.baseline_repo and args.baseline_repo.is_dir() else "none given, `guess` skipped")
     out = [f"## bench/routing.py, {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs", "",
            f"Command: `{command}`", "",
            f"This repo: `{REPO}` at {git_describe(REPO)}. Baseline (`guess`): {baseline}.", "",
