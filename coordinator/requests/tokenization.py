@@ -1,12 +1,20 @@
-"""Text and chat messages to prompt token ids, with the model's own tokenizer and template."""
+"""Text and chat messages to prompt token ids, with the model's own tokenizer and template.
+
+The coordinator does not import torch: transformers' Auto classes do (through their model configs), which cost
+every coordinator a second or more of start-up and memory it never uses. The tokenizer is loaded by the class
+its tokenizer_config.json names, and config.json read as plain JSON; a vision-language model's processor is the
+exception (AutoProcessor), loaded only for such a model.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-from transformers import AutoConfig, AutoTokenizer
+import transformers
 
 from coordinator.requests.trace import note_tokenized
 
@@ -32,14 +40,31 @@ class ImageTokens:
         return int(counted["num_image_tokens"][0])
 
 
+def load_tokenizer(model_dir: Path | str):
+    """The checkpoint's tokenizer, of the class its tokenizer_config.json names (as AutoTokenizer picks it); a
+    name transformers does not export, or none, goes through AutoTokenizer itself."""
+    config_file = Path(model_dir) / "tokenizer_config.json"
+    named = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    tokenizer_class = getattr(transformers, named, None) if named else None
+    if tokenizer_class is None or not hasattr(tokenizer_class, "from_pretrained"):
+        tokenizer_class = transformers.AutoTokenizer
+    return tokenizer_class.from_pretrained(model_dir)
+
+
+def read_model_config(model_dir: Path | str) -> SimpleNamespace:
+    """config.json with attribute access, as the coordinator reads it (sizes, limits, vision_config), nested
+    sections too; a key the file leaves out is absent (readers give their default)."""
+    return json.loads((Path(model_dir) / "config.json").read_text(), object_hook=lambda d: SimpleNamespace(**d))
+
+
 class PromptTokenizer:
     """Tokenizes short text inline with the Rust tokenizer, and long text off the event loop, so a 4 MB
     prompt never stalls other requests."""
 
     def __init__(self, model_dir: Path | str):
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        config = AutoConfig.from_pretrained(model_dir)
-        text_config = config.get_text_config()  # a vision-language model's language model
+        self.tokenizer = load_tokenizer(model_dir)
+        config = read_model_config(model_dir)
+        text_config = getattr(config, "text_config", config)  # a vision-language model's language model
         self.model_config = config  # the checkpoint's own (LoRA adapters are checked against its projections)
         self.max_position_embeddings = int(getattr(text_config, "max_position_embeddings", 1 << 30))
         # The model's logits have one row per id of its embedding, which may be wider than the tokenizer.

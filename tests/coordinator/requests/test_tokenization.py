@@ -1,0 +1,62 @@
+"""The coordinator's tokenizer and model facts, read without transformers' Auto classes (which import torch): the
+same tokenizer, ids, chat template and limits AutoTokenizer and AutoConfig give, and a coordinator process that
+never loads torch for a text model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from coordinator.requests.tokenization import PromptTokenizer, load_tokenizer, read_model_config
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi  there\n\nnew ü"}]
+TEXTS = ["Hello world  ü", "  leading spaces and\ttabs", "日本語のテキスト", ""]
+
+
+@pytest.mark.parametrize("model", ["model_dir", "vlm_dir"])
+def test_the_tokenizer_is_autotokenizers_class_with_its_ids_special_ids_and_chat_template(request, model):
+    folder: Path = request.getfixturevalue(model)
+    ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert type(ours) is type(auto)
+    assert ours.all_special_ids == auto.all_special_ids and len(ours) == len(auto)
+    assert [ours(t)["input_ids"] for t in TEXTS] == [auto(t)["input_ids"] for t in TEXTS]
+    template = dict(add_generation_prompt=True, tokenize=False)
+    assert ours.apply_chat_template(MESSAGES, **template) == auto.apply_chat_template(MESSAGES, **template)
+
+
+@pytest.mark.parametrize("model", ["model_dir", "vlm_dir"])
+def test_limits_and_vocabulary_are_autoconfigs(request, model):
+    folder: Path = request.getfixturevalue(model)
+    config = AutoConfig.from_pretrained(folder)
+    text = config.get_text_config()
+    tokenizer = PromptTokenizer(folder)
+    assert tokenizer.max_position_embeddings == text.max_position_embeddings
+    assert tokenizer.vocab_size == text.vocab_size
+    assert (tokenizer.images is not None) == hasattr(config, "vision_config")
+
+
+def test_model_config_reads_nested_sections_as_attributes(model_dir):
+    config = read_model_config(model_dir)
+    auto = AutoConfig.from_pretrained(model_dir)
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers"):
+        assert getattr(config, key) == getattr(auto, key), key
+    assert not hasattr(config, "vision_config")
+
+
+def test_an_unknown_tokenizer_class_goes_through_autotokenizer(model_dir, tmp_path):
+    for item in model_dir.iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(
+        (model_dir / "tokenizer_config.json").read_text().replace('"TokenizersBackend"', '"NoSuchTokenizer"'))
+    ours, auto = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    assert type(ours) is type(auto)
+    assert [ours(t)["input_ids"] for t in TEXTS] == [auto(t)["input_ids"] for t in TEXTS]
+
+
+@pytest.mark.system
+def test_a_coordinator_serving_a_text_model_never_loads_torch(cluster):
+    maps = Path(f"/proc/{cluster.coordinator.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "libc10" not in maps
