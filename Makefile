@@ -10,18 +10,24 @@ TESTING := $(VENV)/.test-installed
 
 .PHONY: run test test-unit test-vllm install install-test proto docs-reference docs docs-serve clean real-model vllm-env
 
+# uv installs (a Rust installer: parallel, and from its cache a second clone installs in seconds; pip spent a minute
+# of CPU here resolving and byte-compiling). Modules compile to bytecode when first imported, not all at install.
+# torch is pinned and taken where pip's configuration finds it (find-links): on this machine a local CPU wheel.
+UV := $(BIN)/uv
+FIND_LINKS := $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_INSTALL := $(if $(FIND_LINKS),UV_FIND_LINKS="$(FIND_LINKS)") $(UV) pip install --quiet --python $(BIN)/python
+
 $(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	# torch first, pinned: on this machine 2.13.0 is a local CPU wheel; anything else downloads GBs.
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet --no-compile uv
+	$(UV_INSTALL) torch==2.13.0 numpy
 	# The engine's CPU kernels compile (tens of seconds; workers build them at start-up if a source changed since)
-	# while pip installs the rest: both need only torch. A build that met pip mid-upgrade is run again after it.
-	$(BIN)/python -m worker.torch_engine.kernels & kernels=$$!; \
-	  $(BIN)/pip install --quiet -e . && { wait $$kernels || $(BIN)/python -m worker.torch_engine.kernels; }
+	# while uv installs the rest: both need only torch.
+	$(BIN)/python -m worker.torch_engine.kernels & kernels=$$!; $(UV_INSTALL) -e . && wait $$kernels
 	touch $@
 
 $(TESTING): $(RUNTIME)
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(UV_INSTALL) -e '.[test]'
 	touch $@
 
 install: $(RUNTIME)
