@@ -26,6 +26,7 @@ from kv_transfer.wire import kv_tensor_shape
 from launcher.vllm_fleet import free_port as launcher_free_port
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from tests.fork_server import ForkClient, forkable
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_MAX_ITER_TIMES = 12
@@ -49,12 +50,17 @@ def pdserve_argv(*args: str) -> list[str]:
 class ServerProcess:
     """A pdserve process started for a test: waits for its ready line, cleans up after itself."""
 
-    def __init__(self, argv: list[str], ready_prefix: str, timeout_s: float = 120.0, env: dict | None = None):
+    def __init__(self, argv: list[str], ready_prefix: str, timeout_s: float = 120.0, env: dict | None = None,
+                 fork: bool = True):
+        """`fork`: a worker or coordinator is forked from the test process's fork server (tests/fork_server.py)
+        unless False, which spawns `python -m launcher.cli` itself (for tests of that start-up)."""
         self.argv = argv
-        self.proc = subprocess.Popen(
-            argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, **(env or {})},
-        )
+        environment = {**os.environ, **(env or {})}
+        if fork and forkable(argv):
+            self.proc = ForkClient.start(argv, environment, REPO)
+        else:
+            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         text=True, env=environment)
         self.output: list[str] = []
         lines: queue.Queue = queue.Queue()
 

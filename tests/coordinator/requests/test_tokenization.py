@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from coordinator.requests.tokenization import PromptTokenizer, load_tokenizer, read_model_config
+from tests.helpers import ServerProcess, pdserve_argv, write_config
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi  there\n\nnew ü"}]
 TEXTS = ["Hello world  ü", "  leading spaces and\ttabs", "日本語のテキスト", ""]
@@ -57,6 +59,14 @@ def test_an_unknown_tokenizer_class_goes_through_autotokenizer(model_dir, tmp_pa
 
 
 @pytest.mark.system
-def test_a_coordinator_serving_a_text_model_never_loads_torch(cluster):
-    maps = Path(f"/proc/{cluster.coordinator.proc.pid}/maps").read_text()
-    assert "libtorch" not in maps and "libc10" not in maps
+def test_a_coordinator_serving_a_text_model_never_loads_torch(cluster, tmp_path):
+    config = write_config(tmp_path / "ms_coordinator.json", [cluster.prefill.address], [cluster.decode.address],
+                          cluster.model_dir)
+    coordinator = ServerProcess(pdserve_argv("coordinator", "--config", str(config)), "pdserve coordinator ready:",
+                                fork=False)  # spawned as `pdserve coordinator` is, not forked from the test's server
+    try:
+        assert httpx.get(f"{coordinator.address}/health", timeout=30).status_code == 200
+        maps = Path(f"/proc/{coordinator.proc.pid}/maps").read_text()
+        assert "libtorch" not in maps and "libc10" not in maps
+    finally:
+        coordinator.stop()
