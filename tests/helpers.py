@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import io
 import json
 import os
@@ -348,6 +349,21 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
             return value
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+async def wait_until(predicate, timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.01):
+    """`wait_for` on the running event loop: poll `predicate` (a plain function, or one returning an awaitable)
+    until it gives something truthy (returned), yielding the loop between polls; fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(interval_s)
 
 
 def start_sim_worker(role: str, *extra: str) -> ServerProcess:

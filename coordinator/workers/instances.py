@@ -64,8 +64,8 @@ class Instance:
     """One worker, its state, and the work this coordinator has on it right now."""
 
     __slots__ = ("role", "address", "registered", "metrics_url", "reason", "consecutive_failures", "last_heartbeat",
-                 "num_served", "successes", "credential", "last_heard", "step_ms", "_state", "_reported",
-                 "_outstanding_requests", "_outstanding_prompt_tokens", "_pool")
+                 "num_heartbeats", "num_served", "successes", "credential", "last_heard", "step_ms", "_state",
+                 "_reported", "_outstanding_requests", "_outstanding_prompt_tokens", "_pool")
 
     # What routing reads; the pool hears of every change, so no request has to rescan the instances.
     state = _watched("state")
@@ -82,6 +82,7 @@ class Instance:
         self.reason = ""  # why it is not healthy
         self.consecutive_failures = 0
         self.last_heartbeat = 0.0
+        self.num_heartbeats = 0  # heartbeats accepted: shows they arrive (GET /v1/instances has no clock to read)
         self.num_served = 0
         self.successes = 0  # requests that ended well on it: the health monitor takes them as proof of life
         self.credential = ""  # SHA-256 of the credential issued at registration; its heartbeats must carry that
@@ -105,7 +106,7 @@ class Instance:
         return {
             "role": self.role, "address": self.address, "state": self.state.value, "reason": self.reason,
             "source": "registered" if self.registered else "config", "metrics_url": self.metrics_url,
-            "consecutive_failures": self.consecutive_failures,
+            "consecutive_failures": self.consecutive_failures, "heartbeats": self.num_heartbeats,
             "outstanding_requests": self.outstanding_requests,
             "outstanding_prompt_tokens": self.outstanding_prompt_tokens, "served": self.num_served,
             "reported": {"num_running": self.reported.num_running, "num_waiting": self.reported.num_waiting,
@@ -277,6 +278,7 @@ class InstanceRegistry:
         if instance is None or not instance.registered:
             return False
         instance.last_heartbeat = self.clock()
+        instance.num_heartbeats += 1
         if instance.state is InstanceState.UNHEALTHY and instance.reason == "missed heartbeats":
             self._close(instance)
         return True

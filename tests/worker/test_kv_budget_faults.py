@@ -157,7 +157,8 @@ async def prefill_into_stopped_decode_worker(bc, transport: str, prompt_len: int
 @pytest.mark.parametrize("transport", ["tcp", "grpc"])
 async def test_decode_worker_killed_during_transfer_frees_the_prefill_workers_kv(bc, transport):
     async with prefill_into_stopped_decode_worker(bc, transport) as (victim, prefill):
-        await asyncio.sleep(0.3)
+        # The prefill worker still holds the KV lease: its send into the frozen worker is under way.
+        assert (await asyncio.to_thread(health, bc.prefill.address, "prefill")).num_kv_leases >= 1
         assert not prefill.done()
         victim.proc.send_signal(signal.SIGKILL)
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 from kv_events.block_hash import ROOT_HASH, chain_hashes, hash_from_bytes
+from tests.helpers import wait_until
 from worker.engine.block_pool import BlockPool, BlockTable
 from worker.service import kv_event_log
 from worker.service.kv_event_log import KvEventLog
@@ -23,22 +24,23 @@ def stored(batch) -> list[int]:
     return [hash_from_bytes(e.hash) for e in batch.events if not e.removed]
 
 
-async def published(log: KvEventLog) -> None:
-    await asyncio.sleep(kv_event_log.PUBLISH_INTERVAL_S * 3)
+async def published(log: KvEventLog, seq: int) -> None:
+    """Until the log has numbered and sent `seq` changes in all (its own count)."""
+    await wait_until(lambda: log.seq == seq, what=f"the log to publish {seq} changes (at {log.seq})")
 
 
 async def test_a_subscriber_gets_a_snapshot_then_each_change_numbered():
     pool = BlockPool(num_blocks=8, block_size=4)
     log = KvEventLog(pool, "decode", asyncio.get_running_loop())
     first = fill(pool, list(range(8)))
-    await published(log)
+    await published(log, 2)
     got = []
     log.subscribe(got.append)
     assert len(got) == 1 and got[0].reset and got[0].snapshot and got[0].seq == 2
     assert set(stored(got[0])) == set(chain_hashes(list(range(8)), 4))
     pool.release(first)
     fill(pool, list(range(100, 128)))  # 7 blocks, all the pool has: both cached ones are evicted
-    await published(log)
+    await published(log, 11)
     changes = got[1:]
     assert [(b.seq - len(b.events), b.reset, b.snapshot) for b in changes] == [(2, False, False)]
     events = changes[0].events
@@ -61,7 +63,7 @@ async def test_changes_made_on_an_engine_thread_are_published_on_the_loop():
         t.start()
     for t in threads:
         t.join()
-    await published(log)
+    await published(log, 12)
     assert sum(len(stored(b)) for b in got[1:]) == 12 and got[-1].seq == 12
 
 

@@ -12,8 +12,8 @@ import torch
 from kv_transfer.codec import encode_kv
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.helpers import (GREEDY_PROMPTS, hf_prefill, metrics_url, reference_tokens, scrape, start_worker,
-                           wait_for_idle)
+from tests.helpers import (GREEDY_PROMPTS, health, hf_prefill, metrics_url, reference_tokens, scrape, start_worker,
+                           wait_for_idle, wait_until)
 
 pytestmark = pytest.mark.system
 
@@ -101,7 +101,12 @@ async def test_concurrent_local_prefills_and_a_transferred_request_give_each_its
         kv.transfer_token = (await transferred.read()).accepted.kv_transfer_token
         transferred_tokens = asyncio.ensure_future(read_rest(transferred))
         local = [asyncio.ensure_future(read_tokens(open_decode(channel, ids, greedy(max_tokens)))) for ids in all_ids]
-        await asyncio.sleep(0.05)  # the local ones are prefilling or decoding when the KV arrives
+
+        async def locals_taken():  # the worker holds them all, prefilling or decoding (or they already ended)
+            h = await asyncio.to_thread(health, decode_worker.address, "decode")
+            return h.num_running + h.num_waiting >= 1 + len(local) or any(f.done() for f in local)
+
+        await wait_until(locals_taken, what="the local requests to reach the worker")  # before the KV arrives
         await pb_grpc.KvReceiverStub(channel).PushKv(iter(encode_kv(kv)), timeout=30)
         results = await asyncio.gather(*local, transferred_tokens)
     for ids, tokens in zip(all_ids + [transferred_ids], results):

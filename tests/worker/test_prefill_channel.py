@@ -13,7 +13,7 @@ from coordinator.requests.failures import FailureKind, WorkerCallError
 from coordinator.requests.request import GenerationRequest, SamplingOptions
 from coordinator.workers.client import DecodeAccepted, WorkerClient
 from proto import worker_pb2 as pb
-from tests.helpers import start_sim_worker, token_channel_opens, wait_for_idle
+from tests.helpers import health, start_sim_worker, token_channel_opens, wait_for_idle, wait_until
 
 pytestmark = pytest.mark.system
 
@@ -93,7 +93,8 @@ async def test_a_bad_prefill_on_the_channel_gets_the_status_a_prefill_call_gets(
 
 
 async def slow_prefill_running(client: WorkerClient, prefill: str, decode: str, timeout_s: float = 30):
-    """A prefill under way on the slow worker's channel (its decode stream open); both, to end by hand."""
+    """A prefill under way on the slow worker's channel (its decode stream open), once the worker says it has it
+    (or, with a deadline shorter than its 1.5 s, once it ended); both, to end by hand."""
     req = request()
     stream = client.open_decode(decode, req, 6, 512, 30)
     accepted = await stream.read()
@@ -101,8 +102,12 @@ async def slow_prefill_running(client: WorkerClient, prefill: str, decode: str, 
                                               kv_data_address=accepted.kv_data_address,
                                               kv_transfer_token=accepted.kv_transfer_token,
                                               kv_layout_version=accepted.kv_layout_version))
-    await asyncio.sleep(0.3)
-    assert not task.done()
+
+    async def taken() -> bool:
+        h = await asyncio.to_thread(health, prefill, "prefill")
+        return task.done() or h.num_running + h.num_waiting >= 1
+
+    await wait_until(taken, what="the slow worker to take the prefill")
     return task, stream
 
 
@@ -114,6 +119,7 @@ async def test_a_lost_prefill_channel_fails_its_prefill_as_a_lost_prefill_worker
         await disaggregated(client, slow_prefill, decode)
         channel = await token_channel_opens(client, slow_prefill)
         task, stream = await slow_prefill_running(client, slow_prefill, decode)
+        assert not task.done()
         channel.close()
         with pytest.raises(WorkerCallError) as failed:
             await task
@@ -142,6 +148,7 @@ async def test_a_prefill_past_its_deadline_or_cancelled_on_the_channel_is_freed_
         await asyncio.to_thread(wait_for_idle, slow_prefill, "prefill")
 
         task, stream = await slow_prefill_running(client, slow_prefill, decode)
+        assert not task.done()
         task.cancel()  # the client left
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tests.helpers import wait_until
 from worker.engine.media import MediaSpan
 from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.kv_budget import KvAdmission, KvBudget, KvCapacityError
@@ -202,7 +203,7 @@ async def test_admission_is_first_come_first_served():
         order.append(rid)
 
     tasks = [asyncio.create_task(wait("b", 50)), asyncio.create_task(wait("c", 10))]
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: admission.num_waiting + len(order) == 2, what="both to be in line or admitted")
     assert order == [] and admission.num_waiting == 2  # c fits now but must not pass b
     admission.release("a")
     await asyncio.gather(*tasks)
@@ -219,7 +220,7 @@ async def test_cancelled_waiter_leaves_the_line_and_holds_nothing():
     admission = KvAdmission(KvBudget(100))
     await admission.acquire("a", 100)
     task = asyncio.create_task(admission.acquire("b", 50))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: admission.num_waiting == 1, what="b in line")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -232,7 +233,7 @@ async def test_budget_released_before_a_cancelled_waiter_runs_skips_that_waiter(
     await admission.acquire("a", 100)
     cancelled = asyncio.create_task(admission.acquire("b", 50))
     waiting = asyncio.create_task(admission.acquire("c", 50))
-    await asyncio.sleep(0.01)
+    await wait_until(lambda: admission.num_waiting == 2, what="b and c in line")
     cancelled.cancel()
     admission.release("a")  # before `cancelled` has run to leave the line
     with pytest.raises(asyncio.CancelledError):

@@ -12,7 +12,8 @@ import pytest
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from proto.failure_reason import reason_from_metadata
-from tests.helpers import BackgroundStream, health, sse_events, start_coordinator, start_worker, write_config
+from tests.helpers import (BackgroundStream, health, sse_events, start_coordinator, start_worker, wait_for,
+                           write_config)
 
 pytestmark = pytest.mark.system
 
@@ -68,10 +69,11 @@ def test_requests_still_running_after_drain_seconds_are_cut_and_the_worker_exits
     decode = start_worker("decode", cluster.model_dir, "--drain-seconds", "0.05")
     coordinator, reader = long_stream_cluster(cluster, decode, tmp_path)
     try:
-        signalled = time.monotonic()
         decode.proc.send_signal(signal.SIGTERM)
         assert decode.proc.wait(timeout=30) == 0
-        assert time.monotonic() - signalled < 10
+        # It stopped when drain_seconds ran out, as it says, not when its request ended.
+        wait_for(lambda: "still in flight after draining; stopping anyway" in "".join(decode.output), 30,
+                 "the worker's word that the drain timed out")
         reader.join(30)
         payloads = sse_events(reader.raw)
         assert payloads[-1] == "[DONE]" and "error" in json.loads(payloads[-2])
@@ -83,8 +85,10 @@ def test_requests_still_running_after_drain_seconds_are_cut_and_the_worker_exits
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_sigterm_on_an_idle_worker_exits_zero_promptly(model_dir, role):
-    worker = start_worker(role, model_dir, "--drain-seconds", "30")
-    signalled = time.monotonic()
-    worker.proc.send_signal(signal.SIGTERM)
-    assert worker.proc.wait(timeout=30) == 0
-    assert time.monotonic() - signalled < 5
+    worker = start_worker(role, model_dir, "--drain-seconds", "600")
+    try:
+        worker.proc.send_signal(signal.SIGTERM)
+        # Nothing to drain: it exits at once, far within the drain_seconds it would otherwise wait.
+        assert worker.proc.wait(timeout=60) == 0
+    finally:
+        worker.proc.kill()

@@ -99,6 +99,27 @@ def lists(coordinator: ServerProcess, *workers: ServerProcess) -> bool:
     return all(any(w.address in group for group in instances.values()) for w in workers)
 
 
+def heartbeats(coordinator: ServerProcess, *workers: ServerProcess) -> list[int]:
+    """The heartbeats `coordinator` has accepted from each of `workers` (0 for one it does not list)."""
+    instances = listed(coordinator)
+    return [next((group[w.address]["heartbeats"] for group in instances.values() if w.address in group), 0)
+            for w in workers]
+
+
+# Heartbeats that take longer than the worker leases' TTL (heartbeat_timeout_s; the leader key's lease_ttl_s is the
+# same 3 s) at heartbeat_interval_s apart, with a health check round to spare: once a coordinator has accepted this
+# many more from each worker, any lease that nothing kept alive has expired and been noticed.
+HEARTBEATS_PAST_THE_LEASES = int((HEARTBEATS["heartbeat_timeout_s"] + HEARTBEATS["check_interval_s"])
+                                 / HEARTBEATS["heartbeat_interval_s"]) + 2
+
+
+def wait_for_heartbeats_past_the_leases(coordinator: ServerProcess, *workers: ServerProcess) -> None:
+    start = heartbeats(coordinator, *workers)
+    wait_for(lambda: all(now >= was + HEARTBEATS_PAST_THE_LEASES
+                         for was, now in zip(start, heartbeats(coordinator, *workers))), 60,
+             f"{HEARTBEATS_PAST_THE_LEASES} more heartbeats from each worker")
+
+
 def post_until_served(urls: list[str], path: str, body: dict, deadline: float) -> httpx.Response:
     """A client behind a Service: the first coordinator that accepts the connection; a 503 with Retry-After
     (a standby) waits that long and tries again."""
@@ -151,8 +172,9 @@ def test_a_standby_takes_over_within_5s_of_the_active_being_killed(coordinators)
     stream = post_until_served(urls, "/v1/completions", {**COMPLETION, "stream": True}, killed_at + 10)
     assert stream.status_code == 200 and sse_events(stream.content)[-1] == "[DONE]"
     assert health(standby.address)[1]["role"] == "active"
-    # The registry survived the active: both workers, heartbeating through the Service to the new active.
-    time.sleep(3.5)  # longer than heartbeat_timeout_s: the workers' etcd leases would have expired by now
+    # The registry survived the active: both workers, heartbeating through the Service to the new active, for
+    # longer than their etcd leases would have lasted without it.
+    wait_for_heartbeats_past_the_leases(standby, coordinators.prefill, coordinators.decode)
     instances = listed(standby)
     assert instances["prefill"][coordinators.prefill.address]["state"] == "healthy"
     assert instances["decode"][coordinators.decode.address]["state"] == "healthy"
@@ -167,9 +189,15 @@ def test_requests_go_on_through_an_etcd_outage_and_the_registry_resyncs_after(co
     assert health(standby.address)[1]["role"] == "standby"
 
     coordinators.etcd.kill()
-    outage = time.monotonic()
     coordinators.late_service.backends = [host_port(management_url(standby))]
-    while time.monotonic() - outage < 4:  # longer than the worker and leader leases
+    for coordinator in (active, standby):
+        wait_for(lambda: health(coordinator.address)[1]["etcd"]["reachable"] is False, 30,
+                 "the coordinator to see etcd gone")
+    # Requests are served throughout an outage longer than the worker and leader leases (counted in the workers'
+    # heartbeats to the active).
+    start, deadline = heartbeats(active, *workers), time.monotonic() + 60
+    while not all(now >= was + HEARTBEATS_PAST_THE_LEASES for was, now in zip(start, heartbeats(active, *workers))):
+        assert time.monotonic() < deadline, f"not {HEARTBEATS_PAST_THE_LEASES} more heartbeats within 60 s"
         resp = httpx.post(f"{active.address}/v1/completions", json=COMPLETION, timeout=30)
         assert resp.status_code == 200, resp.text
         time.sleep(0.25)

@@ -7,6 +7,7 @@ import asyncio
 from coordinator.cluster.etcd_store import EtcdUnavailable
 from coordinator.cluster.leadership import Leadership, Role
 from tests.coordinator.cluster.fake_store import FakeStore
+from tests.helpers import wait_until
 
 KEY = "/p/leader"
 
@@ -129,9 +130,11 @@ async def start_creating(store: GatedStore) -> Leadership:
 async def test_resigning_during_a_create_waits_for_it_and_gives_the_key_up():
     store = GatedStore()
     a = await start_creating(store)
+    step = a._step
     resigning = asyncio.create_task(a.resign())
-    await asyncio.sleep(0.05)
-    assert not resigning.done()  # it waits for the create rather than cancel it mid-call
+    await wait_until(lambda: a._task is None and a._step is None, what="resign() to take the step under way")
+    # resign() has stopped the loop and holds the step, inside its create: it waits for it rather than cancel it
+    assert not resigning.done() and not step.done()
     store.gate.set()
     await asyncio.wait_for(resigning, 5)
     assert a.role is Role.STANDBY and KEY not in store.data and store.leases == set()
@@ -140,11 +143,13 @@ async def test_resigning_during_a_create_waits_for_it_and_gives_the_key_up():
 async def test_resigning_waits_a_bounded_time_then_gives_the_create_lease_up():
     store = GatedStore()
     a = await start_creating(store)
+    step = a._step
     a.resign_wait_s = 0.05
     await asyncio.wait_for(a.resign(), 5)  # the create's reply never comes in time
     assert a.role is Role.STANDBY and KEY not in store.data and store.leases == set()
+    assert not step.done()
     store.gate.set()  # it comes late: a resigned coordinator does not lead
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(step, 30)  # the late create's step has run to its end
     assert a.role is Role.STANDBY and KEY not in store.data
 
 

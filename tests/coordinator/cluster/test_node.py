@@ -60,14 +60,13 @@ def test_the_health_body_with_etcd_matches_the_openapi_document():
 
 
 async def test_a_node_starts_and_syncs_on_after_a_first_round_that_failed():
-    import asyncio
-
     from coordinator.cluster.leadership import Leadership
     from coordinator.cluster.node import ClusterNode
     from coordinator.cluster.registry_sync import RegistrySync
     from coordinator.cluster.shared_health import SharedHealth
     from coordinator.workers.instances import InstanceRegistry
     from tests.coordinator.cluster.fake_store import FakeStore
+    from tests.helpers import wait_until
 
     store, registry = FakeStore(), InstanceRegistry()
     sync = RegistrySync(store, registry, "/p", 3)
@@ -78,8 +77,7 @@ async def test_a_node_starts_and_syncs_on_after_a_first_round_that_failed():
     try:
         assert node.role is Role.ACTIVE
         reads = store.calls.count("get_prefix")
-        await asyncio.sleep(0.1)
-        assert store.calls.count("get_prefix") > reads  # the rounds go on
+        await wait_until(lambda: store.calls.count("get_prefix") > reads, what="the rounds to go on reading")
     finally:
         await node.stop()
     assert "/p/leader" not in store.data

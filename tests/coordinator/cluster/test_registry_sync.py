@@ -9,6 +9,7 @@ import pytest
 from coordinator.cluster.registry_sync import LocalView, RegistrySync, WorkerRecord, plan_sync
 from coordinator.workers.instances import InstanceRegistry, InstanceState
 from tests.coordinator.cluster.fake_store import FakeStore
+from tests.helpers import wait_until
 
 TTL = 3.0
 
@@ -195,7 +196,7 @@ async def test_the_writer_outlives_an_error_the_store_lets_through(world):
         assert set(store.data) == {"/p/instances/decode/w:2"}
         store.failures = [RuntimeError("anything")]
         a.sync.heartbeat(a.registry.get("decode", "w:2"))  # fails in the writer's next round...
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: not store.failures, what="the writer's round to meet the failure")
         a.sync.registered(a.registry.get("decode", "w:1"))  # ...which goes on writing after it
         for _ in range(50):
             if "/p/instances/decode/w:1" in store.data:

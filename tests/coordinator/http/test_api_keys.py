@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import (REPO, pdserve_argv, scrape, start_coordinator, start_sim_worker, write_api_keys,
-                           write_config)
+from tests.helpers import (REPO, pdserve_argv, scrape, start_coordinator, start_sim_worker, wait_for,
+                           write_api_keys, write_config)
 
 pytestmark = pytest.mark.system
 
@@ -141,8 +141,10 @@ def test_sighup_reloads_the_keys_file(keyed, tmp_path):
         time.sleep(0.05)
     # A broken file on reload keeps the keys in use.
     keyed.keys_file.write_text(f"{new_key}\n")
+    failed_reloads = "".join(keyed.coordinator.output).count("(with errors)")
     keyed.coordinator.proc.send_signal(signal.SIGHUP)
-    time.sleep(0.5)
+    wait_for(lambda: "".join(keyed.coordinator.output).count("(with errors)") > failed_reloads, 30,
+             "the coordinator to log the reload that failed")
     assert httpx.get(f"{keyed.url}/v1/models", headers=headers, timeout=10).status_code == 200
     write_api_keys(keyed.keys_file, [KEY])
 

@@ -17,16 +17,23 @@ from tests.helpers import one_route_app, sse_events
 
 
 class ScriptedPipeline:
-    """Each request id's generation: `num_tokens` tokens `step_s` apart, then its end (a failure with `fail`)."""
+    """Each request id's generation: `num_tokens` tokens `step_s` apart, then its end (a failure with `fail`).
+    `first_after` = {a: b}: a's first token waits until b's first token was handed on (30 s at most)."""
 
-    def __init__(self, script: dict[str, tuple[int, float, bool]]):
+    def __init__(self, script: dict[str, tuple[int, float, bool]], first_after: dict[str, str] | None = None):
         self.script = script
+        self.first_after = first_after or {}
+        self.first_token_out: dict[str, asyncio.Event] = {rid: asyncio.Event() for rid in script}
 
     async def generate(self, request: GenerationRequest, listener=None):
         num_tokens, step_s, fail = self.script[request.request_id]
         for i in range(num_tokens):
             await asyncio.sleep(step_s)
+            if i == 0 and request.request_id in self.first_after:
+                other = self.first_token_out[self.first_after[request.request_id]]
+                await asyncio.wait([asyncio.ensure_future(other.wait())], timeout=30)
             yield TokenDelta(10 + i, f"{request.request_id}{i}", i, 1.0, final=i == num_tokens - 1 and not fail)
+            self.first_token_out[request.request_id].set()
         if fail:
             raise WorkerError(f"{request.request_id} lost", 503)
         yield Finished(FinishReason.LENGTH, prompt_tokens=2, completion_tokens=num_tokens)
@@ -37,7 +44,8 @@ def requests(*ids: str) -> list[GenerationRequest]:
 
 
 async def test_merged_tags_each_event_with_its_choice_and_keeps_each_choices_order():
-    pipeline = ScriptedPipeline({"a": (3, 0.03, False), "b": (2, 0.002, False)})
+    # a's first token comes after b's: merged hands them on in that order if it reads both as they come.
+    pipeline = ScriptedPipeline({"a": (3, 0.03, False), "b": (2, 0.002, False)}, first_after={"a": "b"})
     events = [e async for e in merged(pipeline, requests("a", "b"))]
     for choice, rid, num_tokens in ((0, "a", 3), (1, "b", 2)):
         own = [e for e in events if e.choice == choice]

@@ -71,12 +71,11 @@ def test_a_request_whose_timeout_passes_in_the_queue_gets_504(one_at_a_time):
     url = one_at_a_time.address
     blocker = BackgroundStream(f"{url}/v1/completions", BLOCKER)
     assert blocker.first_chunk.wait(30)
-    started = time.monotonic()
     resp = httpx.post(f"{url}/infer", timeout=60, json={
         "inputs": "Hi", "parameters": {"max_new_tokens": 2, "timeout": 0.5}})
     assert resp.status_code == 504
     assert "queue" in resp.json()["error"]
-    assert time.monotonic() - started < 5
+    assert blocker.ended_at is None  # answered at its own timeout, while the one running still ran
     blocker.join(60)
     assert scrape(url)[("pdserve_requests_failed_total", (("api", "mindie"), ("reason", "timeout")))] == 1
     # Nothing was lost: the line moves on.

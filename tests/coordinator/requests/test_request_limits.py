@@ -32,20 +32,20 @@ def test_request_past_max_requests_gets_429_with_retry_after_at_once(limited_url
     results = []
 
     def send():
-        started = time.monotonic()
         resp = httpx.post(f"{limited_url}/v1/completions", json=body, timeout=60)
-        results.append((resp, time.monotonic() - started))
+        results.append((resp, time.monotonic()))
 
     threads = [threading.Thread(target=send) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    served = [r for r, _ in results if r.status_code == 200]
-    refused = [(r, took) for r, took in results if r.status_code == 429]
+    served = [ended for r, ended in results if r.status_code == 200]
+    refused = [(r, ended) for r, ended in results if r.status_code == 429]
     assert 1 <= len(served) and len(refused) >= 4 and len(served) + len(refused) == 8
-    for resp, took in refused:
-        assert resp.headers["Retry-After"] == "1" and took < 2
+    for resp, ended in refused:
+        # At once: answered while the requests holding the slots still ran (400 tokens each), not after a wait.
+        assert resp.headers["Retry-After"] == "1" and ended < max(served)
         assert "request_limit.max_requests=2" in resp.json()["error"]["message"]
     # Slots are given back: once the load is gone, requests are served again.
     assert httpx.post(f"{limited_url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60).status_code == 200

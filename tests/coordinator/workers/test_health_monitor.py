@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from coordinator.requests.failures import WorkerCallError, WorkerFailure
 from coordinator.workers.health_monitor import HealthMonitor
 from coordinator.workers.instances import InstanceRegistry, InstanceState, ReportedLoad
 from coordinator.workers.client import HealthReport
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, wait_until
 
 
 class FakeClient:
@@ -105,8 +103,16 @@ async def test_the_timer_probes_every_interval_until_stopped():
     client = FakeClient()
     monitor = HealthMonitor(registry, client, interval_s=0.02, timeout_s=1)
     monitor.start()
-    await asyncio.sleep(0.15)
+    await wait_until(lambda: min(client.probes.get(a, 0) for a in ("p:1", "d:1")) >= 3, what="three rounds")
     await monitor.stop()
     probes = dict(client.probes)
-    await asyncio.sleep(0.05)
+    # A witness on the same interval, still running: once it has probed three more rounds, the stopped one would
+    # have probed too.
+    witness_client = FakeClient()
+    witness = HealthMonitor(InstanceRegistry([], ["w:1"]), witness_client, interval_s=0.02, timeout_s=1)
+    witness.start()
+    try:
+        await wait_until(lambda: witness_client.probes.get("w:1", 0) >= 3, what="the witness's three rounds")
+    finally:
+        await witness.stop()
     assert client.probes == probes and probes["p:1"] >= 3 and probes["d:1"] >= 3

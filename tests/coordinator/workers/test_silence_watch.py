@@ -14,7 +14,7 @@ from coordinator.workers.silence_watch import MIN_SILENCE_S, SilenceWatch
 from coordinator.workers.client import HealthReport, WorkerClient
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, wait_until
 
 
 class WatchedClient:
@@ -85,7 +85,9 @@ async def test_a_silent_worker_that_does_not_answer_is_declared_lost_and_its_cal
     frozen.outstanding_requests, frozen.last_heard = 2, clock.now - 3
     watch.tick()
     watch.tick()  # a probe already running is not started twice
-    await asyncio.sleep(0.2)
+    probes = list(watch._probing.values())
+    assert len(probes) == 1
+    await asyncio.wait_for(asyncio.gather(*probes), 30)
     assert frozen.state is InstanceState.UNHEALTHY and "worker lost: silent for 3.0s" in frozen.reason
     assert list(client.lost) == ["d:1"] and client.lost["d:1"] == frozen.reason
     assert registry.get("decode", "d:2").state is InstanceState.HEALTHY
@@ -111,18 +113,37 @@ class HangingDecode(pb_grpc.DecodeServiceServicer):
 
 
 class HangingPrefill(pb_grpc.PrefillServiceServicer):
+    """Takes a prefill and never answers; counts the prefills it holds."""
+
+    def __init__(self):
+        self.held = 0
+
     async def Prefill(self, request, context):
+        self.held += 1
         await asyncio.Event().wait()
+
+
+class HangingWorker(str):
+    """The hanging worker's address, which also says how many prefills reached it."""
+
+    def __new__(cls, address: str, prefills: HangingPrefill):
+        worker = super().__new__(cls, address)
+        worker.prefills = prefills
+        return worker
+
+    async def holds_prefills(self, count: int) -> None:
+        await wait_until(lambda: self.prefills.held >= count, what=f"{count} prefills to reach the hanging worker")
 
 
 @pytest.fixture
 async def hanging_worker():
     server = grpc.aio.server()
+    prefills = HangingPrefill()
     pb_grpc.add_DecodeServiceServicer_to_server(HangingDecode(), server)
-    pb_grpc.add_PrefillServiceServicer_to_server(HangingPrefill(), server)
+    pb_grpc.add_PrefillServiceServicer_to_server(prefills, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    yield f"127.0.0.1:{port}"
+    yield HangingWorker(f"127.0.0.1:{port}", prefills)
     await server.stop(None)
 
 
@@ -136,7 +157,7 @@ async def test_calls_in_flight_to_a_lost_worker_fail_as_a_gone_worker_and_the_ne
     assert await stream.read() is not None  # accepted
     read = asyncio.create_task(stream.read())
     prefill = asyncio.create_task(client.prefill(hanging_worker, a_request(), 4, "d:1", timeout=30))
-    await asyncio.sleep(0.1)
+    await hanging_worker.holds_prefills(1)  # both calls are in flight
     await client.lose(hanging_worker, "worker lost: silent")
     for task, stage in ((read, "decode"), (prefill, "prefill")):
         with pytest.raises(WorkerCallError) as caught:
@@ -153,7 +174,7 @@ async def test_calls_in_flight_to_a_lost_worker_fail_as_a_gone_worker_and_the_ne
 async def test_a_call_whose_own_task_is_cancelled_is_still_cancelled_after_its_worker_is_lost(hanging_worker):
     client = WorkerClient()
     prefill = asyncio.create_task(client.prefill(hanging_worker, a_request(), 4, "d:1", timeout=30))
-    await asyncio.sleep(0.1)
+    await hanging_worker.holds_prefills(1)
     prefill.cancel()
     await client.lose(hanging_worker, "worker lost: silent")
     with pytest.raises(asyncio.CancelledError):
@@ -200,10 +221,10 @@ async def test_a_lost_worker_fails_the_calls_on_a_channel_a_reload_retired_too(h
     client = WorkerClient()
     client._channels.tls = tls
     before = asyncio.create_task(client.prefill(hanging_worker, a_request(), 4, "d:1", timeout=30))
-    await asyncio.sleep(0.1)
+    await hanging_worker.holds_prefills(1)
     tls.generation += 1  # a SIGHUP: the next call opens a new channel, the old one has a grace period
     after = asyncio.create_task(client.prefill(hanging_worker, a_request(), 4, "d:1", timeout=30))
-    await asyncio.sleep(0.1)
+    await hanging_worker.holds_prefills(2)
     assert len(client._channels.of(hanging_worker)) == 2
     await client.lose(hanging_worker, "worker lost: silent")
     for task in (before, after):

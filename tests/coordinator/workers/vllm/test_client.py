@@ -14,6 +14,7 @@ from coordinator.requests.failures import FailureKind, WorkerCallError
 from coordinator.requests.request import GenerationRequest, SamplingOptions
 from coordinator.workers.vllm.client import VllmClient
 from coordinator.workers.client import DecodeAccepted
+from tests.helpers import wait_until
 
 PARAMS = {"remote_engine_id": "e1", "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 5600}
 
@@ -130,7 +131,7 @@ async def test_an_instance_declared_lost_fails_its_stream_at_once(vllm, client):
     await stream.read()
     assert (await stream.read()).token_id == 7
     reading = asyncio.create_task(stream.read())
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: vllm.address in client._in_flight._calls, what="the read's call to be in flight")
     await client.lose(vllm.address, "worker lost: silent")
     with pytest.raises(WorkerCallError) as lost:
         await reading
