@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from worker.engine.block_pool import BlockPool, BlockTable
@@ -176,6 +176,8 @@ class ModelRunner:
             self.model = AutoModelForImageTextToText.from_pretrained(
                 self.model_dir, attn_implementation={"text_config": ATTENTION_NAME, "vision_config": "sdpa"},
                 **kwargs).to(self.device).eval()
+            from transformers import AutoProcessor  # image processing: its import costs a text model's start-up
+
             self.vision = VisionEncoder(self.model, AutoProcessor.from_pretrained(self.model_dir), self.device,
                                         encoder_cache_items)
         else:

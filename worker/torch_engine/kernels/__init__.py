@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
 import logging
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,10 @@ def library_path() -> Path:
     cxx = os.path.realpath(shutil.which(_compiler()) or _compiler())
     stat = os.stat(cxx) if os.path.exists(cxx) else None
     compiler = f"{cxx}:{stat.st_size}:{stat.st_mtime_ns}" if stat else cxx
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + compiler.encode()
+    # torch's version from its metadata: finding a built library does not import torch (the test runner's
+    # start-up checks it).
+    torch_version = importlib.metadata.version("torch")
+    key = hashlib.sha256(SOURCE.read_bytes() + torch_version.encode() + compiler.encode()
                          + " ".join(FLAGS).encode()).hexdigest()[:16]
     return cache_dir() / f"pdserve_kernels-{key}.so"
 
@@ -60,6 +62,7 @@ def build(path: Path | None = None) -> Path:
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    import torch
     from torch.utils.cpp_extension import include_paths  # imports setuptools: only when building
 
     torch_lib = Path(torch.__file__).parent / "lib"
@@ -87,6 +90,8 @@ def load() -> None:
     """Make `torch.ops.pdserve.*` available (building the library first if needed)."""
     global _loaded
     if not _loaded:
+        import torch
+
         torch.ops.load_library(str(build()))
         _loaded = True
 
