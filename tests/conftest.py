@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import httpx
 import pytest
 
+from tests.fork_server import ForkClient
 from tests.helpers import CLUSTER_KV_TIMEOUT_S, Cluster, start_coordinator, start_worker, write_config
 
 # Fixtures that run a cluster of processes: a test using one is a system test.
@@ -70,6 +71,7 @@ def unit_tests_start_no_processes(request, monkeypatch):
         raise AssertionError(f"{request.node.nodeid} starts a process: mark it `system`")
 
     monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.setattr(ForkClient, "start", refuse)  # a fork server's children are processes too
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,10 @@ the suite starts a few hundred).
 Life cycle of a forked process:
   1. The first `pdserve worker` / `pdserve coordinator` a test process starts brings up its fork server
      (`python -m tests.fork_server`, a real subprocess): it imports what those commands import, binds a Unix
-     socket, and waits, single-threaded (nothing forks safely from a process with threads).
+     socket, and waits, starting no threads of its own and loading no native library the commands load later
+     (the engine's kernels, with their OpenMP runtime, load in each child: loaded before the fork, a LoRA
+     worker's greedy tokens came out different in one run of two). Environment that modules read when imported
+     (PDSERVE_KERNEL_MARCH, OMP_*) is the server's, which is the test process's.
   2. A start sends argv, environment and working folder over a connection of its own, with the write end of the
      pipe its output goes to (SCM_RIGHTS). The server forks; the child resets its signals, takes that pipe as
      stdout and stderr, the environment and folder, and runs `launcher.cli.main` as `python -m launcher.cli`
@@ -126,12 +129,6 @@ def preload() -> None:
     import worker.service.serve  # noqa: F401
     import worker.torch_engine.build  # noqa: F401  (torch, transformers' models, the engines)
     import coordinator.http.server  # noqa: F401
-    from worker.torch_engine import kernels
-
-    try:
-        kernels.load()
-    except kernels.KernelUnavailable:
-        pass  # the workers say so themselves
 
 
 def run_child(request: dict, out_fd: int) -> None:
@@ -139,8 +136,10 @@ def run_child(request: dict, out_fd: int) -> None:
     code = 1
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a Python process starts
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # Python's own default: a closed pipe raises, not kills
         signal.set_wakeup_fd(-1)
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
@@ -148,7 +147,6 @@ def run_child(request: dict, out_fd: int) -> None:
         null = os.open(os.devnull, os.O_RDONLY)  # not the server's stdin: the test process's end of it
         os.dup2(null, 0)
         os.close(null)
-        os.setsid()  # a signal to the test's process group does not reach it, as with a spawned process
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -192,23 +190,44 @@ def serve(socket_path: str) -> None:
                     return  # the test process is gone: its children die with this one
             elif key.data == "accept":
                 connection, _ = server.accept()
-                message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 1)
-                request = json.loads(message)
+                try:
+                    request, out_fd = read_request(connection)
+                except (OSError, ValueError):
+                    connection.close()  # a start that never arrived whole: the other children go on
+                    continue
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
-                    server.close()
-                    for other in children.values():
-                        other.close()
-                    run_child(request, fds[0])
-                os.close(fds[0])
-                connection.sendall(f"{pid}\n".encode())
+                    for own in (server, connection, *children.values()):
+                        own.close()
+                    os.close(wakeup_read)
+                    os.close(wakeup_write)
+                    run_child(request, out_fd)
+                os.close(out_fd)
+                try:
+                    connection.sendall(f"{pid}\n".encode())
+                except OSError:
+                    pass  # its test process stopped listening; the child is reaped all the same
                 children[pid] = connection
             else:
                 os.read(wakeup_read, 4096)
                 reap(children)
+
+
+def read_request(connection: socket.socket) -> tuple[dict, int]:
+    """One start: a JSON line, with the output pipe's write end alongside its first bytes."""
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 16, 1)
+    if len(fds) != 1:
+        raise ValueError("a start without its output pipe")
+    while not message.endswith(b"\n"):
+        more = connection.recv(1 << 16)
+        if not more:
+            os.close(fds[0])
+            raise ValueError("a start cut short")
+        message += more
+    return json.loads(message), fds[0]
 
 
 def reap(children: dict[int, socket.socket]) -> None:
