@@ -40,15 +40,22 @@ class ImageTokens:
         return int(counted["num_image_tokens"][0])
 
 
+# (model_type, tokenizer_class) pairs for which AutoTokenizer loads exactly the named class (it may choose another
+# by model_type, e.g. qwen2's own, or by the tokenizer file, e.g. a Llama-named byte-level one): checked in
+# tests/coordinator/requests/test_tokenization.py. Any other checkpoint goes through AutoTokenizer, torch and all.
+DIRECT_TOKENIZERS = {("llama", "TokenizersBackend")}
+
+
 def load_tokenizer(model_dir: Path | str):
-    """The checkpoint's tokenizer, of the class its tokenizer_config.json names (as AutoTokenizer picks it); a
-    name transformers does not export, or none, goes through AutoTokenizer itself."""
-    config_file = Path(model_dir) / "tokenizer_config.json"
-    named = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-    tokenizer_class = getattr(transformers, named, None) if named else None
-    if tokenizer_class is None or not hasattr(tokenizer_class, "from_pretrained"):
-        tokenizer_class = transformers.AutoTokenizer
-    return tokenizer_class.from_pretrained(model_dir)
+    """The checkpoint's tokenizer as AutoTokenizer loads it; without importing torch where the class is known to be
+    the one named (DIRECT_TOKENIZERS)."""
+    folder = Path(model_dir)
+    tokenizer_config = folder / "tokenizer_config.json"
+    named = json.loads(tokenizer_config.read_text()).get("tokenizer_class") if tokenizer_config.is_file() else None
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    if (model_type, named) in DIRECT_TOKENIZERS:
+        return getattr(transformers, named).from_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(folder)
 
 
 def read_model_config(model_dir: Path | str) -> SimpleNamespace:
@@ -64,7 +71,11 @@ class PromptTokenizer:
     def __init__(self, model_dir: Path | str):
         self.tokenizer = load_tokenizer(model_dir)
         config = read_model_config(model_dir)
-        text_config = getattr(config, "text_config", config)  # a vision-language model's language model
+        text_config = getattr(config, "text_config", None) or config  # a vision-language model's language model
+        if not all(hasattr(text_config, key) for key in ("vocab_size", "max_position_embeddings")):
+            # Left to the model class's defaults (gemma-3's text_config, GPT-2's n_positions): AutoConfig knows them.
+            config = transformers.AutoConfig.from_pretrained(model_dir)
+            text_config = config.get_text_config()
         self.model_config = config  # the checkpoint's own (LoRA adapters are checked against its projections)
         self.max_position_embeddings = int(getattr(text_config, "max_position_embeddings", 1 << 30))
         # The model's logits have one row per id of its embedding, which may be wider than the tokenizer.

@@ -4,6 +4,7 @@ never loads torch for a text model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -47,15 +48,34 @@ def test_model_config_reads_nested_sections_as_attributes(model_dir):
     assert not hasattr(config, "vision_config")
 
 
-def test_an_unknown_tokenizer_class_goes_through_autotokenizer(model_dir, tmp_path):
+@pytest.mark.parametrize("model_type, tokenizer_class", [
+    ("llama", "NoSuchTokenizer"),  # a name transformers does not export
+    ("qwen2", "TokenizersBackend"),  # AutoTokenizer takes qwen2's own class
+    ("mistral", "LlamaTokenizer"),  # AutoTokenizer takes the byte-level file's class, not the named one
+])
+def test_a_checkpoint_not_known_to_load_its_named_class_goes_through_autotokenizer(model_dir, tmp_path, model_type,
+                                                                                 tokenizer_class):
     for item in model_dir.iterdir():
-        (tmp_path / item.name).symlink_to(item)
-    (tmp_path / "tokenizer_config.json").unlink()
-    (tmp_path / "tokenizer_config.json").write_text(
-        (model_dir / "tokenizer_config.json").read_text().replace('"TokenizersBackend"', '"NoSuchTokenizer"'))
+        if item.name not in ("config.json", "tokenizer_config.json"):
+            (tmp_path / item.name).symlink_to(item)
+    for name, key, value in (("config.json", "model_type", model_type),
+                             ("tokenizer_config.json", "tokenizer_class", tokenizer_class)):
+        settings = json.loads((model_dir / name).read_text())
+        (tmp_path / name).write_text(json.dumps({**settings, key: value}))
     ours, auto = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
     assert type(ours) is type(auto)
     assert [ours(t)["input_ids"] for t in TEXTS] == [auto(t)["input_ids"] for t in TEXTS]
+
+
+def test_a_text_config_without_its_sizes_takes_autoconfigs_defaults(model_dir, tmp_path):
+    for item in model_dir.iterdir():
+        if item.name != "config.json":
+            (tmp_path / item.name).symlink_to(item)
+    settings = json.loads((model_dir / "config.json").read_text())
+    del settings["max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(settings))
+    expected = AutoConfig.from_pretrained(tmp_path).max_position_embeddings
+    assert PromptTokenizer(tmp_path).max_position_embeddings == expected
 
 
 @pytest.mark.system
