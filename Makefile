@@ -23,7 +23,8 @@ $(RUNTIME): pyproject.toml
 	$(UV_INSTALL) torch==2.13.0 numpy
 	# The engine's CPU kernels compile (tens of seconds; workers build them at start-up if a source changed since)
 	# while uv installs the rest: both need only torch.
-	$(BIN)/python -m worker.torch_engine.kernels & kernels=$$!; $(UV_INSTALL) -e . && wait $$kernels
+	$(BIN)/python -m worker.torch_engine.kernels & kernels=$$!; \
+	  $(UV_INSTALL) -e . || { kill $$kernels; exit 1; }; wait $$kernels
 	touch $@
 
 $(TESTING): $(RUNTIME)

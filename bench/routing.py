@@ -568,7 +568,9 @@ def main(argv=None) -> int:
                 results[workload][setup.name] = Result(setup.name, workload, skipped=str(exc).splitlines()[0])
 
     baseline = (f"`{args.baseline_repo}` at {git_describe(args.baseline_repo)}"
-                if args.baseline_repo and args.baseline_repo.is_dir() else "none given, `guess` skipped")
+                if args.baseline_repo and args.baseline_repo.is_dir()
+                else f"`{args.baseline_repo}`: absent, `guess` skipped" if args.baseline_repo
+                else "none given, `guess` skipped")
     out = [f"## bench/routing.py, {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs", "",
            f"Command: `{command}`", "",
            f"This repo: `{REPO}` at {git_describe(REPO)}. Baseline (`guess`): {baseline}.", "",
