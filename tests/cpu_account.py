@@ -4,7 +4,9 @@
     python -m tests.cpu_account FILE                     # the modules and tests that cost most
 
 A module-scoped fixture's processes are reaped at the module's end and count to its last test; the module totals
-are the figure to read. CPU, not wall time: on a loaded machine a test waits longer but costs the same.
+are the figure to read. CPU, not wall time: on a loaded machine a test waits longer but costs the same. Workers and
+coordinators forked by the fork server (tests/fork_server.py) are its children, not the test's: run with
+PDSERVE_TEST_FORK=0 to count them.
 """
 
 from __future__ import annotations
