@@ -17,6 +17,11 @@ import pytest
 from tests.fork_server import ForkClient
 from tests.helpers import CLUSTER_KV_TIMEOUT_S, Cluster, start_coordinator, start_worker, write_config
 
+# The shared clusters' silence watch: their tests only send requests, and on a loaded machine (the suite beside
+# `stress --cpu 2`) a worker compiling a grammar missed the default 1.5 s probe and was declared lost. The watch
+# itself is tested on clusters of its own (test_silent_workers.py, test_silence_watch.py).
+SHARED_HEALTH = {"silence_timeout_s": 10.0, "silence_probe_timeout_s": 10.0}
+
 # Fixtures that run a cluster of processes: a test using one is a system test.
 CLUSTER_FIXTURES = {"cluster", "http", "etcd", "shared_coordinator"}
 
@@ -112,7 +117,8 @@ def cluster(model_dir: Path, tmp_path_factory) -> Cluster:
     # cache_affinity: every system test through the session cluster also runs the KV event watch and index.
     config = write_config(tmp_path_factory.mktemp("cluster") / "ms_coordinator.json",
                           [prefill.address], [decode.address], model_dir,
-                          sections={"digs_scheduler_config": {"algorithm_type": "cache_affinity"}})
+                          sections={"digs_scheduler_config": {"algorithm_type": "cache_affinity"},
+                                    "health_config": SHARED_HEALTH})
     coordinator = start_coordinator(config)
     yield Cluster(coordinator.address, prefill, decode, coordinator, model_dir)
     for proc in (coordinator, prefill, decode):
@@ -129,7 +135,8 @@ def shared_coordinator(cluster: Cluster, tmp_path_factory):
         key = json.dumps([sections, model_overrides], sort_keys=True)
         if key not in started:
             config = write_config(tmp_path_factory.mktemp("shared") / "ms_coordinator.json", [cluster.prefill.address],
-                                  [cluster.decode.address], cluster.model_dir, sections, **model_overrides)
+                                  [cluster.decode.address], cluster.model_dir,
+                                  {"health_config": SHARED_HEALTH, **(sections or {})}, **model_overrides)
             started[key] = start_coordinator(config)
         return started[key]
 
