@@ -5,10 +5,10 @@ the suite starts a few hundred).
 Life cycle of a forked process:
   1. The first `pdserve worker` / `pdserve coordinator` a test process starts brings up its fork server
      (`python -m tests.fork_server`, a real subprocess): it imports what those commands import, binds a Unix
-     socket, and waits, starting no threads of its own and loading no native library the commands load later
-     (the engine's kernels, with their OpenMP runtime, load in each child: loaded before the fork, a LoRA
-     worker's greedy tokens came out different in one run of two). Environment that modules read when imported
-     (PDSERVE_KERNEL_MARCH, OMP_*) is the server's, which is the test process's.
+     socket, and waits, starting no threads of its own (torch's import leaves two) and loading no native library
+     the commands load later: the engine's kernels and their OpenMP runtime load in each child, as in a spawned
+     worker. Environment that modules read when imported (PDSERVE_KERNEL_MARCH, OMP_*) is the server's, which is
+     the test process's.
   2. A start sends argv, environment and working folder over a connection of its own, with the write end of the
      pipe its output goes to (SCM_RIGHTS). The server forks; the child resets its signals, takes that pipe as
      stdout and stderr, the environment and folder, and runs `launcher.cli.main` as `python -m launcher.cli`
