@@ -16,9 +16,9 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import (BackgroundStream, health, image_bytes, index_matches_workers, metrics_url, scrape,
-                           serving_decode, sse_events, start_coordinator, start_worker, vlm_reference, wait_for,
-                           write_config)
+from tests.helpers import (BackgroundStream, health, image_bytes, index_matches_workers, management_url,
+                           metrics_url, scrape, serving_decode, sse_events, start_coordinator, start_worker,
+                           vlm_reference, wait_for, write_config)
 
 pytestmark = pytest.mark.system
 
@@ -214,6 +214,13 @@ def test_a_repeated_image_hits_the_prefix_cache_and_after_other_text_the_encoder
     assert counters()[1] == encoded + 1 and counters()[2] == missed + 1  # ...from the encoder cache
 
 
+def decodes_idle(coordinator) -> bool:
+    """The coordinator's view: no decode instance has work outstanding or reported running or waiting."""
+    listed = httpx.get(f"{management_url(coordinator)}/v1/instances", timeout=10).json()["decode"]
+    return all(not i["outstanding_requests"] and not i["reported"]["num_running"] and not i["reported"]["num_waiting"]
+               for i in listed)
+
+
 def test_with_cache_affinity_a_repeated_image_goes_to_the_decode_worker_holding_it_and_another_image_does_not(
         vlm_cluster, media_dir):
     coordinator, decodes = vlm_cluster["affinity"], list(vlm_cluster["decodes"].values())
@@ -233,6 +240,9 @@ def test_with_cache_affinity_a_repeated_image_goes_to_the_decode_worker_holding_
     chat(coordinator.address, [purple, question])
     holder = max(grew("pdserve_instance_routed_prompt_tokens_total", routed).items(), key=lambda kv: kv[1])[0]
     wait_for(lambda: index_matches_workers(coordinator, decodes), 10, "the index to hold the decode workers' blocks")
+    # The router weighs held blocks against load: on a loaded machine the holder's last health report could still
+    # show the first chat running, so the repeat waits until the coordinator sees both decode workers idle.
+    wait_for(lambda: decodes_idle(coordinator), 60, "both decode workers reported idle")
     expected = decode_figures("pdserve_instance_expected_cached_tokens_total")
     chat(coordinator.address, [purple, question])
     assert grew("pdserve_instance_expected_cached_tokens_total", expected)[holder] >= 32  # the image's blocks
