@@ -4,7 +4,6 @@ back to the decode worker that holds it."""
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import pytest
@@ -65,9 +64,9 @@ def test_the_index_converges_after_a_coordinator_and_a_worker_restart_and_a_next
 
         coordinator.stop()  # a new coordinator learns everything from the workers' snapshots
         coordinator = start_coordinator(config)
-        ready = time.monotonic()
-        wait_for(lambda: index_matches_workers(coordinator, workers), 10, "the restarted coordinator's index")
-        assert time.monotonic() - ready < HEARTBEAT_S * 2  # within about a heartbeat (one poll of slack)
+        # Converged, whenever the coordinator's own view says so: how soon (about a heartbeat on an idle machine) is
+        # a latency figure, not something a loaded machine can promise.
+        wait_for(lambda: index_matches_workers(coordinator, workers), 60, "the restarted coordinator's index")
 
         port = holder.address.rsplit(":", 1)[1]
         old_epoch = held[holder.address]["epoch"]
@@ -75,9 +74,7 @@ def test_the_index_converges_after_a_coordinator_and_a_worker_restart_and_a_next
         restarted = sim_worker_on("decode", port)
         decodes[decodes.index(holder)] = restarted
         workers = [prefill, *decodes]
-        ready = time.monotonic()
-        now = wait_for(lambda: index_matches_workers(coordinator, workers), 10, "the restarted worker's entries")
-        assert time.monotonic() - ready < HEARTBEAT_S * 2
+        now = wait_for(lambda: index_matches_workers(coordinator, workers), 60, "the restarted worker's entries")
         assert now[restarted.address]["epoch"] != old_epoch and now[restarted.address]["blocks"] == 0
     finally:
         coordinator.stop()
