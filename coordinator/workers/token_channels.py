@@ -28,7 +28,7 @@ REDIAL_AFTER_S = 5.0
 
 
 class TokenSink:
-    """The events of one request on a channel, read in order by its attempt; or, while nothing is queued and
+    """The events of one request on a channel (or on a vLLM instance's stream: vllm/decode_stream.py), read in order by its attempt; or, while nothing is queued and
     `direct` takes them, handed to `direct` inside the frame's own callback (no wake-up of the attempt's task),
     and sent by `flush` once every frame of that socket read is handed out (tokens of one request that came in
     one read leave in one write: none waits for a later read)."""

@@ -131,7 +131,7 @@ async def test_an_instance_declared_lost_fails_its_stream_at_once(vllm, client):
     await stream.read()
     assert (await stream.read()).token_id == 7
     reading = asyncio.create_task(stream.read())
-    await wait_until(lambda: vllm.address in client._in_flight._calls, what="the read's call to be in flight")
+    await wait_until(lambda: client.pool.busy(vllm.address), what="the stream's connection to be busy")
     await client.lose(vllm.address, "worker lost: silent")
     with pytest.raises(WorkerCallError) as lost:
         await reading
@@ -173,3 +173,52 @@ async def test_an_error_vllm_streams_after_its_200_is_a_failure_that_names_it(vl
     with pytest.raises(WorkerCallError, match="KV load failed") as failed:
         await stream.read()
     assert failed.value.failure.kind is kind
+
+
+async def test_requests_in_turn_reuse_one_kept_alive_connection(vllm, client):
+    for i in range(5):
+        stream = client.open_decode(vllm.address, request(f"r{i}"), 3, 64, timeout=10)
+        await stream.read()
+        prefill = asyncio.create_task(client.prefill(vllm.address, request(f"r{i}"), 3, vllm.address, timeout=10))
+        assert len(await read_all(stream)) == 3
+        await prefill
+        stream.cancel()
+        await wait_until(lambda: not client.pool.busy(vllm.address), what="the stream's connection back in the pool")
+    # the prefill's and the decode's: one each while both are open, every later request on them
+    assert client.connections_dialled <= 2
+
+
+async def test_tokens_go_to_the_listener_inside_the_read_and_the_last_through_read(vllm, client):
+    vllm.decode_chunks = [chunk([7], "a"), chunk([8], "b"), chunk([9], "c", "length"), b"data: [DONE]\n\n"]
+    vllm.holding = True
+    stream = client.open_decode(vllm.address, request(), 3, 64, timeout=10, local_prefill=True)
+    await stream.read()
+    assert (await stream.read()).token_id == 7  # the first through read, as the attempt reads it
+    taken, flushes = [], []
+    stream.deliver_directly(lambda: True, taken.append, lambda: flushes.append(len(taken)))
+    vllm.hold.set()
+    last = await stream.read()
+    assert [t.token_id for t in taken] == [8] and flushes and flushes[-1] == 1
+    assert (last.token_id, last.finish_reason != 0) == (9, True)
+    assert await stream.read() is None
+
+
+async def test_a_connection_the_instance_closed_while_idle_is_not_reused():
+    fake = FakeVllm()
+    app = web.Application()
+    app.router.add_post("/v1/completions", fake.completions)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server(keepalive_timeout=0.05)
+    address = f"127.0.0.1:{server.port}"
+    made = VllmClient({address: f"http://{address}"})
+    try:
+        for i in range(2):
+            stream = made.open_decode(address, request(f"r{i}"), 3, 64, timeout=10, local_prefill=True)
+            await stream.read()
+            assert len(await read_all(stream)) == 3
+            stream.cancel()
+            await wait_until(lambda: made.pool.idle(address) == 0, what="the server to close the idle connection")
+        assert made.connections_dialled == 2
+    finally:
+        await made.close()
+        await server.close()
