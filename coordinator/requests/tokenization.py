@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import transformers
 
+from coordinator.requests.pretoken_cache import PretokenCache
 from coordinator.requests.trace import note_tokenized
 
 
@@ -83,6 +84,8 @@ class PromptTokenizer:
         self.special_ids = frozenset(self.tokenizer.all_special_ids)
         # The fast tokenizer's Rust core, when there is one: the same ids without the Python wrapper's cost.
         self._rust = getattr(self.tokenizer, "backend_tokenizer", None)
+        # Its ids for the text of known tokenizers, from a cache of pre-tokens: no Encoding built, no Rust regex.
+        self._pretokens = PretokenCache(self._rust) if self._rust is not None else None
         # A vision-language model's image placeholder and counts; None: a text model.
         self.images = ImageTokens(model_dir, self.tokenizer) if hasattr(config, "vision_config") else None
 
@@ -104,6 +107,9 @@ class PromptTokenizer:
 
     def encode_now(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._rust is not None:
+            ids = self._pretokens.encode(text, add_special_tokens)
+            if ids is not None:
+                return ids
             return self._rust.encode(text, add_special_tokens=add_special_tokens).ids
         return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
@@ -114,7 +120,7 @@ class PromptTokenizer:
         def run() -> list[int]:
             prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                                         tokenize=False)
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = self.encode_now(prompt, add_special_tokens=False)
             # Tokenized apart, as the model generated it: no token merges across the turn's header.
             return ids + self.continuation_ids(resume) if resume else ids
 
@@ -125,4 +131,4 @@ class PromptTokenizer:
 
     def continuation_ids(self, text: str) -> list[int]:
         """A partial reply's tokens, as `encode_chat` appends them (no special tokens)."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.encode_now(text, add_special_tokens=False)
