@@ -132,13 +132,15 @@ def median_round(rounds: list[Round]) -> Round:
 
 def print_table(args, results: dict[str, Round]) -> None:
     ours, theirs = results["pdserve"], results["vllm-router"]
-    print(f"\n## pdserve vs vllm-router over one vLLM prefill + decode pair (NIXL), {os.cpu_count()} cores")
+    engines = "two mock vLLM instances (bench/mock_vllm.py)" if args.mock_engines else \
+        "one vLLM prefill + decode pair (NIXL)"
+    print(f"\n## pdserve vs vllm-router over {engines}, {os.cpu_count()} cores")
     print(f"model {args.model}; {args.rounds} rounds x {args.requests} streamed completions per stack, "
           f"{args.concurrency} at a time, ~{args.prompt_tokens}-word prompts, {args.max_tokens} tokens each; "
           "medians of the rounds\n")
     print("| router | CPU ms / request | TTFT p50 ms | TTFT p90 ms | output tokens/s |")
     print("|---|---:|---:|---:|---:|")
-    for r in (theirs, ours):
+    for r in [theirs, ours] + [r for name, r in results.items() if name not in ("pdserve", "vllm-router")]:
         print(f"| {r.stack} | {r.cpu_ms_per_request:.2f} | {r.ttft_p50_ms:.0f} | {r.ttft_p90_ms:.0f} | "
               f"{r.tokens_per_s:.1f} |")
     cpu = ours.cpu_ms_per_request / theirs.cpu_ms_per_request
@@ -146,6 +148,11 @@ def print_table(args, results: dict[str, Round]) -> None:
     tps = ours.tokens_per_s / theirs.tokens_per_s
     print(f"| **pdserve / vllm-router** | **{cpu:.2f}x** (target <= {CPU_TARGET}x) | **{ttft:.2f}x** | "
           f"{ours.ttft_p90_ms / theirs.ttft_p90_ms:.2f}x | **{tps:.2f}x** |")
+    for name, other in results.items():
+        if name not in ("pdserve", "vllm-router"):
+            print(f"| pdserve / {name} | {ours.cpu_ms_per_request / other.cpu_ms_per_request:.2f}x | "
+                  f"{ttft * theirs.ttft_p50_ms / other.ttft_p50_ms:.2f}x | | "
+                  f"{ours.tokens_per_s / other.tokens_per_s:.2f}x |")
     ok = cpu <= CPU_TARGET and abs(ttft - 1) <= LATENCY_TOLERANCE and abs(tps - 1) <= LATENCY_TOLERANCE
     print(f"\ntarget (CPU <= {CPU_TARGET}x, TTFT and tokens/s within {LATENCY_TOLERANCE:.0%}): "
           f"{'met' if ok else 'NOT met'}")
@@ -160,6 +167,11 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=200, help="words per prompt (about a token each)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--mock-engines", action="store_true", help="mock vLLM instances (bench/mock_vllm.py) instead of "
+                   "a real pair: the routers' own CPU, without engines competing for the cores")
+    p.add_argument("--decode-step-ms", type=float, default=5.0, help="with --mock-engines: one decode step")
+    p.add_argument("--against", type=Path, metavar="DIR", help="a second pdserve coordinator from another checkout "
+                   "(git worktree add /tmp/base HEAD~1), its rounds taking turns with the others")
     args = p.parse_args()
     if args.model is None:
         from embedded_model import ensure_default_model
@@ -172,25 +184,44 @@ def main() -> None:
         started: list[Process] = []
         router = None
         try:
-            instances = plan_instances(1, 1, Path(tmp))
-            print("starting a vLLM prefill + decode pair ...", flush=True)
-            for instance in instances:
-                started.append(Process(instance.argv(args.vllm_venv, args.model, served_name=args.name),
-                                       "pdserve worker ready:",
-                                       cpus={instance.index % (os.cpu_count() or 1)}))
-            prefill, decode = (f"http://127.0.0.1:{i.port}" for i in instances)
+            cpus = os.cpu_count() or 1
+            if args.mock_engines:
+                # The routers share core 0; the mock instances and the load generator have the others.
+                print("starting two mock vLLM instances ...", flush=True)
+                others = set(range(1, cpus)) or {0}
+                mock = Process([sys.executable, str(REPO / "bench" / "mock_vllm.py"), "--name", args.name,
+                                "--decode-step-ms", str(args.decode_step_ms)], "mock vllm ready:", cpus=others)
+                started.append(mock)
+                prefill, decode = mock.ready_line.split()[-2:]
+                entries = [{"engine": "vllm", "url": url, "kv_events": ""} for url in (prefill, decode)]
+                router_cpus = {0}
+                os.sched_setaffinity(0, others)
+            else:
+                instances = plan_instances(1, 1, Path(tmp))
+                print("starting a vLLM prefill + decode pair ...", flush=True)
+                for instance in instances:
+                    started.append(Process(instance.argv(args.vllm_venv, args.model, served_name=args.name),
+                                           "pdserve worker ready:", cpus={instance.index % cpus}))
+                prefill, decode = (f"http://127.0.0.1:{i.port}" for i in instances)
+                entries = [i.entry("http") | {"kv_events": ""} for i in instances]
+                router_cpus = set(range(cpus))
             config = Path(tmp) / "coordinator.json"
             config.write_text(json.dumps({
                 "http_config": {"predict_ip": "127.0.0.1", "predict_port": 0, "manage_port": 0},
                 "model_config": {"modelWeightPath": args.model, "maxSeqLen": 2048, "maxInputTokenLen": 2048},
-                "instances": {"prefill": [instances[0].entry("http") | {"kv_events": ""}],
-                              "decode": [instances[1].entry("http") | {"kv_events": ""}]}}))
-            all_cpus = set(range(os.cpu_count() or 1))
-            coordinator = Process([sys.executable, "-m", "launcher.cli", "coordinator", "--config", str(config)],
-                                  "pdserve coordinator ready:", cpus=all_cpus)
-            started.append(coordinator)
+                "instances": {"prefill": [entries[0]], "decode": [entries[1]]}}))
+            coordinators = {"pdserve": REPO}
+            if args.against:
+                coordinators[f"pdserve at {args.against.name}"] = args.against
+            stacks: dict[str, tuple[str, int]] = {}
+            for name, checkout in coordinators.items():
+                coordinator = Process([sys.executable, "-m", "launcher.cli", "coordinator", "--config", str(config)],
+                                      "pdserve coordinator ready:", cpus=router_cpus, cwd=checkout)
+                started.append(coordinator)
+                stacks[name] = (coordinator.address, coordinator.proc.pid)
             router_port = free_port()
-            router = subprocess.Popen([str(router_exe), "--vllm-pd-disaggregation", "--prefill", prefill,
+            router = subprocess.Popen(["taskset", "-c", ",".join(map(str, sorted(router_cpus))), str(router_exe),
+                                       "--vllm-pd-disaggregation", "--prefill", prefill,
                                        "--decode", decode, "--host", "127.0.0.1", "--port", str(router_port),
                                        "--policy", "round_robin", "--log-level", "warning",
                                        # its metrics exporter binds 0.0.0.0:29000 unless told otherwise
@@ -198,7 +229,7 @@ def main() -> None:
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             router_url = f"http://127.0.0.1:{router_port}"
             wait_http(router_url + "/health", 60)
-            stacks = {"pdserve": (coordinator.address, coordinator.proc.pid), "vllm-router": (router_url, router.pid)}
+            stacks["vllm-router"] = (router_url, router.pid)
             for seed, (name, (url, pid)) in enumerate(stacks.items()):  # warm both paths (handshakes, connections)
                 warm = argparse.Namespace(**{**vars(args), "requests": args.concurrency})
                 asyncio.run(run_round(name, url, pid, warm, seed=seed))
@@ -207,7 +238,7 @@ def main() -> None:
                 for name, (url, pid) in (stacks.items() if i % 2 == 0 else reversed(stacks.items())):
                     # Prompts of their own per round and stack: the same ones again would hit vLLM's prefix
                     # caches for whichever stack came second.
-                    seed = 1000 + 2 * i + list(stacks).index(name)
+                    seed = 1000 + len(stacks) * i + list(stacks).index(name)
                     result = asyncio.run(run_round(name, url, pid, args, seed=seed))
                     rounds[name].append(result)
                     print(f"round {i + 1} {name}: {result.cpu_ms_per_request:.2f} CPU ms/request, TTFT p50 "
