@@ -164,7 +164,8 @@ class AttemptRunner:
             with self.registry.lease(placement.decode):
                 # The Decode call's deadline ends the request everywhere: the decode worker cancels and frees it.
                 started = time.monotonic()
-                sampling = sampling_to_pb(request, max_tokens)  # once, for the decode and the prefill
+                # Once, for the decode and the prefill; vLLM instances are sent JSON bodies instead.
+                sampling = sampling_to_pb(request, max_tokens) if self.client.takes_sampling_pb else None
                 stream = self.client.open_decode(placement.decode.address, request, max_tokens, self.limits.max_seq_len,
                                                  remaining, local_prefill=placement.prefill is None,
                                                  traceparent=trace.attempt_traceparent(), sampling=sampling)

@@ -289,6 +289,8 @@ MAX_REQUEST_FRAME_BYTES = MAX_FRAME_BYTES // 2
 class WorkerClient:
     """gRPC calls to workers over cached channels: TLS per `tls`, `secret` on every call."""
 
+    takes_sampling_pb = True  # its calls carry the request's sampling as pb.SamplingParams
+
     def __init__(self, tls: LinkTls | None = None, secret: SecretFile | None = None):
         # A request may run for up to exception_config.infer_timeout (at most an hour) on a channel a reload retired.
         self._channels = ChannelCache(tls, GRPC_OPTIONS, grace_s=3600)

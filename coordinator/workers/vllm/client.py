@@ -53,6 +53,8 @@ class VllmClient:
     """HTTP calls to vLLM instances (base URL by address), https with the worker link's TLS, the worker secret as
     the API key; the same calls and results as WorkerClient (module docstring)."""
 
+    takes_sampling_pb = False  # each call's body is JSON, built from the request itself
+
     def __init__(self, urls: dict[str, str], tls: LinkTls | None = None, secret: SecretFile | None = None):
         self.urls = urls
         self._secret = secret

@@ -115,6 +115,11 @@ class ChunkReader:
         token_ids = choice.get("token_ids") or ()
         if not token_ids:
             return []
+        if len(token_ids) == 1 and choice.get("finish_reason") is None and self.top_logprobs is None:
+            index = self.index  # the common chunk: one token mid-stream, without logprobs
+            self.index = index + 1
+            return [pb.TokenEvent(token_id=token_ids[0], index=index, time_ms=step_ms, text=choice.get("text", ""),
+                                  batch_size=1)]
         finish = _finish(choice.get("finish_reason"), choice.get("stop_reason"))
         logprobs = choice.get("logprobs") if self.top_logprobs is not None else None
         events = []

@@ -56,6 +56,8 @@ class ScriptedStream:
 class ScriptedWorkers:
     """WorkerClient stand-in: each decode call plays the next script of its address; prefills fail as told."""
 
+    takes_sampling_pb = True
+
     def __init__(self, decode_scripts: dict[str, list[list]], prefill_errors: dict[str, Exception] | None = None):
         self.decode_scripts = decode_scripts
         self.prefill_errors = prefill_errors or {}
