@@ -89,6 +89,7 @@ class StreamClient:
         self.host, self.port = url.hostname, url.port
         self.ssl = client_ssl if url.scheme == "https" else None
         self._idle: list[StreamProtocol] = []
+        self.dialled = 0  # connections this client opened
 
     def request(self, path: str, body: bytes) -> bytes:
         return (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nAccept: */*\r\n"
@@ -103,6 +104,7 @@ class StreamClient:
         else:
             _, connection = await asyncio.get_running_loop().create_connection(
                 StreamProtocol, self.host, self.port, ssl=self.ssl)
+            self.dialled += 1
         answer = await connection.send(request)
         self._idle.append(connection)
         return answer

@@ -13,8 +13,12 @@ Needs the vLLM environment (`make vllm-env`); `vllm-router` is installed into it
    random words and `--max-tokens` tokens (ignore_eos) until `--requests` are done. Every round of every stack
    has prompts of its own, so neither finds the other's in vLLM's prefix caches.
 4. Per round: the router process's CPU seconds per request (its whole process tree), TTFT (to the first body byte)
-   p50 / p90 at the client, and output tokens/s. The table gives each stack's median round and pdserve's
+   p50 / p90 at the client, output tokens/s, and the TCP connections the machine opened (the kernel's ActiveOpens,
+   less the load generator's own) per request: a router that keeps its connections to the instances alive opens
+   none in steady state. The table gives each stack's median round, tokens relayed per CPU second, and pdserve's
    ratios; the issue's target: CPU per request at most 1.5x the Rust router's, TTFT and tokens/s within 10%.
+`--mock-engines` puts two mock instances (bench/mock_vllm.py) in place of the vLLM pair: the routers' own cost,
+with nothing competing for their core (the routers on core 0, the mocks and the load on the others).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class Round:
     ttft_p90_ms: float
     tokens_per_s: float
     requests: int
+    new_connections_per_request: float = 0.0  # TCP connections the machine opened, less the load's own
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -68,6 +73,12 @@ def tree_cpu_seconds(pid: int) -> float:
             continue
         todo.extend(int(c) for c in children)
     return total
+
+
+def tcp_active_opens() -> int:
+    """The kernel's count of TCP connections this machine opened (/proc/net/snmp, Tcp: ActiveOpens)."""
+    lines = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines() if line.startswith("Tcp:")]
+    return int(lines[1][lines[0].index("ActiveOpens")])
 
 
 def wait_http(url: str, timeout_s: float) -> None:
@@ -116,17 +127,21 @@ async def run_round(stack: str, url: str, pid: int, args, seed: int) -> Round:
             tokens += usage["completion_tokens"]
             ttfts.append(first - start)
 
+    opens_before = tcp_active_opens()
     cpu_before, started = tree_cpu_seconds(pid), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     elapsed, cpu = time.perf_counter() - started, tree_cpu_seconds(pid) - cpu_before
+    # The router's (the engines open none to it; nothing else runs here during a round).
+    opened = tcp_active_opens() - opens_before - client.dialled
     client.close()
     return Round(stack, cpu * 1000 / args.requests, percentile(ttfts, 0.5) * 1000, percentile(ttfts, 0.9) * 1000,
-                 tokens / elapsed, args.requests)
+                 tokens / elapsed, args.requests, opened / args.requests)
 
 
 def median_round(rounds: list[Round]) -> Round:
     pick = {f: statistics.median(getattr(r, f) for r in rounds)
-            for f in ("cpu_ms_per_request", "ttft_p50_ms", "ttft_p90_ms", "tokens_per_s")}
+            for f in ("cpu_ms_per_request", "ttft_p50_ms", "ttft_p90_ms", "tokens_per_s",
+                      "new_connections_per_request")}
     return Round(rounds[0].stack, requests=sum(r.requests for r in rounds), **pick)
 
 
@@ -138,21 +153,23 @@ def print_table(args, results: dict[str, Round]) -> None:
     print(f"model {args.model}; {args.rounds} rounds x {args.requests} streamed completions per stack, "
           f"{args.concurrency} at a time, ~{args.prompt_tokens}-word prompts, {args.max_tokens} tokens each; "
           "medians of the rounds\n")
-    print("| router | CPU ms / request | TTFT p50 ms | TTFT p90 ms | output tokens/s |")
-    print("|---|---:|---:|---:|---:|")
+    print("| router | CPU ms / request | TTFT p50 ms | TTFT p90 ms | output tokens/s | tokens / CPU s | "
+          "new TCP connections / request |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in [theirs, ours] + [r for name, r in results.items() if name not in ("pdserve", "vllm-router")]:
         print(f"| {r.stack} | {r.cpu_ms_per_request:.2f} | {r.ttft_p50_ms:.0f} | {r.ttft_p90_ms:.0f} | "
-              f"{r.tokens_per_s:.1f} |")
+              f"{r.tokens_per_s:.1f} | {args.max_tokens * 1000 / r.cpu_ms_per_request:,.0f} | "
+              f"{r.new_connections_per_request:.2f} |")
     cpu = ours.cpu_ms_per_request / theirs.cpu_ms_per_request
     ttft = ours.ttft_p50_ms / theirs.ttft_p50_ms
     tps = ours.tokens_per_s / theirs.tokens_per_s
     print(f"| **pdserve / vllm-router** | **{cpu:.2f}x** (target <= {CPU_TARGET}x) | **{ttft:.2f}x** | "
-          f"{ours.ttft_p90_ms / theirs.ttft_p90_ms:.2f}x | **{tps:.2f}x** |")
+          f"{ours.ttft_p90_ms / theirs.ttft_p90_ms:.2f}x | **{tps:.2f}x** | | |")
     for name, other in results.items():
         if name not in ("pdserve", "vllm-router"):
             print(f"| pdserve / {name} | {ours.cpu_ms_per_request / other.cpu_ms_per_request:.2f}x | "
                   f"{ttft * theirs.ttft_p50_ms / other.ttft_p50_ms:.2f}x | | "
-                  f"{ours.tokens_per_s / other.tokens_per_s:.2f}x |")
+                  f"{ours.tokens_per_s / other.tokens_per_s:.2f}x | | |")
     ok = cpu <= CPU_TARGET and abs(ttft - 1) <= LATENCY_TOLERANCE and abs(tps - 1) <= LATENCY_TOLERANCE
     print(f"\ntarget (CPU <= {CPU_TARGET}x, TTFT and tokens/s within {LATENCY_TOLERANCE:.0%}): "
           f"{'met' if ok else 'NOT met'}")
