@@ -390,6 +390,10 @@ class WorkerClient:
             raise self._lost.instead(exc, channel, role, address) from None
         return report_from_pb(reply)
 
+    async def probe(self, address: str, role: str, timeout: float = 2.0) -> None:
+        """A liveness check (the silence watch's): the Health answer, whose load comes with it at no extra cost."""
+        await self.health(address, role, timeout)
+
     def watch_kv_events(self, address: str):
         """The worker's KvEvents.Watch call (a stream of pb.KvEventBatch: a snapshot, then every change)."""
         _, stub = self._stub(pb_grpc.KvEventsStub, address)

@@ -70,7 +70,7 @@ class SilenceWatch:
         heard = instance.last_heard
         silent_for = self.clock() - heard
         try:
-            await self.client.health(instance.address, instance.role, timeout=self.probe_timeout_s)
+            await self.client.probe(instance.address, instance.role, timeout=self.probe_timeout_s)
         except WorkerCallError as exc:
             # Any other status the worker sent back (say UNAUTHENTICATED after a secret reload) is an answer; and
             # a token that came meanwhile is a sign of life.

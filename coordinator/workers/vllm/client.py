@@ -34,8 +34,8 @@ from proto import worker_pb2 as pb
 from security.secrets import SecretFile
 from security.tls import LinkTls
 
-# /metrics is ~80 KB per instance: read for the load at most this often; a probe in between (the silence
-# watch's) asks /health alone and keeps the last load.
+# /metrics is ~80 KB per instance: read for the load at most this often (the health monitor's checks); a
+# silence probe asks /health alone.
 METRICS_MAX_AGE_S = 1.0
 
 
@@ -186,6 +186,12 @@ class VllmClient:
         report = health_report(raw.decode(errors="replace"))
         self._loads[address] = (time.monotonic(), report)
         return report
+
+    async def probe(self, address: str, role: str, timeout: float = 2.0) -> None:
+        """A liveness check (the silence watch's): vLLM's /health alone; the load is read by `health` on its timer."""
+        status, raw = await self.exchange(role, address, "GET", "/health", None, timeout)
+        if status != 200:
+            raise status_error(role, address, status, raw.decode(errors="replace"))
 
     async def lose(self, address: str, reason: str) -> None:
         """The instance at `address` was declared lost: its calls in flight fail as UNAVAILABLE with `reason`."""

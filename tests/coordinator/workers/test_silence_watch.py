@@ -8,10 +8,10 @@ import grpc
 import pytest
 
 from coordinator.requests.failures import FailureKind, WorkerCallError, WorkerFailure
-from coordinator.workers.instances import InstanceRegistry, InstanceState, ReportedLoad
+from coordinator.workers.instances import InstanceRegistry, InstanceState
 from coordinator.requests.request import GenerationRequest, SamplingOptions
 from coordinator.workers.silence_watch import MIN_SILENCE_S, SilenceWatch
-from coordinator.workers.client import HealthReport, WorkerClient
+from coordinator.workers.client import WorkerClient
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from tests.helpers import FakeClock, wait_until
@@ -24,11 +24,10 @@ class WatchedClient:
         self.frozen: set[str] = set()
         self.lost: dict[str, str] = {}
 
-    async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
+    async def probe(self, address: str, role: str, timeout: float = 2.0) -> None:
         if address in self.frozen:
             await asyncio.sleep(timeout)
             raise WorkerCallError(WorkerFailure(role, address, "DEADLINE_EXCEEDED", "Deadline Exceeded"))
-        return HealthReport(ReportedLoad(), draining=False)
 
     async def lose(self, address: str, reason: str) -> None:
         self.lost[address] = reason
@@ -189,7 +188,7 @@ class AnsweringLate(WatchedClient):
         super().__init__()
         self.registry, self.code, self.token_meanwhile = registry, code, token_meanwhile
 
-    async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
+    async def probe(self, address: str, role: str, timeout: float = 2.0) -> None:
         if self.token_meanwhile:
             self.registry.get(role, address).last_heard += 0.01
         raise WorkerCallError(WorkerFailure(role, address, self.code, "..."))

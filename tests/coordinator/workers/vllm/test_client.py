@@ -222,3 +222,27 @@ async def test_a_connection_the_instance_closed_while_idle_is_not_reused():
     finally:
         await made.close()
         await server.close()
+
+
+async def test_a_silence_probe_asks_health_alone_and_the_health_check_reads_the_load():
+    asked: list[str] = []
+    app = web.Application()
+
+    async def answer(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.Response(text='vllm:num_requests_running{engine="0"} 3.0\n')
+
+    app.router.add_get("/health", answer)
+    app.router.add_get("/metrics", answer)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    address = f"127.0.0.1:{server.port}"
+    made = VllmClient({address: f"http://{address}"})
+    try:
+        await made.probe(address, "decode", timeout=5)
+        assert asked == ["/health"]
+        report = await made.health(address, "decode", timeout=5)
+        assert asked == ["/health", "/health", "/metrics"] and report.load.num_running == 3
+    finally:
+        await made.close()
+        await server.close()
