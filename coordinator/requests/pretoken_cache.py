@@ -17,6 +17,7 @@ It serves only what it is sure of, and gives None for the caller to ask Rust oth
 from __future__ import annotations
 
 import json
+from itertools import chain
 
 import regex
 
@@ -105,19 +106,22 @@ class PretokenCache:
         if sum(map(len, pieces)) != len(text):
             return False  # the regex left characters out: Rust keeps them as pre-tokens of their own
         known = self._ids
+        start = len(ids)
+        try:  # every pre-token known (the common case): the lookups and the joining in C
+            ids.extend(chain.from_iterable(map(known.__getitem__, pieces)))
+            return True
+        except KeyError:
+            del ids[start:]
+        if len(known) + len(pieces) > MAX_ENTRIES:
+            known.clear()  # before learning this text's pre-tokens, which the join below needs
         for piece in pieces:
-            piece_ids = known.get(piece)
-            if piece_ids is None:
-                piece_ids = self._learn(piece)
-                if piece_ids is None:
-                    return False
-            ids += piece_ids
+            if piece not in known and self._learn(piece) is None:
+                return False
+        ids.extend(chain.from_iterable(map(known.__getitem__, pieces)))
         return True
 
     def _learn(self, piece: str) -> list[int] | None:
         if len(self._backend.pre_tokenizer.pre_tokenize_str(piece)) != 1:
             return None  # Rust would split it further: not ours to guess
-        if len(self._ids) >= MAX_ENTRIES:
-            self._ids.clear()
         ids = self._ids[piece] = self._backend.encode(piece, add_special_tokens=False).ids
         return ids

@@ -84,3 +84,14 @@ def test_tokenizers_of_another_shape_are_left_to_rust(tmp_path, change):
         rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     cache = PretokenCache(rust)
     assert not cache.usable and cache.encode("hello world") is None
+
+
+def test_a_full_cache_starts_over_and_still_gives_rusts_ids(model_dir, monkeypatch):
+    monkeypatch.setattr("coordinator.requests.pretoken_cache.MAX_ENTRIES", 16)
+    rust = PromptTokenizer(model_dir).tokenizer.backend_tokenizer
+    cache = PretokenCache(rust)
+    most = 0
+    for text in texts(3, 50):
+        assert cache.encode(text) == rust.encode(text).ids, repr(text)
+        most = max(most, len(cache._split(text)))
+    assert len(cache._ids) <= 16 + most  # one text's pre-tokens at most beyond the bound
