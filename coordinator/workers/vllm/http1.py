@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import httptools
 
 CONNECT_TIMEOUT_S = 5.0
-IDLE_REUSE_S = 2.0
+IDLE_REUSE_S = 4.0
 
 
 class StaleConnection(ConnectionError):
