@@ -34,7 +34,7 @@ Pinning: the coordinator and the proxy are started under `taskset -c <first core
 start stays there), and for direct rows the bench moves its own threads there; the workers, the mock upstream and
 the HTTP clients (this process) run on the other cores. CPU per request is the pinned process's user + system time
 (/proc/PID/stat) over the measured loop, divided by the requests it completed. Summary lines: the coordinator's
-CPU/request over the pass-through's at c=32 (target <= 2.0 at 64 tokens), and the TTFT p50 it adds at c=1 over
+CPU/request over the pass-through's at c=32 (target <= 1.5 at 64 and 256 tokens), and the TTFT p50 it adds at c=1 over
 the direct gRPC row (target < 1 ms; measured at c=1 always), which makes the same worker calls without it. A request answered with an error, or short of tokens, ends the bench.
 
 `--against` measures what one change buys: a second coordinator in front of the same workers, run from another
@@ -94,7 +94,7 @@ sys.path.insert(0, str(REPO))
 import aiohttp  # noqa: E402
 
 from coordinator.requests.request import GenerationRequest, SamplingOptions  # noqa: E402
-from coordinator.workers.client import WorkerClient  # noqa: E402
+from coordinator.workers.client import WorkerClient, sampling_to_pb  # noqa: E402
 from bench.cpu_quota import CpuQuota, check_available  # noqa: E402
 from bench.stream_client import StreamClient  # noqa: E402
 from launcher.cli import run_event_loop  # noqa: E402
@@ -110,7 +110,7 @@ TLS = ", mutual TLS"
 PLAIN_KV = " (KV in plaintext)"
 AGAINST = "coordinator, --against"
 FLEET_TOKENS, FLEET_CONCURRENCY = 64, 32  # the fleet comparison's one level
-CPU_RATIO_TARGET, TTFT_ADDED_TARGET_MS, FLEET_RATIO_TARGET = 2.0, 1.0, 1.2
+CPU_RATIO_TARGET, TTFT_ADDED_TARGET_MS, FLEET_RATIO_TARGET = 1.5, 1.0, 1.2
 
 
 @dataclass
@@ -282,11 +282,13 @@ def direct_request(client: WorkerClient, prefill: list[str], decode: list[str], 
         p, d = next(pairs)
         request = GenerationRequest(uuid.uuid4().hex, prompt, SamplingOptions(temperature=0.0), max_tokens)
         start = time.perf_counter()
-        call = client.open_decode(d, request, max_tokens, 4096, 60)
+        sampling = sampling_to_pb(request, max_tokens)
+        call = client.open_decode(d, request, max_tokens, 4096, 60, sampling=sampling)
         accepted = await call.read()
         prefill_task = asyncio.create_task(client.prefill(
             p, request, max_tokens, d, 60, kv_data_address=accepted.kv_data_address,
-            kv_transfer_token=accepted.kv_transfer_token))
+            kv_transfer_token=accepted.kv_transfer_token, sampling=sampling,
+            kv_layout_version=accepted.kv_layout_version, decode_cached_tokens=accepted.cached_tokens))
         ttft, tokens = None, 0
         while (event := await call.read()) is not None:
             if ttft is None:
