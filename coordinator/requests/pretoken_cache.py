@@ -62,6 +62,8 @@ class PretokenCache:
         added = config.get("added_tokens") or ()
         if any(token.get("lstrip") or token.get("rstrip") or token.get("single_word") for token in added):
             usable = False
+        if len({bool(token.get("normalized")) for token in added}) > 1:
+            usable = False  # Rust matches the two kinds in two passes: one longest-first pass may differ
         self._added_ids = {token["content"]: token["id"] for token in added}
         # Longest first, as Rust matches them; a capturing group keeps them in the split's output.
         contents = sorted(self._added_ids, key=len, reverse=True)
@@ -84,7 +86,8 @@ class PretokenCache:
         return self._split is not None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
-        if self._split is None or not text.isascii():
+        # encode_special_tokens (transformers' split_special_tokens, settable per call): markers are text then.
+        if self._split is None or not text.isascii() or self._backend.encode_special_tokens:
             return None
         ids = list(self._before) if add_special_tokens else []
         if self._split_added is None:
@@ -113,15 +116,19 @@ class PretokenCache:
         except KeyError:
             del ids[start:]
         if len(known) + len(pieces) > MAX_ENTRIES:
-            known.clear()  # before learning this text's pre-tokens, which the join below needs
+            # A new dict rather than clear(): a thread joining from the old one (a long prompt's, off the event
+            # loop) keeps its entries.
+            known = self._ids = {}
         for piece in pieces:
-            if piece not in known and self._learn(piece) is None:
-                return False
+            if piece not in known:
+                piece_ids = self._ids_of(piece)
+                if piece_ids is None:
+                    return False
+                known[piece] = piece_ids
         ids.extend(chain.from_iterable(map(known.__getitem__, pieces)))
         return True
 
-    def _learn(self, piece: str) -> list[int] | None:
+    def _ids_of(self, piece: str) -> list[int] | None:
         if len(self._backend.pre_tokenizer.pre_tokenize_str(piece)) != 1:
             return None  # Rust would split it further: not ours to guess
-        ids = self._ids[piece] = self._backend.encode(piece, add_special_tokens=False).ids
-        return ids
+        return self._backend.encode(piece, add_special_tokens=False).ids

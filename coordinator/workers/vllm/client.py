@@ -143,12 +143,13 @@ class VllmClient:
         """(status, body) of one request to the instance, within `timeout`; failures as WorkerCallErrors."""
         request = self.request_bytes(method, address, path, body, traceparent)
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(timeout, 0.0)  # one for the call, a second try included
         for tries_left in (1, 0):
             answer = BodyAnswer()
-            timer = loop.call_later(max(timeout, 0.0), answer.fail, TimeoutError())
+            timer = loop.call_at(deadline, answer.fail, TimeoutError())
             connection: HttpConnection | None = None
             try:
-                connection = await self.pool.send(address, request, answer)
+                connection = await self.pool.send(address, request, answer, deadline)
                 return await answer.result
             except StaleConnection as exc:
                 if not tries_left:
@@ -161,6 +162,8 @@ class VllmClient:
                 raise call_failure(stage, address, exc) from None
             finally:
                 timer.cancel()
+                if answer.result.done() and not answer.result.cancelled():
+                    answer.result.exception()  # failed while the dial was under way: what was raised says it
         raise AssertionError("unreachable")
 
     async def update_adapters(self, path: str, body: dict, timeout: float = 60.0) -> None:

@@ -58,7 +58,8 @@ class VllmDecodeStream(AnswerReader):
         self._end_pushed = False  # `read` will return None once the tokens before it are read
         self._ended = False
         loop = asyncio.get_running_loop()
-        self._timer = loop.call_at(loop.time() + max(timeout, 0.0), self._expire)
+        self._deadline = loop.time() + max(timeout, 0.0)
+        self._timer = loop.call_at(self._deadline, self._expire)
 
     async def read(self) -> DecodeAccepted | pb.TokenEvent | None:
         if not self._accepted:
@@ -90,9 +91,10 @@ class VllmDecodeStream(AnswerReader):
         self._last = time.monotonic()
         for tries_left in (1, 0):
             self._head = asyncio.get_running_loop().create_future()
+            head = self._head
             try:
-                self._connection = await client.pool.send(self.address, request, self)
-                status = await self._head
+                self._connection = await client.pool.send(self.address, request, self, self._deadline)
+                status = await head
             except StaleConnection as exc:
                 if tries_left:
                     continue
@@ -103,6 +105,8 @@ class VllmDecodeStream(AnswerReader):
                 raise call_failure("decode", self.address, exc) from None
             finally:
                 self._head = None
+                if head.done() and not head.cancelled():
+                    head.exception()  # failed while the dial was under way: what was raised says it
             if status != 200:
                 raise status_error("decode", self.address, status,
                                    b"".join(self._error_pieces).decode(errors="replace"))
@@ -177,9 +181,12 @@ class VllmDecodeStream(AnswerReader):
 
     def fail(self, error: Exception) -> None:
         """The answer will not come to its end: whatever waits on this stream fails with `error`."""
+        if isinstance(error, StaleConnection) and self._head is not None and not self._head.done():
+            self._head.set_exception(error)  # nothing reached vLLM: `_send` sends it again, the stream goes on
+            return
         lost = call_failure("decode", self.address, error)
         if self._head is not None and not self._head.done():
-            self._head.set_exception(error if isinstance(error, StaleConnection) else lost)
+            self._head.set_exception(lost)
         if self._handoff is not None and not self._handoff.done():
             self._handoff.set_exception(lost)
         self._sink.lose(lost)

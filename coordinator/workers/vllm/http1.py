@@ -181,14 +181,15 @@ class HttpPool:
         """The Host header's value for the instance at `address`."""
         return self._targets[address][2]
 
-    async def send(self, address: str, request: bytes, reader: AnswerReader) -> HttpConnection:
-        """Write `request` to the instance on a kept-alive connection; its answer goes to `reader`."""
-        connection = await self._connection(address)
+    async def send(self, address: str, request: bytes, reader: AnswerReader, deadline: float) -> HttpConnection:
+        """Write `request` to the instance on a kept-alive connection; its answer goes to `reader`. A dial is
+        bounded by the call's `deadline` (the loop's clock: TimeoutError past it) and by CONNECT_TIMEOUT_S."""
+        connection = await self._connection(address, deadline)
         self._busy.setdefault(address, set()).add(connection)
         connection.start(request, reader)
         return connection
 
-    async def _connection(self, address: str) -> HttpConnection:
+    async def _connection(self, address: str, deadline: float) -> HttpConnection:
         idle = self._idle.get(address)
         now = time.monotonic()
         while idle:
@@ -200,11 +201,15 @@ class HttpPool:
         host, port, _ = self._targets[address]
         loop = asyncio.get_running_loop()
         context = self._ssl() if self._ssl is not None else None
+        connect_by = loop.time() + CONNECT_TIMEOUT_S
         try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            async with asyncio.timeout_at(min(deadline, connect_by)):
                 _, connection = await loop.create_connection(lambda: HttpConnection(self, address), host, port,
                                                              ssl=context, server_hostname=host if context else None)
-        except TimeoutError:  # the host is gone, not the request's time
+        except TimeoutError:
+            if deadline <= connect_by:
+                raise  # the call's own time ran out
+            # the host is gone, not the request's time
             raise ConnectionError(f"no connection to {host}:{port} within {CONNECT_TIMEOUT_S}s") from None
         self.dialled += 1
         return connection

@@ -73,13 +73,27 @@ def test_text_it_cannot_be_sure_of_goes_to_rust_with_the_same_ids(model_dir):
         assert tokenizer.encode_now(text) == rust.encode(text).ids
 
 
-@pytest.mark.parametrize("change", ["normalizer", "lstrip_token", "prefix_space"])
+def test_special_tokens_encoded_as_text_go_to_rust(model_dir):
+    tokenizer = PromptTokenizer(model_dir)
+    rust = tokenizer.tokenizer.backend_tokenizer
+    text = "x<|im_start|>user"  # a marker the embedded model's tokenizer knows
+    rust.encode_special_tokens = True  # transformers' split_special_tokens
+    try:
+        assert tokenizer._pretokens.encode(text) is None
+        assert tokenizer.encode_now(text) == rust.encode(text).ids
+    finally:
+        rust.encode_special_tokens = False
+
+
+@pytest.mark.parametrize("change", ["normalizer", "lstrip_token", "prefix_space", "normalized_and_not"])
 def test_tokenizers_of_another_shape_are_left_to_rust(tmp_path, change):
     rust = llama3_style(tmp_path)
     if change == "normalizer":
         rust.normalizer = normalizers.Lowercase()
     elif change == "lstrip_token":
         rust.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    elif change == "normalized_and_not":  # Rust matches these after the others, in a second pass
+        rust.add_tokens([AddedToken("x<|", normalized=True)])
     else:
         rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     cache = PretokenCache(rust)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import pytest
 from aiohttp import web
@@ -246,3 +247,75 @@ async def test_a_silence_probe_asks_health_alone_and_the_health_check_reads_the_
     finally:
         await made.close()
         await server.close()
+
+
+def sse_answer(token_ids: list[int]) -> bytes:
+    body = b"".join(chunk([t], f"t{t}", "length" if t == token_ids[-1] else None) for t in token_ids)
+    body += b"data: [DONE]\n\n"
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+
+
+async def test_a_request_on_a_kept_alive_connection_closed_under_it_is_sent_once_more_and_streams_whole():
+    received: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                await reader.readexactly(length)
+                received.append(len(received))
+                if len(received) == 2:  # the server closes a kept-alive connection as the next request arrives
+                    writer.transport.abort()
+                    return
+                writer.write(sse_answer([7, 8]))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    made = VllmClient({address: f"http://{address}"})
+    try:
+        for i in range(2):
+            stream = made.open_decode(address, request(f"r{i}"), 2, 64, timeout=10, local_prefill=True)
+            await stream.read()
+            assert [e.token_id for e in await read_all(stream)] == [7, 8]
+            stream.cancel()
+            await wait_until(lambda: made.pool.idle(address) == 1, what="the connection back in the pool")
+        assert len(received) == 3 and made.connections_dialled == 2
+    finally:
+        await made.close()
+        server.close()
+
+
+async def test_a_dial_that_outlasts_the_call_fails_at_the_calls_deadline():
+    # A listener whose accept queue is full: the kernel drops further SYNs, so a connect hangs (a host gone).
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        filler = socket.socket()
+        filler.setblocking(False)
+        try:
+            filler.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        fillers.append(filler)
+    address = f"127.0.0.1:{port}"
+    made = VllmClient({address: f"http://{address}"})
+    try:
+        with pytest.raises(WorkerCallError) as probe:
+            await made.probe(address, "decode", timeout=0.3)
+        stream = made.open_decode(address, request(), 2, 64, timeout=0.3, local_prefill=True)
+        await stream.read()
+        with pytest.raises(WorkerCallError) as decode:
+            await stream.read()
+        assert probe.value.failure.code == decode.value.failure.code == "DEADLINE_EXCEEDED"
+    finally:
+        await made.close()
+        for s in fillers + [listener]:
+            s.close()
