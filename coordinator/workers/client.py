@@ -222,20 +222,9 @@ class ChannelDecodeStream:
 
     def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[pb.TokenEvent], None],
                          flush: Callable[[], None]) -> None:
-        """Hand every token but the last to `take` inside the frame's callback as it arrives, while `accepts()`,
-        and call `flush` once the read that brought them is handed out; a token arriving when it does not, the
-        last one and any failure come through `read`, in order."""
-        def direct(event: pb.RoutedEvent) -> bool:
-            if event.WhichOneof("event") != "token":
-                return False
-            token = event.token
-            if token.finish_reason or not accepts():  # the last one, or one the listener cannot take now, to `read`
-                return False
-            take(token)
-            return True
-
-        self._sink.direct = direct
-        self._sink.flush = flush
+        """Hand every token but the last to `take` inside the frame's callback as it arrives, while `accepts()`
+        (TokenSink.deliver_tokens)."""
+        self._sink.deliver_tokens(accepts, take, flush, routed=True)
 
     def _expire(self) -> None:
         # Read as the worker's own end of the request at its deadline would be (serve_as_call).

@@ -65,6 +65,27 @@ class TokenSink:
         self._wake()
         return False
 
+    def deliver_tokens(self, accepts: Callable[[], bool], take: Callable[[pb.TokenEvent], None],
+                       flush: Callable[[], None], routed: bool) -> None:
+        """Hand every token but the last to `take` inside the read's callback while `accepts()`, and call `flush`
+        once that read is handed out; the last token, a token `accepts()` refuses, an end and any failure stay
+        for `next`, in order. `routed`: the events are a channel's pb.RoutedEvents (the token unwrapped), else
+        pb.TokenEvents with None as the end."""
+        def direct(event) -> bool:
+            if routed:
+                if event.WhichOneof("event") != "token":
+                    return False
+                event = event.token
+            elif event is None:
+                return False
+            if event.finish_reason or not accepts():
+                return False
+            take(event)
+            return True
+
+        self.direct = direct
+        self.flush = flush
+
     def flush_direct(self) -> None:
         """Send what `direct` took from the frames of this read (before any queued event is read: the task
         runs only after the read's callback)."""

@@ -81,8 +81,6 @@ class VllmDecodeStream(AnswerReader):
         if self._handoff is not None:
             try:
                 body["kv_transfer_params"] = await self._handoff
-            except WorkerCallError:
-                raise
             except Exception as exc:  # noqa: BLE001 - the prefill's own failure, or this stream's end
                 raise call_failure("decode", self.address, exc) from None
         client = self._client
@@ -90,8 +88,7 @@ class VllmDecodeStream(AnswerReader):
                                        self._traceparent)
         self._last = time.monotonic()
         for tries_left in (1, 0):
-            self._head = asyncio.get_running_loop().create_future()
-            head = self._head
+            head = self._head = asyncio.get_running_loop().create_future()
             try:
                 self._connection = await client.pool.send(self.address, request, self, self._deadline)
                 status = await head
@@ -99,9 +96,7 @@ class VllmDecodeStream(AnswerReader):
                 if tries_left:
                     continue
                 raise call_failure("decode", self.address, exc) from None
-            except WorkerCallError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a connection's failure, read as a worker's
+            except Exception as exc:  # noqa: BLE001 - a connection's failure (or the handoff's), as a worker's
                 raise call_failure("decode", self.address, exc) from None
             finally:
                 self._head = None
@@ -211,16 +206,8 @@ class VllmDecodeStream(AnswerReader):
     def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[pb.TokenEvent], None],
                          flush: Callable[[], None]) -> None:
         """Hand every token but the last to `take` inside the connection's callback as it is parsed, while
-        `accepts()`, and call `flush` once the socket read that brought them is handed out; the last token, a
-        token arriving when `accepts()` is false, the end and any failure come through `read`, in order."""
-        def direct(token: pb.TokenEvent | None) -> bool:
-            if token is None or token.finish_reason or not accepts():
-                return False
-            take(token)
-            return True
-
-        self._sink.direct = direct
-        self._sink.flush = flush
+        `accepts()` (TokenSink.deliver_tokens)."""
+        self._sink.deliver_tokens(accepts, take, flush, routed=False)
 
     def cancel(self) -> None:
         """Once: close the connection unless its answer ends on its own (vLLM aborts a request whose client left)

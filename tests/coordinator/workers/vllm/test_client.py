@@ -4,6 +4,7 @@ codes failures.py classifies, and a lost instance's calls failed at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 
@@ -80,6 +81,33 @@ async def read_all(stream) -> list:
     while (event := await stream.read()) is not None:
         events.append(event)
     return events
+
+
+@contextlib.asynccontextmanager
+async def client_of(app: web.Application, **server_args):
+    """(address, VllmClient) of a test server running `app`; both closed after."""
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server(**server_args)
+    address = f"127.0.0.1:{server.port}"
+    made = VllmClient({address: f"http://{address}"})
+    try:
+        yield address, made
+    finally:
+        await made.close()
+        await server.close()
+
+
+async def streams_in_turn(made: VllmClient, address: str, count: int, max_tokens: int, settled, what: str) -> list:
+    """`count` local-prefill streams one after the other, each read whole and left, `settled()` waited for after
+    each; their token ids."""
+    tokens = []
+    for i in range(count):
+        stream = made.open_decode(address, request(f"r{i}"), max_tokens, 64, timeout=10, local_prefill=True)
+        await stream.read()
+        tokens.append([e.token_id for e in await read_all(stream)])
+        stream.cancel()
+        await wait_until(settled, what=what)
+    return tokens
 
 
 async def test_the_decode_instance_gets_the_prefills_kv_transfer_params_and_streams_every_token(vllm, client):
@@ -208,21 +236,11 @@ async def test_a_connection_the_instance_closed_while_idle_is_not_reused():
     fake = FakeVllm()
     app = web.Application()
     app.router.add_post("/v1/completions", fake.completions)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server(keepalive_timeout=0.05)
-    address = f"127.0.0.1:{server.port}"
-    made = VllmClient({address: f"http://{address}"})
-    try:
-        for i in range(2):
-            stream = made.open_decode(address, request(f"r{i}"), 3, 64, timeout=10, local_prefill=True)
-            await stream.read()
-            assert len(await read_all(stream)) == 3
-            stream.cancel()
-            await wait_until(lambda: made.pool.idle(address) == 0, what="the server to close the idle connection")
+    async with client_of(app, keepalive_timeout=0.05) as (address, made):
+        streams = await streams_in_turn(made, address, 2, 3, lambda: made.pool.idle(address) == 0,
+                                        "the server to close the idle connection")
+        assert [len(tokens) for tokens in streams] == [3, 3]
         assert made.connections_dialled == 2
-    finally:
-        await made.close()
-        await server.close()
 
 
 async def test_a_silence_probe_asks_health_alone_and_the_health_check_reads_the_load():
@@ -235,18 +253,11 @@ async def test_a_silence_probe_asks_health_alone_and_the_health_check_reads_the_
 
     app.router.add_get("/health", answer)
     app.router.add_get("/metrics", answer)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    address = f"127.0.0.1:{server.port}"
-    made = VllmClient({address: f"http://{address}"})
-    try:
+    async with client_of(app) as (address, made):
         await made.probe(address, "decode", timeout=5)
         assert asked == ["/health"]
         report = await made.health(address, "decode", timeout=5)
         assert asked == ["/health", "/health", "/metrics"] and report.load.num_running == 3
-    finally:
-        await made.close()
-        await server.close()
 
 
 def sse_answer(token_ids: list[int]) -> bytes:
@@ -278,12 +289,9 @@ async def test_a_request_on_a_kept_alive_connection_closed_under_it_is_sent_once
     address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     made = VllmClient({address: f"http://{address}"})
     try:
-        for i in range(2):
-            stream = made.open_decode(address, request(f"r{i}"), 2, 64, timeout=10, local_prefill=True)
-            await stream.read()
-            assert [e.token_id for e in await read_all(stream)] == [7, 8]
-            stream.cancel()
-            await wait_until(lambda: made.pool.idle(address) == 1, what="the connection back in the pool")
+        streams = await streams_in_turn(made, address, 2, 2, lambda: made.pool.idle(address) == 1,
+                                        "the connection back in the pool")
+        assert streams == [[7, 8], [7, 8]]
         assert len(received) == 3 and made.connections_dialled == 2
     finally:
         await made.close()
