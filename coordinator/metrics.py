@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import time
 
@@ -248,41 +247,30 @@ class CoordinatorMetrics:
     def auth_failed(self, reason: str) -> None:
         self.auth_failures.labels(reason).inc()
 
-    @web.middleware
-    async def middleware(self, request: web.Request, handler):
-        api = request.app[ROUTE_TABLE].metrics_label(request.method, request.path)
-        if api is None:
-            return await handler(request)
+    def request_opened(self, api: str, request: web.Request) -> tuple[RequestTrace, object, float]:
+        """A client API call begins (RequestGate): counted as running, its root span opened and made current."""
         requests = self.requests
         requests.received.inc((api,))
         requests.running += 1
-        started = time.perf_counter()
         # The route's template (`/v2/models/{model}/generate`), not the path, as OpenTelemetry's HTTP
         # conventions name a server span: span names stay few; an unrouted request is its method alone.
         resource = request.match_info.route.resource
         trace = RequestTrace(request.method, resource.canonical if resource is not None else "", request.headers)
-        current = CURRENT_REQUEST.set(trace)
-        status = "500"
-        try:
-            response = await handler(request)
-            status = str(response.status)
-            return response
-        except web.HTTPException as exc:
-            status = str(exc.status)
-            raise
-        except asyncio.CancelledError:
-            status = "499"  # the client went away
-            raise
-        finally:
-            CURRENT_REQUEST.reset(current)
-            trace.end(int(status))
-            if trace.tokenize_s:
-                self.phase("tokenize", trace.tokenize_s)
-            if status != "200":
-                self.fail(api, int(status))
-            requests.running -= 1
-            requests.finished.inc((api, status))
-            requests.e2e.child((api,)).observe(time.perf_counter() - started)
+        return trace, CURRENT_REQUEST.set(trace), time.perf_counter()
+
+    def request_closed(self, api: str, opened: tuple[RequestTrace, object, float], status: int) -> None:
+        """It ended with `status` (499: the client went away)."""
+        trace, current, started = opened
+        CURRENT_REQUEST.reset(current)
+        trace.end(status)
+        if trace.tokenize_s:
+            self.phase("tokenize", trace.tokenize_s)
+        if status != 200:
+            self.fail(api, status)
+        requests = self.requests
+        requests.running -= 1
+        requests.finished.inc((api, str(status)))
+        requests.e2e.child((api,)).observe(time.perf_counter() - started)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

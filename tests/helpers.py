@@ -391,7 +391,7 @@ def open_decode_by_hand(channel, request_id: str, prompt_len: int = 9, max_token
 
 def one_route_app(handler) -> web.Application:
     """An in-process coordinator app serving only `handler` at POST /x, with the real error middleware and metrics."""
-    from coordinator.http.app import error_middleware
+    from coordinator.http.request_gate import error_middleware
     from coordinator.metrics import METRICS, CoordinatorMetrics
     from coordinator.http.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
@@ -13,8 +12,7 @@ from coordinator.http.auth import API_KEYS, ApiKeyGate, load_api_keys
 from coordinator.cluster.node import ClusterNode
 from coordinator.cluster.standby_gate import StandbyGate
 from coordinator.config import ConfigError, CoordinatorConfig
-from coordinator.http.error_response import error_response
-from coordinator.errors import ApiError
+from coordinator.http.request_gate import InFlightLimit, RequestGate, error_middleware
 from coordinator.workers.health_monitor import HealthMonitor
 from coordinator.workers.silence_watch import SilenceWatch
 from coordinator.workers.instances import InstanceRegistry
@@ -40,50 +38,6 @@ from coordinator.workers.vllm.kv_events import VllmKvEventWatch
 from coordinator.workers.client import WorkerClient
 
 logger = logging.getLogger(__name__)
-
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    """Every failure leaves as the API's own error body; nothing escapes as a bare 500 page."""
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return error_response(request, exc, headers=exc.headers)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        reason = exc.reason
-        if exc.status == 413:
-            reason = f"request body exceeds request_limit.body_limit={request.app[STATE].body_limit_mb} MB"
-        return error_response(request, ApiError(exc.status, reason), headers={
-            k: v for k, v in exc.headers.items() if k.lower() == "allow"
-        })
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
-    except Exception:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(request, ApiError(500, "internal server error"))
-
-
-class InFlightLimit:
-    """Counts generation requests in flight; past the limit, new ones get 429 at once."""
-
-    def __init__(self, max_requests: int):
-        self.max_requests = max_requests
-        self.in_flight = 0
-
-    @web.middleware
-    async def middleware(self, request: web.Request, handler):
-        if not request.app[ROUTE_TABLE].is_generation(request.method, request.path):
-            return await handler(request)
-        if self.in_flight >= self.max_requests:
-            error = ApiError(429, f"too many requests in flight: request_limit.max_requests={self.max_requests}")
-            return error_response(request, error, headers={"Retry-After": "1"})
-        self.in_flight += 1
-        try:
-            return await handler(request)
-        finally:
-            self.in_flight -= 1
-
 
 def served_adapters(model, tokenizer: PromptTokenizer) -> LoraRegistry:
     """The LoRA adapters `model_config.loraModules` names, checked (ConfigError naming the key otherwise)."""
@@ -149,13 +103,13 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     # A deregistration seen on etcd is as one on this coordinator: its channels stay open, so requests on it run
     # to their end (its KV index entries go as the registry removes it).
     cluster = ClusterNode.from_config(config, registry, monitor) if on_etcd else None
-    standby = [] if cluster is None else [StandbyGate(cluster.leadership).middleware]
     auth = config.auth_config
-    # The key is checked first, so a client without one takes no in-flight slot and has no body read.
-    gate = [] if api_keys is None else [
-        ApiKeyGate(api_keys, metrics, open_health=auth.open_health, open_metrics=auth.open_metrics).middleware]
-    app = web.Application(middlewares=[*gate, metrics.middleware, error_middleware, *standby, limit.middleware],
-                          client_max_size=config.request_limit.body_limit * 1024 * 1024)
+    gate = RequestGate(
+        PREDICT_ROUTES, metrics, limit,
+        keys=None if api_keys is None else ApiKeyGate(api_keys, metrics, open_health=auth.open_health,
+                                                      open_metrics=auth.open_metrics),
+        standby=None if cluster is None else StandbyGate(cluster.leadership))
+    app = web.Application(middlewares=[gate.middleware], client_max_size=config.request_limit.body_limit * 1024 * 1024)
     app[API_KEYS] = api_keys
     state = app[STATE] = CoordinatorState(
         model.modelName, model.fullTextEnabled, tokenizer, limits, client, registry, router, monitor, pipeline,

@@ -48,15 +48,15 @@ class ApiKeyGate:
         self.open_paths = frozenset(p for p, is_open in (("/health", open_health), ("/health/live", open_health),
                                                          ("/metrics", open_metrics)) if is_open)
 
-    @web.middleware
-    async def middleware(self, request: web.Request, handler):
+    def refusal(self, request: web.Request) -> web.Response | None:
+        """The 401 for a request without an accepted key; None lets it through."""
         if request.method in ("GET", "HEAD") and request.path in self.open_paths:
-            return await handler(request)
+            return None
         headers = request.headers.getall("Authorization", [])
         # Two Authorization headers are ambiguous: a proxy and the gate could each read a different one.
         reason = MALFORMED if len(headers) > 1 else self.store.check(headers[0] if headers else None)
         if reason is None:
-            return await handler(request)
+            return None
         self.metrics.auth_failed(reason)
         return error_response(request, ApiError(401, MESSAGES[reason], error_type="authentication_error"),
                               headers=CHALLENGE)

@@ -1,4 +1,4 @@
-"""The HTTP route table: one entry per route, read by the app, the middlewares and the metrics."""
+"""The HTTP route table: one entry per route, read by the app, its middleware and the metrics."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class Route:
 
 
 class RouteTable:
-    """An app's routes, looked up by path as the middlewares need them."""
+    """An app's routes, looked up by path as the middleware needs them."""
 
     def __init__(self, routes: Iterable[Route]):
         self.routes = tuple(routes)
@@ -93,5 +93,5 @@ class RouteTable:
         return route is not None and route.generation
 
 
-# The app's own table (the predict port's or the management port's), read by its middlewares.
+# The app's own table (the predict port's or the management port's), read by its middleware.
 ROUTE_TABLE = web.AppKey("route_table", RouteTable)

@@ -61,7 +61,7 @@ CURRENT_REQUEST: ContextVar[RequestTrace | None] = ContextVar("pdserve_request_t
 
 def note_tokenized(started: float) -> None:
     """Count a tokenization that began at `started` (time.monotonic) against the request being served (the
-    metrics middleware opens a RequestTrace around every client API call)."""
+    request gate opens a RequestTrace around every client API call)."""
     trace = CURRENT_REQUEST.get()
     if trace is not None:
         trace.tokenized(started)

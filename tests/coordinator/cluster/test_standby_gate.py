@@ -8,7 +8,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from coordinator.http.app import error_middleware
+from coordinator.http.request_gate import InFlightLimit, RequestGate
+from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.cluster.standby_gate import StandbyGate
 from coordinator.http.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
 from coordinator.http.routes import PREDICT_ROUTES
@@ -21,10 +22,14 @@ async def ok(request: web.Request) -> web.Response:
 @pytest.fixture
 async def gated():
     leadership = SimpleNamespace(serving=False, leader="A")
-    app = web.Application(middlewares=[error_middleware, StandbyGate(leadership).middleware])
-    app[ROUTE_TABLE] = RouteTable([Route("POST", "/v1/completions", ok, ErrorStyle.OPENAI),
-                                   Route("POST", "/generate", ok, ErrorStyle.TGI),
-                                   Route("GET", "/health", ok, ErrorStyle.TGI, on_standby=True)])
+    table = RouteTable([Route("POST", "/v1/completions", ok, ErrorStyle.OPENAI),
+                        Route("POST", "/generate", ok, ErrorStyle.TGI),
+                        Route("GET", "/health", ok, ErrorStyle.TGI, on_standby=True)])
+    metrics = CoordinatorMetrics()
+    app = web.Application(middlewares=[RequestGate(table, metrics, InFlightLimit(8),
+                                                   standby=StandbyGate(leadership)).middleware])
+    app[ROUTE_TABLE] = table
+    app[METRICS] = metrics
     app[ROUTE_TABLE].add_to(app)
     async with TestClient(TestServer(app)) as client:
         yield client, leadership

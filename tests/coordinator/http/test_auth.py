@@ -115,10 +115,14 @@ def test_a_refused_request_has_no_body_read(model_dir, keys_file):
     assert [r[0] for r in results] == [401, 413]
 
 
-def test_the_gate_runs_before_the_in_flight_limit(model_dir, keys_file):
+def test_the_key_is_checked_before_the_in_flight_limit(model_dir, keys_file):
     app = make_app(model_dir, keys_file)
-    gate, *_, limit = app.middlewares
-    assert gate.__self__.__class__.__name__ == "ApiKeyGate" and limit.__self__.__class__.__name__ == "InFlightLimit"
+    [middleware] = app.middlewares  # one pass: RequestGate
+    limit = middleware.__self__.limit
+    limit.in_flight = limit.max_requests  # full: a keyed request is refused with 429, a keyless one with 401
+    results = call(app, ("POST", "/v1/completions", {"json": {}}),
+                   ("POST", "/v1/completions", {"json": {}, "headers": {"Authorization": f"Bearer {KEY}"}}))
+    assert [r[0] for r in results] == [401, 429]
 
 
 def test_a_broken_keys_file_is_a_config_error_naming_the_key_and_file(tmp_path):

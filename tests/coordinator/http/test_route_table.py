@@ -9,7 +9,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from coordinator.http.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
-from coordinator.http.app import InFlightLimit, create_app, error_middleware
+from coordinator.http.app import create_app
+from coordinator.http.request_gate import InFlightLimit, RequestGate
 from coordinator.config import parse_config
 from coordinator.errors import ApiError
 from coordinator.metrics import METRICS, CoordinatorMetrics
@@ -70,9 +71,9 @@ def test_lookups_by_method_and_path(method, path, style, label, generation):
 
 
 def serve_table(table: RouteTable, max_requests: int = 8):
-    """The predict app's middlewares around `table`, served in this process."""
+    """The predict app's middleware around `table`, served in this process."""
     metrics = CoordinatorMetrics()
-    app = web.Application(middlewares=[metrics.middleware, error_middleware, InFlightLimit(max_requests).middleware])
+    app = web.Application(middlewares=[RequestGate(table, metrics, InFlightLimit(max_requests)).middleware])
     app[ROUTE_TABLE] = table
     app[METRICS] = metrics
     table.add_to(app)

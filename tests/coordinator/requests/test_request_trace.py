@@ -1,11 +1,11 @@
-"""A client request's root span, made by the metrics middleware around every client API call."""
+"""A client request's root span, made by the request gate around every client API call."""
 
 from __future__ import annotations
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from coordinator.http.app import error_middleware
+from coordinator.http.request_gate import InFlightLimit, RequestGate
 from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.http.route_table import ROUTE_TABLE, ErrorStyle, Route, RouteTable
 
@@ -18,8 +18,9 @@ async def ok(request: web.Request) -> web.Response:
 
 def traced_app() -> web.Application:
     metrics = CoordinatorMetrics()
-    app = web.Application(middlewares=[metrics.middleware, error_middleware])
-    app[ROUTE_TABLE] = RouteTable([Route("POST", "/v2/models/{model}/generate", ok, ErrorStyle.TGI, "triton")])
+    table = RouteTable([Route("POST", "/v2/models/{model}/generate", ok, ErrorStyle.TGI, "triton")])
+    app = web.Application(middlewares=[RequestGate(table, metrics, InFlightLimit(8)).middleware])
+    app[ROUTE_TABLE] = table
     app[METRICS] = metrics
     app[ROUTE_TABLE].add_to(app)
     return app
