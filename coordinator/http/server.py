@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -99,6 +100,21 @@ async def run_coordinator(config: CoordinatorConfig) -> None:
         tracing.shutdown()  # the last requests' spans are exported, not lost
 
 
+# Objects made before the cyclic collector runs over the young ones: each request makes hundreds of containers,
+# nearly all freed by reference counting, so the default (700) paid a young collection every few requests.
+YOUNG_COLLECTION_AFTER = 20_000
+
+
+def settle_heap() -> None:
+    """Once start-up is done: what it built (the tokenizer, schemas, routes) lives as long as the process, so it
+    is frozen out of the collector's reach (a full collection walks only what requests made), and young
+    collections run less often (docs/benchmarks/coordinator.md: less CPU per request, and a lower TTFT p99
+    without the pauses of full collections over the start-up heap)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(YOUNG_COLLECTION_AFTER, *gc.get_threshold()[1:])
+
+
 async def _serve(config: CoordinatorConfig) -> None:
     app = create_app(config)
     trust = app[TRUST]
@@ -123,6 +139,7 @@ async def _serve(config: CoordinatorConfig) -> None:
     if app[API_KEYS] is not None:
         reloads.add("auth_config.api_keys_file", app[API_KEYS].reload)
     reloads.install()
+    settle_heap()
     print(f"pdserve coordinator management: {manage_url}", flush=True)
     print(f"pdserve coordinator ready: {predict_url}", flush=True)
 
