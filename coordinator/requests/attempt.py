@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -125,11 +126,15 @@ class TokenRelay:
         if own_index:
             decode.step_ms += (time_ms - decode.step_ms) * 0.1
         progress.token_ids.append(token_id)
-        top = token.top_logprobs
         # Positional, in TokenDelta's field order: keywords cost five times as much, once per token.
-        delta = TokenDelta(token_id, token.text, index, time_ms, token.logprob if self.wants_logprobs else None,
-                           tuple([(t.token_id, t.logprob) for t in top]) if top else (), token.finish_reason != 0,
-                           token.batch_size or 1, token.queue_wait_ms if own_index else self.admission_ms)
+        if self.wants_logprobs:
+            top = token.top_logprobs
+            delta = TokenDelta(token_id, token.text, index, time_ms, token.logprob,
+                               tuple([(t.token_id, t.logprob) for t in top]) if top else (), token.finish_reason != 0,
+                               token.batch_size or 1, token.queue_wait_ms if own_index else self.admission_ms)
+        else:  # a protobuf field read costs (a repeated one makes an object): only those used are read
+            delta = TokenDelta(token_id, token.text, index, time_ms, None, (), token.finish_reason != 0,
+                               token.batch_size or 1, token.queue_wait_ms if own_index else self.admission_ms)
         if index == 0 and token.prompt_logprobs:
             delta.prompt_logprobs = tuple((p.logprob, p.rank, tuple((t.token_id, t.logprob) for t in p.top))
                                           for p in token.prompt_logprobs)
@@ -282,8 +287,7 @@ class AttemptRunner:
         if listener is not None:
             # From here on the tokens but the last may go straight from their frames to the client (the
             # task sees only what the listener leaves: the last token, a failure, a token of a slow client).
-            stream.deliver_directly(listener.accepts, lambda token: listener.write(relay.delta(token)),
-                                    listener.flush)
+            stream.deliver_directly(functools.partial(listener.take, to_delta=relay.delta), listener.flush)
         progress = relay.progress
         while True:
             if token is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -144,12 +145,10 @@ GenerationEvent = TokenDelta | Finished | Failed
 class TokenListener(Protocol):
     """Takes a stream's tokens as their frames arrive, skipping the events' way through the request's task."""
 
-    def accepts(self) -> bool:
-        """Whether the next token can be written now, in order (the stream is open, its earlier events are all
-        written and the client keeps up)."""
-
-    def write(self, delta: TokenDelta) -> None:
-        """Record one token and queue its bytes (only after `accepts` said so)."""
+    def take(self, token, to_delta: Callable[[object], TokenDelta]) -> bool:
+        """Record a mid-stream worker token (`to_delta` makes it the request's TokenDelta) and queue its bytes, if
+        it can be written now, in order (the stream is open, its earlier events are all written, the client keeps
+        up); False leaves it, untouched, to the request's task."""
 
     def flush(self) -> None:
         """Send the bytes `write` queued, in one write (called once per socket read that brought tokens)."""

@@ -167,10 +167,14 @@ class TokenWriter:
         if response.chunked:
             self._transport = http_request.transport
 
-    def accepts(self) -> bool:
+    def take(self, token, to_delta) -> bool:
+        if token.finish_reason or self.busy:
+            return False
         transport = self._transport
-        return (not self.busy and transport is not None and not transport.is_closing()
-                and transport.get_write_buffer_size() <= self.HIGH_WATER)
+        if transport is None or transport.is_closing() or transport.get_write_buffer_size() > self.HIGH_WATER:
+            return False
+        self.write(to_delta(token))
+        return True
 
     def write(self, delta: TokenDelta) -> None:
         self.transcript.add(delta)

@@ -186,8 +186,7 @@ class DecodeStream:
             return accepted_from_pb(msg.accepted)
         return msg.token
 
-    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[pb.TokenEvent], None],
-                         flush: Callable[[], None]) -> None:
+    def deliver_directly(self, take: Callable[[pb.TokenEvent], bool], flush: Callable[[], None]) -> None:
         """Nothing to do: a gRPC stream's messages come only through `read`."""
 
     def cancel(self) -> None:
@@ -220,11 +219,9 @@ class ChannelDecodeStream:
         self._release(cancel=False)
         raise _channel_error("decode", self.address, event.error)
 
-    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[pb.TokenEvent], None],
-                         flush: Callable[[], None]) -> None:
-        """Hand every token but the last to `take` inside the frame's callback as it arrives, while `accepts()`
-        (TokenSink.deliver_tokens)."""
-        self._sink.deliver_tokens(accepts, take, flush, routed=True)
+    def deliver_directly(self, take: Callable[[pb.TokenEvent], bool], flush: Callable[[], None]) -> None:
+        """Offer each token to `take` inside the frame's callback as it arrives (TokenSink.deliver_tokens)."""
+        self._sink.deliver_tokens(take, flush, routed=True)
 
     def _expire(self) -> None:
         # Read as the worker's own end of the request at its deadline would be (serve_as_call).

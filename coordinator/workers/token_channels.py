@@ -65,23 +65,17 @@ class TokenSink:
         self._wake()
         return False
 
-    def deliver_tokens(self, accepts: Callable[[], bool], take: Callable[[pb.TokenEvent], None],
-                       flush: Callable[[], None], routed: bool) -> None:
-        """Hand every token but the last to `take` inside the read's callback while `accepts()`, and call `flush`
-        once that read is handed out; the last token, a token `accepts()` refuses, an end and any failure stay
-        for `next`, in order. `routed`: the events are a channel's pb.RoutedEvents (the token unwrapped), else
-        pb.TokenEvents with None as the end."""
-        def direct(event) -> bool:
-            if routed:
-                if event.WhichOneof("event") != "token":
-                    return False
-                event = event.token
-            elif event is None:
-                return False
-            if event.finish_reason or not accepts():
-                return False
-            take(event)
-            return True
+    def deliver_tokens(self, take: Callable[[pb.TokenEvent], bool], flush: Callable[[], None], routed: bool) -> None:
+        """Hand tokens to `take` inside the read's callback (it returns whether it took one; it refuses the last
+        token and whatever it cannot write now), and call `flush` once that read is handed out; what `take`
+        refuses, an end and any failure stay for `next`, in order. `routed`: the events are a channel's
+        pb.RoutedEvents (the token unwrapped), else tokens, with None as the end."""
+        if routed:
+            def direct(event) -> bool:
+                return event.WhichOneof("event") == "token" and take(event.token)
+        else:
+            def direct(event) -> bool:
+                return event is not None and take(event)
 
         self.direct = direct
         self.flush = flush

@@ -203,11 +203,9 @@ class VllmDecodeStream(AnswerReader):
     def _expire(self) -> None:
         self._break(call_failure("decode", self.address, TimeoutError()))
 
-    def deliver_directly(self, accepts: Callable[[], bool], take: Callable[[pb.TokenEvent], None],
-                         flush: Callable[[], None]) -> None:
-        """Hand every token but the last to `take` inside the connection's callback as it is parsed, while
-        `accepts()` (TokenSink.deliver_tokens)."""
-        self._sink.deliver_tokens(accepts, take, flush, routed=False)
+    def deliver_directly(self, take: Callable[[pb.TokenEvent], bool], flush: Callable[[], None]) -> None:
+        """Offer each token to `take` inside the connection's callback as it is parsed (TokenSink.deliver_tokens)."""
+        self._sink.deliver_tokens(take, flush, routed=False)
 
     def cancel(self) -> None:
         """Once: close the connection unless its answer ends on its own (vLLM aborts a request whose client left)

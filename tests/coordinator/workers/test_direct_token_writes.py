@@ -102,21 +102,36 @@ class OpenStream:
         self.chunked = chunked
 
 
-def test_writer_accepts_only_an_open_chunked_stream_not_busy_whose_client_keeps_up():
+def test_writer_takes_a_mid_stream_token_only_on_an_open_chunked_stream_not_busy_whose_client_keeps_up():
     transport = BufferingTransport()
-    writer = TokenWriter(SseFormatter(), Transcript())
-    assert not writer.accepts()  # not open yet
+    writer = TokenWriter(TextFormatter(), Transcript())
+    made = []
+
+    def to_delta(token):
+        made.append(token.index)
+        return TokenDelta(token.token_id, token.text, token.index, 1.0)
+
+    def takes(token=pb.TokenEvent(token_id=1, text="a", index=1)) -> bool:
+        return writer.take(token, to_delta)
+
+    assert not takes()  # not open yet
     writer.open(OpenStream(transport, chunked=False), OpenStream(None, chunked=False))
-    assert not writer.accepts()  # HTTP/1.0: aiohttp frames it
+    assert not takes()  # HTTP/1.0: aiohttp frames it
     writer.open(OpenStream(transport), OpenStream(None))
-    assert writer.accepts()
     writer.busy = True
-    assert not writer.accepts()
+    assert not takes()
     writer.busy = False
     transport.unsent = TokenWriter.HIGH_WATER + 1
-    assert not writer.accepts()  # the client is behind: the task waits for it
+    assert not takes()  # the client is behind: the task waits for it
     transport.unsent, transport.closing = 0, True
-    assert not writer.accepts()
+    assert not takes()
+    transport.closing = False
+    assert not takes(pb.TokenEvent(token_id=2, text="b", index=2, finish_reason=pb.FINISH_REASON_LENGTH))  # the last
+    assert made == [] and writer.transcript.token_ids == []  # nothing refused was recorded
+    assert takes()
+    assert made == [1] and writer.transcript.token_ids == [1]
+    writer.flush()
+    assert transport.written == [b'14\r\ndata: {"text":"a"}\n\n\r\n']
 
 
 class TextFormatter(SseFormatter):

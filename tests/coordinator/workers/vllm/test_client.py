@@ -224,7 +224,8 @@ async def test_tokens_go_to_the_listener_inside_the_read_and_the_last_through_re
     await stream.read()
     assert (await stream.read()).token_id == 7  # the first through read, as the attempt reads it
     taken, flushes = [], []
-    stream.deliver_directly(lambda: True, taken.append, lambda: flushes.append(len(taken)))
+    stream.deliver_directly(lambda token: token.finish_reason == 0 and taken.append(token) is None,
+                            lambda: flushes.append(len(taken)))
     vllm.hold.set()
     last = await stream.read()
     assert [t.token_id for t in taken] == [8] and flushes and flushes[-1] == 1
