@@ -163,7 +163,7 @@ class TokenChannel(asyncio.Protocol):
                 if self.state is ChannelState.GREETING:
                     self._greeted(frame)
                     continue
-                if frame.kv_events and self.kv_events_sink is not None:
+                if self.kv_events_sink is not None and frame.kv_events:  # a repeated field read makes an object
                     self._kv_events(frame.kv_events)
                 sinks = self.sinks
                 for event in frame.events:
