@@ -53,7 +53,7 @@ class RouteTable:
         duplicates = sorted({k for k in keys if keys.count(k) > 1})
         if duplicates:
             raise ValueError(f"routes declared twice: {duplicates}")
-        # Every request looks itself up (metrics, request limit): static paths by key, no scan.
+        # Every request looks itself up once (RequestGate): static paths by key, no scan.
         self._static = {(r.method, r.path): r for r in self.routes if "{" not in r.path}
         self._dynamic = [(r.pattern(), r) for r in self.routes if "{" in r.path]
 
@@ -87,10 +87,6 @@ class RouteTable:
         if route is not None:
             return route.metrics_label
         return UNROUTED_LABEL if method == "POST" else None
-
-    def is_generation(self, method: str, path: str) -> bool:
-        route = self.find(method, path)
-        return route is not None and route.generation
 
 
 # The app's own table (the predict port's or the management port's), read by its middleware.

@@ -125,6 +125,7 @@ async def _serve(config: CoordinatorConfig) -> None:
                            shutdown_timeout=http.drain_seconds)
     await runner.setup()
     _answer_protocol_errors_in_api_format(runner, app)
+    settle_heap()  # before any request: nothing of one is frozen with the start-up heap
     # On shutdown the site stops accepting at once and gives running requests drain_seconds to finish.
     _, predict_url = await _listen(runner, app, http.predict_ip, http.predict_port, trust.predict_tls, http)
     manage_app = create_management_app(app)
@@ -139,7 +140,6 @@ async def _serve(config: CoordinatorConfig) -> None:
     if app[API_KEYS] is not None:
         reloads.add("auth_config.api_keys_file", app[API_KEYS].reload)
     reloads.install()
-    settle_heap()
     print(f"pdserve coordinator management: {manage_url}", flush=True)
     print(f"pdserve coordinator ready: {predict_url}", flush=True)
 

@@ -146,9 +146,9 @@ class TokenListener(Protocol):
     """Takes a stream's tokens as their frames arrive, skipping the events' way through the request's task."""
 
     def take(self, token, to_delta: Callable[[object], TokenDelta]) -> bool:
-        """Record a mid-stream worker token (`to_delta` makes it the request's TokenDelta) and queue its bytes, if
-        it can be written now, in order (the stream is open, its earlier events are all written, the client keeps
-        up); False leaves it, untouched, to the request's task."""
+        """Record a worker's token (`to_delta` makes it the request's TokenDelta) and queue its bytes, if it is not
+        the last (finish_reason set) and can be written now, in order (the stream is open, its earlier events are
+        all written, the client keeps up); False leaves it, untouched, to the request's task."""
 
     def flush(self) -> None:
-        """Send the bytes `write` queued, in one write (called once per socket read that brought tokens)."""
+        """Send the bytes `take` queued, in one write (called once per socket read that brought tokens)."""

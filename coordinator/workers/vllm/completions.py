@@ -1,5 +1,5 @@
 """The coordinator's request in vLLM's terms: /v1/completions bodies for the NIXL handshake, and each streamed
-chunk as the pb.TokenEvents a pdserve decode worker would have sent.
+chunk as the tokens (pb.TokenEvent's fields) a pdserve decode worker would have sent.
 
 The prompt always goes as token ids: the coordinator tokenized it (chat template included), so a vLLM
 instance computes exactly the prompt a pdserve worker would have. The handshake (vLLM's own proxy's):
@@ -113,7 +113,8 @@ class PlainToken:
 
 
 class ChunkReader:
-    """Streamed completion chunks made pb.TokenEvents, numbered from 0 (a chunk may carry several tokens)."""
+    """Streamed completion chunks made tokens (PlainToken for the common chunk, else pb.TokenEvents), numbered from
+    0 (a chunk may carry several tokens)."""
 
     __slots__ = ("index", "top_logprobs")
 
@@ -138,7 +139,10 @@ class ChunkReader:
         if len(token_ids) == 1 and choice.get("finish_reason") is None and self.top_logprobs is None:
             index = self.index  # the common chunk: one token mid-stream, without logprobs
             self.index = index + 1
-            return [PlainToken(token_ids[0], index, step_ms, choice.get("text", ""))]
+            token_id = token_ids[0]
+            if token_id.__class__ is not int:  # as pb.TokenEvent would refuse it
+                raise TypeError(f"token id {token_id!r} is not an integer")
+            return [PlainToken(token_id, index, step_ms, choice.get("text", ""))]
         finish = _finish(choice.get("finish_reason"), choice.get("stop_reason"))
         logprobs = choice.get("logprobs") if self.top_logprobs is not None else None
         events = []

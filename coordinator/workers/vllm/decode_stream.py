@@ -1,7 +1,7 @@
 """VllmDecodeStream: a decode on a vLLM instance, read as a pdserve DecodeStream is (client.py's handshake, step 3).
 
 Its answer's server-sent events are split in the connection's callback as they arrive (http1.py), each chunk made
-pb.TokenEvents (completions.ChunkReader) and pushed to a TokenSink: handed straight to the attempt's listener once
+tokens (completions.ChunkReader: pb.TokenEvent's fields) and pushed to a TokenSink: handed straight to the attempt's listener once
 `deliver_directly` asked for that (no task wakes per token), queued for `read` otherwise (the first token, the
 last, a slow client's). One timer per stream holds its deadline.
 """
@@ -19,7 +19,7 @@ from coordinator.requests.request import GenerationRequest
 from coordinator.workers.client import DecodeAccepted
 from coordinator.workers.token_channels import TokenSink
 from coordinator.workers.vllm.call_failures import call_failure, failure, status_error
-from coordinator.workers.vllm.completions import ChunkReader, EngineError, UnsupportedOnVllm
+from coordinator.workers.vllm.completions import ChunkReader, EngineError, PlainToken, UnsupportedOnVllm
 from coordinator.workers.vllm.http1 import AnswerReader, HttpConnection, StaleConnection
 from proto import worker_pb2 as pb
 
@@ -30,8 +30,8 @@ MAX_EVENT_BYTES = 64 << 20
 
 
 class VllmDecodeStream(AnswerReader):
-    """DecodeAccepted, then one pb.TokenEvent per token (the last with its finish reason), then None; a failure as
-    the WorkerCallError a pdserve worker's would be."""
+    """DecodeAccepted, then the tokens one by one (each a pb.TokenEvent, or a PlainToken with its fields; the last
+    with its finish reason), then None; a failure as the WorkerCallError a pdserve worker's would be."""
 
     def __init__(self, client, address: str, request: GenerationRequest, body: dict | None,
                  refusal: UnsupportedOnVllm | None, timeout: float, handoff: asyncio.Future | None,
@@ -61,7 +61,7 @@ class VllmDecodeStream(AnswerReader):
         self._deadline = loop.time() + max(timeout, 0.0)
         self._timer = loop.call_at(self._deadline, self._expire)
 
-    async def read(self) -> DecodeAccepted | pb.TokenEvent | None:
+    async def read(self) -> DecodeAccepted | pb.TokenEvent | PlainToken | None:
         if not self._accepted:
             self._accepted = True
             return ACCEPTED

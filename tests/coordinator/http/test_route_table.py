@@ -67,7 +67,8 @@ def test_generation_routes_are_the_posts_that_generate():
 def test_lookups_by_method_and_path(method, path, style, label, generation):
     assert PREDICT_ROUTES.error_style(path) is style
     assert PREDICT_ROUTES.metrics_label(method, path) == label
-    assert PREDICT_ROUTES.is_generation(method, path) is generation
+    route = PREDICT_ROUTES.find(method, path)
+    assert (route is not None and route.generation) is generation
 
 
 def serve_table(table: RouteTable, max_requests: int = 8):

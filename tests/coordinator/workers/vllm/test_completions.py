@@ -74,6 +74,13 @@ def test_a_chunk_of_several_tokens_numbers_each_and_gives_the_text_to_the_last()
     assert reader.events({"choices": [], "usage": {}}, 0.0) == []
 
 
+def test_a_token_id_that_is_not_an_integer_is_refused_even_in_the_common_chunk():
+    with pytest.raises(TypeError):
+        ChunkReader(None).events(chunk(["3"], "x"), 0.0)
+    with pytest.raises(TypeError):
+        ChunkReader(None).events(chunk(["3"], "x", finish="length"), 0.0)
+
+
 @pytest.mark.parametrize("finish, stop_reason, reason, matched", [
     ("stop", None, pb.FINISH_REASON_EOS, ""),
     ("stop", "END", pb.FINISH_REASON_STOP_STRING, "END"),
