@@ -6,8 +6,9 @@ One attempt on a vLLM prefill + decode pair (the AttemptRunner's order, mapped o
   2. `prefill`: the prompt on the prefill instance (completions.py, step 1); its `kv_transfer_params` are handed
      to the decode stream of the same request id.
   3. The decode stream's next read sends the request with them to the decode instance; its chunks are parsed as
-     they arrive (http1.py) into tokens (pb.TokenEvent's fields; completions.PlainToken for the common chunk), each handed to the attempt's listener inside the socket's callback
-     once the attempt asks for that (`deliver_directly`), else queued for `read`. Without a prefill instance (a
+     they arrive (http1.py) into tokens (pb.TokenEvents, or completions.PlainTokens for the common chunk), each
+     handed to the attempt's listener inside the socket's callback once the attempt asks for that
+     (`deliver_directly`), else queued for `read`. Without a prefill instance (a
      short prompt, local prefill) it sends the request alone.
 Every call goes on a kept-alive connection (http1.HttpPool); the request's body is built once, for both instances.
 Failures are WorkerCallErrors with the gRPC code a pdserve worker's failure would carry (failures.py then

@@ -1,9 +1,9 @@
 """VllmDecodeStream: a decode on a vLLM instance, read as a pdserve DecodeStream is (client.py's handshake, step 3).
 
 Its answer's server-sent events are split in the connection's callback as they arrive (http1.py), each chunk made
-tokens (completions.ChunkReader: pb.TokenEvent's fields) and pushed to a TokenSink: handed straight to the attempt's listener once
-`deliver_directly` asked for that (no task wakes per token), queued for `read` otherwise (the first token, the
-last, a slow client's). One timer per stream holds its deadline.
+tokens (completions.ChunkReader: pb.TokenEvent's fields) and pushed to a TokenSink: handed straight to the
+attempt's listener once `deliver_directly` asked for that (no task wakes per token), queued for `read` otherwise
+(the first token, the last, a slow client's). One timer per stream holds its deadline.
 """
 
 from __future__ import annotations
