@@ -126,15 +126,12 @@ class TokenRelay:
         if own_index:
             decode.step_ms += (time_ms - decode.step_ms) * 0.1
         progress.token_ids.append(token_id)
+        logprob, top = None, ()
+        if self.wants_logprobs:  # a protobuf field read costs (a repeated one makes an object): read when asked for
+            logprob, top = token.logprob, tuple([(t.token_id, t.logprob) for t in token.top_logprobs])
         # Positional, in TokenDelta's field order: keywords cost five times as much, once per token.
-        if self.wants_logprobs:
-            top = token.top_logprobs
-            delta = TokenDelta(token_id, token.text, index, time_ms, token.logprob,
-                               tuple([(t.token_id, t.logprob) for t in top]) if top else (), token.finish_reason != 0,
-                               token.batch_size or 1, token.queue_wait_ms if own_index else self.admission_ms)
-        else:  # a protobuf field read costs (a repeated one makes an object): only those used are read
-            delta = TokenDelta(token_id, token.text, index, time_ms, None, (), token.finish_reason != 0,
-                               token.batch_size or 1, token.queue_wait_ms if own_index else self.admission_ms)
+        delta = TokenDelta(token_id, token.text, index, time_ms, logprob, top, token.finish_reason != 0,
+                           token.batch_size or 1, token.queue_wait_ms if own_index else self.admission_ms)
         if index == 0 and token.prompt_logprobs:
             delta.prompt_logprobs = tuple((p.logprob, p.rank, tuple((t.token_id, t.logprob) for t in p.top))
                                           for p in token.prompt_logprobs)
