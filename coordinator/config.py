@@ -120,6 +120,9 @@ class InstanceConfig(_Section):
     kv_events: str = Field("", description="vllm, for cache_affinity: where to subscribe to its KV events "
                            "(ZMQ; its --kv-events-config endpoint, which vLLM binds when it is tcp://*:PORT or "
                            "ipc://PATH): tcp://host:port or ipc://PATH; empty = routed on its load alone.")
+    device: Literal["gpu", "cpu"] = Field("gpu", description="vllm: what the instance computes on; cpu (vLLM's CPU "
+                                          "build, as `pdserve up --engine vllm` starts) refuses a client's seed with "
+                                          "temperature > 0, which that build fails on.")
 
     @field_validator("address")
     @classmethod
@@ -147,8 +150,8 @@ class InstanceConfig(_Section):
     @model_validator(mode="after")
     def _engine_fields(self) -> InstanceConfig:
         if self.engine == "pdserve":
-            if self.url or self.kv_events:
-                raise ValueError("url and kv_events are for engine vllm; a pdserve worker has an address")
+            if self.url or self.kv_events or self.device != "gpu":
+                raise ValueError("url, kv_events and device are for engine vllm; a pdserve worker has an address")
             if not self.address:
                 raise ValueError("address: a pdserve worker needs host:port")
             return self
@@ -181,6 +184,10 @@ class InstancesConfig(_Section):
     def engine(self) -> str:
         """The engine of every instance: pdserve when none is listed (workers then register)."""
         return next((i.engine for i in self.prefill + self.decode), "pdserve")
+
+    def seeded_sampling(self) -> bool:
+        """Whether every vLLM instance can sample from a client's seed (none runs vLLM's CPU build)."""
+        return all(i.device == "gpu" for i in self.prefill + self.decode)
 
     def urls(self) -> dict[str, str]:
         """Each vLLM instance's base URL by its address."""

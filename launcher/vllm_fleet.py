@@ -94,7 +94,8 @@ class VllmInstance:
 
     def entry(self, scheme: str) -> dict:
         """Its entry in ms_coordinator.json's instances."""
-        return {"engine": "vllm", "url": f"{scheme}://127.0.0.1:{self.port}", "kv_events": self.kv_events}
+        return {"engine": "vllm", "url": f"{scheme}://127.0.0.1:{self.port}", "kv_events": self.kv_events,
+                "device": "cpu"}
 
 
 def plan_instances(num_prefill: int, num_decode: int, run_dir: Path) -> list[VllmInstance]:

@@ -142,9 +142,12 @@ PositiveInt32 = MaxTokens  # (0, INT32_MAX]
 PromptInput = Annotated[str | list, Field(min_length=1)]  # text, or a list of typed items (see multimodal)
 
 
-def new_seed(requested: int | None) -> int:
-    """The request's seed, or a fresh one, so the prefill and decode workers draw from one stream."""
-    return requested if requested is not None else secrets.randbits(63) + 1
+def seed_fields(requested: int | None) -> dict:
+    """SamplingOptions' seed: the client's, or a fresh one (marked drawn), so pdserve's prefill and decode workers
+    draw from one stream; vLLM engines are sent only a client's (completions.py)."""
+    if requested is not None:
+        return {"seed": requested}
+    return {"seed": secrets.randbits(63) + 1, "seed_drawn": True}
 
 
 def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -175,7 +178,7 @@ class VllmSamplingFields(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=0 if self.top_k == -1 else self.top_k,
-            seed=new_seed(self.seed),
+            **seed_fields(self.seed),
             stop=stop_tuple(self.stop),
             skip_special_tokens=self.skip_special_tokens,
             repetition_penalty=self.repetition_penalty,

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from coordinator.apis.fields import MaxTokens, PositiveInt32, Seed, new_seed
+from coordinator.apis.fields import MaxTokens, PositiveInt32, Seed, seed_fields
 from coordinator.errors import ApiError
 from coordinator.requests.request import (Finished, FinishReason, GenerationRequest, GuidedGrammar, SamplingOptions,
                                          TokenDelta)
@@ -88,7 +88,7 @@ class TextGenParameters(BaseModel):
         return SamplingOptions(
             temperature=(self.temperature or 1.0) if wants_sampling else 0.0,
             top_p=self.top_p or 1.0, top_k=self.top_k or 0, typical_p=typical_p if wants_sampling else 1.0,
-            seed=new_seed(self.seed), repetition_penalty=self.repetition_penalty, **extra,
+            **seed_fields(self.seed), repetition_penalty=self.repetition_penalty, **extra,
         )
 
     def generation(self, request_id: str, prompt_ids: list[int], guided: GuidedGrammar | None = None,

@@ -69,7 +69,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     trust = CoordinatorTrust.from_config(config)
     engine = config.instances.engine
     # vLLM instances are spoken to over their OpenAI API (coordinator/workers/vllm/), pdserve workers over gRPC.
-    client = (VllmClient(config.instances.urls(), trust.worker_tls, trust.worker_secret) if engine == "vllm"
+    client = (VllmClient(config.instances.urls(), trust.worker_tls, trust.worker_secret,
+                         config.instances.seeded_sampling()) if engine == "vllm"
               else WorkerClient(trust.worker_tls, trust.worker_secret))
     registry = InstanceRegistry([i.address for i in config.instances.prefill],
                                 [i.address for i in config.instances.decode],

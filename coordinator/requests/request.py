@@ -31,6 +31,7 @@ class SamplingOptions(SamplingRules):
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's and N alternatives
     prompt_logprobs: int | None = None  # as `logprobs`, for every prompt token after the first (with the first token)
     guided: GuidedGrammar | None = None
+    seed_drawn: bool = False  # the coordinator drew `seed`: the client gave none
 
 
 @dataclass(frozen=True, eq=False)

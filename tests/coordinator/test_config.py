@@ -166,6 +166,13 @@ def test_a_vllm_instance_is_named_by_its_urls_host_and_port():
     assert config.instances.urls() == {"127.0.0.1:8100": "http://127.0.0.1:8100", "127.0.0.1:8200": "http://127.0.0.1:8200"}
     assert config.instances.kv_event_endpoints() == {"127.0.0.1:8100": "ipc:///tmp/p"}
     assert [i.address for i in config.instances.prefill] == ["127.0.0.1:8100"]
+    assert config.instances.seeded_sampling()
+
+
+def test_a_fleet_with_a_cpu_vllm_instance_does_not_sample_from_seeds():
+    cpu = {"instances": {**VLLM["instances"], "decode": [{"engine": "vllm", "url": "http://127.0.0.1:8200",
+                                                           "device": "cpu"}]}}
+    assert not parse_config(cpu).instances.seeded_sampling()
 
 
 @pytest.mark.parametrize("instances, message", [
@@ -175,6 +182,8 @@ def test_a_vllm_instance_is_named_by_its_urls_host_and_port():
     ({"decode": [{"engine": "vllm", "url": "http://127.0.0.1:8100", "address": "127.0.0.1:1"}]}, "differs"),
     ({"decode": [{"engine": "vllm", "url": "http://127.0.0.1:8100", "kv_events": "udp://x:1"}]}, "kv_events"),
     ({"decode": [{"address": "127.0.0.1:9", "url": "http://127.0.0.1:8100"}]}, "for engine vllm"),
+    ({"decode": [{"address": "127.0.0.1:9", "device": "cpu"}]}, "for engine vllm"),
+    ({"decode": [{"engine": "vllm", "url": "http://127.0.0.1:8100", "device": "tpu"}]}, "decode.0.device"),
     ({"decode": [{"engine": "vllm", "url": "https://127.0.0.1:8100"}]}, "tls_config.worker_grpc"),
 ])
 def test_vllm_instance_mistakes_fail_start_up_naming_the_key(instances, message):

@@ -57,7 +57,7 @@ def test_instances_get_ports_of_their_own_and_local_kv_event_sockets(tmp_path):
     assert len(set(ports)) == len(ports)
     assert all(i.kv_events.startswith(f"ipc://{tmp_path}/") for i in planned)
     assert planned[1].entry("https") == {"engine": "vllm", "url": f"https://127.0.0.1:{planned[1].port}",
-                                         "kv_events": planned[1].kv_events}
+                                         "kv_events": planned[1].kv_events, "device": "cpu"}
 
 
 def test_a_missing_vllm_environment_is_named(tmp_path):

@@ -56,8 +56,10 @@ class VllmClient:
 
     takes_sampling_pb = False  # each call's body is JSON, built from the request itself
 
-    def __init__(self, urls: dict[str, str], tls: LinkTls | None = None, secret: SecretFile | None = None):
+    def __init__(self, urls: dict[str, str], tls: LinkTls | None = None, secret: SecretFile | None = None,
+                 seeded_sampling: bool = True):
         self.urls = urls
+        self.seeded_sampling = seeded_sampling  # False: the fleet has CPU instances (completions.completion_body)
         self._secret = secret
         self.pool = HttpPool(urls, tls.ssl_context if tls is not None else None)
         self._handoffs: dict[str, _Handoff] = {}  # request id -> what its prefill needs and gives
@@ -86,7 +88,7 @@ class VllmClient:
         """A decode on the vLLM instance at `address`: without `local_prefill`, it waits for the prefill of the
         same request id to hand it the KV blocks' whereabouts (module docstring)."""
         try:
-            body, refusal = completion_body(request, max_tokens, request.request_id), None
+            body, refusal = completion_body(request, max_tokens, request.request_id, self.seeded_sampling), None
         except UnsupportedOnVllm as exc:
             body, refusal = None, exc
         params = None if local_prefill else asyncio.get_running_loop().create_future()
@@ -108,7 +110,7 @@ class VllmClient:
         try:
             try:
                 if handoff is None:
-                    body = completion_body(request, max_tokens, request.request_id)
+                    body = completion_body(request, max_tokens, request.request_id, self.seeded_sampling)
                 elif handoff.refusal is not None:
                     raise handoff.refusal
                 else:

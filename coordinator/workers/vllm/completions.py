@@ -32,8 +32,9 @@ class EngineError(Exception):
         self.status = status
 
 
-def completion_body(request: GenerationRequest, max_tokens: int, request_id: str) -> dict:
-    """The /v1/completions body for `request`'s prompt and sampling, streamed, with its token ids returned."""
+def completion_body(request: GenerationRequest, max_tokens: int, request_id: str, seeded_sampling: bool = True) -> dict:
+    """The /v1/completions body for `request`'s prompt and sampling, streamed, with its token ids returned;
+    `seeded_sampling` False: the fleet has CPU instances, which cannot sample from a client's seed."""
     s = request.sampling
     if request.media:
         raise UnsupportedOnVllm("images go to pdserve's own workers only: vLLM instances are served text prompts")
@@ -63,7 +64,14 @@ def completion_body(request: GenerationRequest, max_tokens: int, request_id: str
         body["model"] = request.lora.name  # vLLM selects an adapter (its --lora-modules name) by `model`
     if s.top_k > 0:
         body["top_k"] = s.top_k
-    if s.seed is not None:
+    if s.seed is not None and not s.seed_drawn:
+        # A drawn seed stays here: vLLM's decode instance samples every token itself, and its CPU build fails a
+        # seeded request whose prompt is split over steps (RuntimeError: CPU Generator does not use offset),
+        # its engine with it.
+        if s.temperature > 0 and not seeded_sampling:
+            raise UnsupportedOnVllm(f"seed={s.seed} with temperature={s.temperature:g}: vLLM's CPU build cannot "
+                                    "sample from a seed (its engine fails the request); leave seed out, or use "
+                                    "temperature 0")
         body["seed"] = s.seed
     if s.stop:
         body["stop"] = list(s.stop)

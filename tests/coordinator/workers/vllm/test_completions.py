@@ -34,6 +34,19 @@ def test_top_k_off_and_no_seed_are_left_to_vllm_and_logprobs_come_as_token_ids()
     assert body["logprobs"] == 3 and body["return_tokens_as_token_ids"] is True
 
 
+def test_a_seed_the_coordinator_drew_is_not_sent_to_vllm():
+    assert "seed" not in completion_body(request(temperature=0.7, seed=99, seed_drawn=True), 4, "r")
+    assert "seed" not in completion_body(request(temperature=0.7, seed=99, seed_drawn=True), 4, "r",
+                                         seeded_sampling=False)
+
+
+def test_a_clients_seed_with_sampling_is_refused_by_name_on_cpu_instances_and_sent_elsewhere():
+    with pytest.raises(UnsupportedOnVllm, match="seed=7 with temperature=0.7: vLLM's CPU build cannot"):
+        completion_body(request(temperature=0.7, seed=7), 4, "r", seeded_sampling=False)
+    assert completion_body(request(temperature=0.0, seed=7), 4, "r", seeded_sampling=False)["seed"] == 7
+    assert completion_body(request(temperature=0.7, seed=7), 4, "r")["seed"] == 7
+
+
 def test_a_grammar_goes_as_structured_outputs_but_cannot_continue_after_sent_tokens():
     assert completion_body(request(guided=GuidedGrammar("start: /a+/")), 4, "r")["structured_outputs"] == {
         "grammar": "start: /a+/"}
