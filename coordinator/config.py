@@ -32,7 +32,9 @@ class HttpConfig(_Section):
                              "(printed as `pdserve coordinator management: URL`).")
     drain_seconds: float = Field(30, ge=0, le=3600, description="On SIGTERM: stop accepting at once, let "
                                  "running requests finish for up to this long, exit 0.")
-    keepalive_timeout_s: float = Field(15, gt=0, le=3600, description="A connection idle this long, or still "
+    # Longer than the clients' own pool idle timeouts (aiohttp's 15 s, httpx's 5 s), as nginx's and aiohttp's 75 s
+    # are: a server that closes first races a client reusing the connection, whose request is then lost.
+    keepalive_timeout_s: float = Field(75, gt=0, le=3600, description="A connection idle this long, or still "
                                        "sending its request headers, is closed.")
     body_timeout_s: float = Field(30, gt=0, le=3600, description="A request body not fully received this long "
                                   "after its headers is a 408, which frees its slot.")

@@ -83,8 +83,10 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         kv_watch = (VllmKvEventWatch(KvIndex(), config.instances.kv_event_endpoints(), loras.digest_of)
                     if engine == "vllm"
                     else KvEventWatch(KvIndex(), client))
-    router = Router(registry, make_policy(scheduling, kv_watch.index if kv_watch is not None else None),
-                    scheduling.local_prefill_max_tokens)
+    policy = make_policy(scheduling, kv_watch.index if kv_watch is not None else None)
+    if engine == "vllm":
+        client.read_load = policy.reads_load
+    router = Router(registry, policy, scheduling.local_prefill_max_tokens)
     metrics = CoordinatorMetrics()
     queue = RequestQueue(config.request_limit.max_running)
     metrics.watch(queue, registry, kv_watch.index if kv_watch is not None else None)

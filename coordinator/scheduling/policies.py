@@ -36,6 +36,7 @@ class RoundRobinPolicy:
     """
 
     prices_cache = False  # whether it routes on what the instances hold (its choices' expected hits are counted)
+    reads_load = False  # whether it reads the load instances report (else a vLLM instance's /metrics is not read)
 
     def __init__(self):
         self._turn = {"prefill": 0, "decode": 0}
@@ -64,6 +65,8 @@ class RoundRobinPolicy:
 class LoadBalancePolicy(RoundRobinPolicy):
     """Least outstanding work: queued prompt tokens for prefill, sequences and KV use for decode.
     Ties go round robin, so equal instances share the work."""
+
+    reads_load = True
 
     def __init__(self):
         super().__init__()

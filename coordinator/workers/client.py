@@ -62,7 +62,7 @@ class PrefillResult:
 class HealthReport:
     """A worker's answer to a health check."""
 
-    load: ReportedLoad
+    load: ReportedLoad | None  # None: not read (a vLLM instance under a policy that does not route on load)
     draining: bool
 
 

@@ -303,9 +303,11 @@ class InstanceRegistry:
                 instance.state = InstanceState.UNHEALTHY
             instance.reason = reason
 
-    def record_health(self, instance: Instance, load: ReportedLoad, draining: bool) -> None:
-        """A health check answered: the circuit closes unless the worker drains or missed heartbeats."""
-        instance.reported = load
+    def record_health(self, instance: Instance, load: ReportedLoad | None, draining: bool) -> None:
+        """A health check answered: the circuit closes unless the worker drains or missed heartbeats; `load`
+        None: the load was not read, the last one read stands."""
+        if load is not None:
+            instance.reported = load
         if draining:
             instance.reason, instance.state = "draining", InstanceState.DRAINING
         elif not (instance.registered and self._heartbeat_late(instance)):

@@ -60,6 +60,8 @@ class VllmClient:
                  seeded_sampling: bool = True):
         self.urls = urls
         self.seeded_sampling = seeded_sampling  # False: the fleet has CPU instances (completions.completion_body)
+        # Whether `health` reads the load (~80 KB of /metrics per instance): set False when no policy routes on it.
+        self.read_load = True
         self._secret = secret
         self.pool = HttpPool(urls, tls.ssl_context if tls is not None else None)
         self._handoffs: dict[str, _Handoff] = {}  # request id -> what its prefill needs and gives
@@ -178,11 +180,14 @@ class VllmClient:
                 raise status_error("adapter", address, status, raw.decode(errors="replace"))
 
     async def health(self, address: str, role: str, timeout: float = 2.0) -> HealthReport:
-        """vLLM's /health for liveness, its /metrics for the load (load.py; at most every METRICS_MAX_AGE_S)."""
+        """vLLM's /health for liveness, its /metrics for the load (load.py; at most every METRICS_MAX_AGE_S, and
+        only when `read_load`)."""
         deadline = time.monotonic() + timeout
         status, raw = await self.exchange(role, address, "GET", "/health", None, timeout)
         if status != 200:
             raise status_error(role, address, status, raw.decode(errors="replace"))
+        if not self.read_load:
+            return HealthReport(None, draining=False)
         known = self._loads.get(address)
         if known is not None and time.monotonic() - known[0] < METRICS_MAX_AGE_S:
             return known[1]

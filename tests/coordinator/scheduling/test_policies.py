@@ -30,6 +30,11 @@ def test_round_robin_visits_every_instance_in_turn():
     assert [r.decode.address for r in routes] == ["d0:1", "d1:1", "d2:1"] * 2
 
 
+def test_only_the_policies_that_route_on_load_ask_for_it():
+    assert not RoundRobinPolicy.reads_load
+    assert LoadBalancePolicy.reads_load and CacheAffinityPolicy.reads_load
+
+
 def test_round_robin_skips_instances_whose_circuit_is_open():
     registry = make_registry()
     registry.record_failure(registry.get("decode", "d1:1"), "connection refused", gone=True)

@@ -20,6 +20,15 @@ def test_repeated_failures_open_the_circuit_and_a_passing_check_closes_it():
     assert decode.available and decode.consecutive_failures == 0 and decode.reported.num_running == 1
 
 
+def test_a_health_check_that_did_not_read_the_load_closes_the_circuit_and_keeps_the_last_load():
+    registry = InstanceRegistry(["p:1"], ["d:1"], failure_threshold=1)
+    decode = registry.get("decode", "d:1")
+    registry.record_health(decode, ReportedLoad(num_running=2), draining=False)
+    registry.record_failure(decode, "boom")
+    registry.record_health(decode, None, draining=False)
+    assert decode.available and decode.reported.num_running == 2
+
+
 def test_a_success_resets_the_failure_count():
     registry = InstanceRegistry(["p:1"], ["d:1"], failure_threshold=2)
     decode = registry.get("decode", "d:1")

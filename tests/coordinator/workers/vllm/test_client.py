@@ -259,6 +259,10 @@ async def test_a_silence_probe_asks_health_alone_and_the_health_check_reads_the_
         assert asked == ["/health"]
         report = await made.health(address, "decode", timeout=5)
         assert asked == ["/health", "/health", "/metrics"] and report.load.num_running == 3
+        made.read_load = False  # a policy that does not route on load: /metrics is not read
+        made._loads.clear()
+        report = await made.health(address, "decode", timeout=5)
+        assert asked == ["/health", "/health", "/metrics", "/health"] and report.load is None
 
 
 def sse_answer(token_ids: list[int]) -> bytes:
