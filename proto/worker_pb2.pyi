@@ -375,10 +375,12 @@ class KvAck(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ...) -> None: ...
 
 class TokenChannelHello(_message.Message):
-    __slots__ = ("worker_secret",)
+    __slots__ = ("worker_secret", "token_records")
     WORKER_SECRET_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_RECORDS_FIELD_NUMBER: _ClassVar[int]
     worker_secret: str
-    def __init__(self, worker_secret: _Optional[str] = ...) -> None: ...
+    token_records: bool
+    def __init__(self, worker_secret: _Optional[str] = ..., token_records: _Optional[bool] = ...) -> None: ...
 
 class TokenChannelRequest(_message.Message):
     __slots__ = ("decode", "cancel", "prefill", "health", "watch_kv_events", "timeout_s")

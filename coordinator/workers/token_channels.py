@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from coordinator.requests.failures import WorkerCallError, WorkerFailure
 from proto import worker_pb2 as pb
-from proto.token_channel import ChannelState, FrameError, FrameReader, encode_frame
+from proto.token_channel import ChannelState, FrameError, FrameReader, TokenRecords, encode_frame, read_records
 from security.secrets import SecretFile
 from security.tls import LinkTls
 
@@ -146,7 +146,7 @@ class TokenChannel(asyncio.Protocol):
 
     def hello(self, secret: SecretFile | None) -> None:
         self._transport.write(encode_frame(pb.TokenChannelHello(
-            worker_secret=secret.value if secret is not None else "").SerializeToString()))
+            worker_secret=secret.value if secret is not None else "", token_records=True).SerializeToString()))
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -158,6 +158,19 @@ class TokenChannel(asyncio.Protocol):
         unflushed: list[TokenSink] = []
         try:
             for payload in frames:
+                if payload.__class__ is TokenRecords:  # the common tokens: a lookup and a hand-over each
+                    try:
+                        tokens = read_records(payload)
+                    except FrameError as exc:
+                        logger.warning("token channel to %s: %s", self.worker_address, exc)
+                        self._transport.abort()
+                        return
+                    sinks = self.sinks
+                    for token in tokens:
+                        sink = sinks.get(token.request_id)
+                        if sink is not None and sink.push(token):
+                            unflushed.append(sink)
+                    continue
                 frame = pb.TokenChannelFrame()
                 frame.ParseFromString(payload)
                 if self.state is ChannelState.GREETING:

@@ -19,6 +19,7 @@ from coordinator.requests.failures import FailureKind, WorkerCallError
 from coordinator.requests.request import GenerationRequest, SamplingOptions
 from coordinator.workers.client import ChannelDecodeStream, DecodeAccepted, DecodeStream, WorkerClient
 from proto import worker_pb2 as pb
+from proto.token_channel import RecordToken
 from security.secrets import SecretFile
 from security.settings import TlsLink
 from security.tls import LinkTls
@@ -68,7 +69,7 @@ def decode_worker():
 
 
 def summary(tokens) -> list[tuple]:
-    return [(t.token_id, t.text, t.index, t.finish_reason) for t in tokens]
+    return [(t.token_id, t.text, t.index, t.finish_reason, t.matched_stop) for t in tokens]
 
 
 async def test_requests_after_the_first_go_on_the_channel_and_get_the_tokens_a_decode_call_gets(decode_worker):
@@ -78,7 +79,11 @@ async def test_requests_after_the_first_go_on_the_channel_and_get_the_tokens_a_d
         channel = await token_channel_opens(client, decode_worker.address)
         on_channel = await generate(client, decode_worker.address)
         assert summary(on_channel) == summary(on_stream)
+        assert [t.batch_size for t in on_channel] == [t.batch_size for t in on_stream] == [1] * 12
         assert len(on_channel) == 12 and on_channel[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        # Mid-stream tokens came as token records, the last one (its finish reason) as a protobuf event.
+        assert all(isinstance(t, RecordToken) for t in on_channel[:-1])
+        assert isinstance(on_channel[-1], pb.TokenEvent)
         assert not channel.sinks, "a finished request's sink stayed attached"
     finally:
         await client.close()

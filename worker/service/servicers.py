@@ -22,7 +22,9 @@ from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from proto.failure_reason import reason_metadata
 from proto.sampling import DEFAULT_SAMPLING
+from proto.token_channel import MAX_RECORD_FIELD_BYTES, token_record
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
+from worker.engine.errors import InvalidRequest
 from worker.engine.load import WorkerLoad
 from worker.engine.lora import LoadedLora, lora_from_pb, refuse_lora
 from worker.engine.media import MediaSpan, spans_from_pb
@@ -133,8 +135,15 @@ def token_to_pb(output: TokenOutput, event: pb.TokenEvent | None = None) -> pb.T
     return event
 
 
-def relayed(request_id: str, output: TokenOutput) -> pb.RoutedEvent:
-    """A token as the token channel carries it, built in place (no TokenEvent copied into it)."""
+def relayed(request_id: str, output: TokenOutput, as_record: bool = False) -> pb.RoutedEvent | bytes:
+    """A token as the token channel carries it: with `as_record`, the common token (mid-stream, no logprobs, no
+    stop string) as a token record; else a RoutedEvent built in place (no TokenEvent copied into it)."""
+    if (as_record and output.finish_reason is None and output.logprobs is None and output.matched_stop is None
+            and output.prompt_logprobs is None):
+        rid, text = request_id.encode(), output.text.encode()
+        if len(rid) <= MAX_RECORD_FIELD_BYTES and len(text) <= MAX_RECORD_FIELD_BYTES:
+            return token_record(rid, output.token_id, output.index, output.batch_size, output.time_ms,
+                                output.queue_wait_ms, text)
     event = pb.RoutedEvent(request_id=request_id)
     token_to_pb(output, event.token)
     return event
@@ -421,7 +430,7 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
             # What this worker's prefix cache holds of the prompt is kept for it and not sent again.
             cached = 0 if request.local_prefill else self.engine.hold_cached_prefix(handle)
             if channel is not None:
-                handle.relay = lambda output: channel.send(relayed(request.request_id, output))
+                handle.relay = lambda output: channel.send(relayed(request.request_id, output, channel.token_records))
             yield pb.DecodeEvent(accepted=pb.Accepted(kv_data_address=self.kv_data_address, kv_transfer_token=token,
                                                       token_channel_address=self.token_channel_address,
                                                       cached_tokens=cached, kv_layout_version=KV_LAYOUT_VERSION))

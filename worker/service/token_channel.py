@@ -30,7 +30,7 @@ import grpc
 from proto import worker_pb2 as pb
 from proto.failure_reason import reason_from_metadata
 from proto.token_channel import (HELLO_TIMEOUT_S, MAX_FRAME_BYTES, MAX_HELLO_BYTES, ChannelState, FrameError,
-                                 FrameReader, encode_frame)
+                                 FrameReader, encode_frame, encode_records)
 from security.secrets import SecretFile
 from security.tls import LinkTls
 from worker.service.kv_event_log import KvEventLog
@@ -84,7 +84,8 @@ class CoordinatorConnection(asyncio.Protocol):
         self.channel_id = ""
         self.tasks: dict[str, asyncio.Task] = {}  # the decodes running for this channel, by request id
         self._reader = FrameReader(MAX_HELLO_BYTES)
-        self._pending: list[pb.RoutedEvent] = []
+        self._pending: list[pb.RoutedEvent | bytes] = []  # events, and token records (proto/token_channel.py)
+        self.token_records = False  # the coordinator's hello asked for token records
         self._pending_kv: list[pb.KvEventBatch] = []
         self._watching_kv = False
         self._transport: asyncio.Transport | None = None
@@ -171,6 +172,7 @@ class CoordinatorConnection(asyncio.Protocol):
         if secret is not None and not secret.matches(hello.worker_secret):
             return self._refuse("missing or wrong worker secret")
         self.channel_id = secrets.token_hex(16)
+        self.token_records = hello.token_records
         self.state = ChannelState.OPEN
         self._reader.max_frame_bytes = MAX_FRAME_BYTES  # a decode request carries a prompt and maybe a grammar
         self.listener.channels[self.channel_id] = self
@@ -214,10 +216,31 @@ class CoordinatorConnection(asyncio.Protocol):
             else:
                 changes.append(batch)
         if events or changes:
-            self._write(pb.TokenChannelFrame(events=events, kv_events=changes))
+            self._write_events(events, changes)
         if self._transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
             logger.warning("token channel %s: the coordinator stopped reading; closing it", self.channel_id)
             self._transport.abort()
+
+    def _write_events(self, events: list[pb.RoutedEvent | bytes], changes: list[pb.KvEventBatch]) -> None:
+        """The turn's events in order: each run of token records in a records frame, each run of RoutedEvents (with
+        the KV changes) in a TokenChannelFrame."""
+        routed: list[pb.RoutedEvent] = []
+        records: list[bytes] = []
+        for event in events:
+            if event.__class__ is bytes:
+                if routed:
+                    self._write(pb.TokenChannelFrame(events=routed))
+                    routed = []
+                records.append(event)
+            else:
+                if records:
+                    self._transport.write(encode_records(records))
+                    records = []
+                routed.append(event)
+        if records:
+            self._transport.write(encode_records(records))
+        if routed or changes:
+            self._write(pb.TokenChannelFrame(events=routed, kv_events=changes))
 
     def _write(self, frame: pb.TokenChannelFrame) -> None:
         self._transport.write(encode_frame(frame.SerializeToString()))
