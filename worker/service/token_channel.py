@@ -5,13 +5,15 @@ prefill worker's carry prefills (each answered by one `prefilled` event).
 
 Life of a channel:
   1. A coordinator connects (TLS as tls_config.worker_grpc, when it is on) and sends a
-     TokenChannelHello with the worker secret (when one is set) within HELLO_TIMEOUT_S.
+     TokenChannelHello with the worker secret (when one is set) within HELLO_TIMEOUT_S, and whether it reads
+     token records.
   2. The worker names the channel with a random id in its first frame (or says why it refused, and
      closes).
   3. Each TokenChannelRequest `decode` (`prefill`) runs as a Decode (Prefill) call would: the same
      servicer code, with a context whose abort becomes an `error` event, under its `timeout_s`; its
      accepted, tokens, answer and error are queued as events, and the queue is written as one frame
-     when the event loop turn that filled it ends. `cancel` ends one at once; `health` is answered at
+     when the event loop turn that filled it ends (runs of common tokens, where the hello asked, as a
+     frame of fixed binary token records: proto/token_channel.py). `cancel` ends one at once; `health` is answered at
      once, as the Health call; `watch_kv_events` subscribes the channel to the worker's KV events (a
      snapshot, then every change, in the frames' `kv_events`; asked again, a new snapshot). A request of the
      other role's kind is refused with UNIMPLEMENTED.
