@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import aiohttp
 import pytest
 
 from coordinator.config import ConfigError, load_config, parse_config
@@ -23,6 +24,17 @@ def test_minimal_config_gets_defaults():
     config = parse_config(MINIMAL)
     assert config.http_config.predict_ip == "127.0.0.1"
     assert config.digs_scheduler_config.algorithm_type == "round_robin"
+
+
+async def test_the_default_keep_alive_outlasts_an_aiohttp_clients_idle_pool():
+    # A server that closes an idle connection no later than the client drops it from its pool races the client's
+    # next request on it (lost with "Server disconnected"): aiohttp's client keeps idle connections 15 s, and a
+    # loaded client may read a response's end long after it was sent.
+    connector = aiohttp.TCPConnector()
+    try:
+        assert parse_config({}).http_config.keepalive_timeout_s > 2 * connector._keepalive_timeout
+    finally:
+        await connector.close()
 
 
 def test_numeric_string_port_is_accepted_as_mindie_writes_it():
