@@ -35,7 +35,9 @@ class HttpConfig(_Section):
     # Longer than the clients' own pool idle timeouts (aiohttp's 15 s, httpx's 5 s), as nginx's and aiohttp's 75 s
     # are: a server that closes first races a client reusing the connection, whose request is then lost.
     keepalive_timeout_s: float = Field(75, gt=0, le=3600, description="A connection idle this long, or still "
-                                       "sending its request headers, is closed.")
+                                       "sending its request headers, is closed. Keep it well above the clients' "
+                                       "own idle timeouts (aiohttp's 15 s): a client reusing a connection as the "
+                                       "coordinator closes it loses that request.")
     body_timeout_s: float = Field(30, gt=0, le=3600, description="A request body not fully received this long "
                                   "after its headers is a 408, which frees its slot.")
     tls_handshake_timeout_s: float = Field(10, gt=0, le=600, description="A TLS connection must start and "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import enum
 import struct
 
+from proto.plain_token import PlainTokenEvent
+
 _LENGTH = struct.Struct(">I")
 # A frame of token records: the common token (mid-stream, no logprobs, no stop string) in a fixed binary layout,
 # read without protobuf; sent only to a coordinator whose hello asked for them (TokenChannelHello.token_records).
@@ -52,16 +54,11 @@ class TokenRecords(bytes):
     """A frame's payload of token records (FrameReader tells them from a protobuf frame by this type)."""
 
 
-class RecordToken:
-    """A token record as the pb.RoutedEvent with a pb.TokenEvent it stands for (`WhichOneof`, `token`), with the
-    TokenEvent fields TokenRelay reads: the record is both, so no second object is made per token."""
+class RecordToken(PlainTokenEvent):
+    """A token record as the pb.RoutedEvent with a pb.TokenEvent it stands for (`WhichOneof`, `token`): the record
+    is both, so no second object is made per token."""
 
     __slots__ = ("request_id", "token_id", "index", "batch_size", "time_ms", "queue_wait_ms", "text")
-    finish_reason = 0
-    logprob = 0.0
-    top_logprobs = ()
-    prompt_logprobs = ()
-    matched_stop = ""
 
     @property
     def token(self) -> RecordToken:

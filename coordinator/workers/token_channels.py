@@ -152,8 +152,7 @@ class TokenChannel(asyncio.Protocol):
         try:
             frames = self._reader.feed(data)
         except FrameError as exc:
-            logger.warning("token channel to %s: %s", self.worker_address, exc)
-            self._transport.abort()
+            self._broken(exc)
             return
         unflushed: list[TokenSink] = []
         try:
@@ -162,8 +161,7 @@ class TokenChannel(asyncio.Protocol):
                     try:
                         tokens = read_records(payload)
                     except FrameError as exc:
-                        logger.warning("token channel to %s: %s", self.worker_address, exc)
-                        self._transport.abort()
+                        self._broken(exc)
                         return
                     sinks = self.sinks
                     for token in tokens:
@@ -187,6 +185,10 @@ class TokenChannel(asyncio.Protocol):
         finally:  # what was taken leaves, whatever a later frame of the read did
             for sink in unflushed:
                 sink.flush_direct()
+
+    def _broken(self, exc: FrameError) -> None:
+        logger.warning("token channel to %s: %s", self.worker_address, exc)
+        self.abort(f"token channel to {self.worker_address} broken: {exc}")
 
     def _kv_events(self, batches) -> None:
         try:

@@ -1,5 +1,6 @@
-"""Token records on a decode worker's token channel: only the common token becomes one, and a turn's events keep
-their order across records frames and protobuf frames."""
+"""Token records on a decode worker's token channel: only the common token becomes one, only for a coordinator that
+asks, and a turn's events keep their order across records frames and protobuf frames; and a request's sampling
+checked before its engine sees it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import asyncio
 import pytest
 
 from proto import worker_pb2 as pb
-from proto.token_channel import ChannelState, FrameReader, TokenRecords, read_records
+from proto.token_channel import (ChannelState, FrameReader, TokenRecords, encode_frame, encode_records, read_records,
+                                 token_record)
 from worker.engine.sequence import StopCause, TokenLogprobs, TokenOutput
-from worker.service.servicers import relayed
+from worker.engine.errors import InvalidRequest
+from worker.service.servicers import MAX_TOP_LOGPROBS, checked_sampling, relayed
 from worker.service.token_channel import CoordinatorConnection, TokenChannelListener
 
 
@@ -40,6 +43,10 @@ class _Transport:
 
     def __init__(self):
         self.written = bytearray()
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
 
     def write(self, data: bytes) -> None:
         self.written += data
@@ -64,3 +71,25 @@ async def test_a_turns_records_and_protobuf_events_leave_in_the_order_they_were_
         else:
             order += [(e.request_id, e.token.index, "event") for e in pb.TokenChannelFrame.FromString(frame).events]
     assert order == [("a", 1, "record"), ("b", 1, "record"), ("a", 2, "event"), ("b", 2, "record")]
+
+
+@pytest.mark.parametrize("asks", [False, True])
+async def test_records_are_sent_only_to_a_coordinator_whose_hello_asks_for_them(asks):
+    connection = CoordinatorConnection(TokenChannelListener(serve=None, health=None))
+    connection.connection_made(_Transport())
+    connection.data_received(encode_frame(pb.TokenChannelHello(token_records=asks).SerializeToString()))
+    assert connection.state is ChannelState.OPEN and connection.token_records is asks
+
+
+async def test_a_records_frame_from_a_coordinator_breaks_the_channel():
+    connection = CoordinatorConnection(TokenChannelListener(serve=None, health=None))
+    connection.connection_made(transport := _Transport())
+    connection.data_received(encode_records([token_record(b"r", 1, 0, 1, 0.0, 0.0, b"x")]))
+    assert transport.aborted and connection.state is ChannelState.GREETING
+
+
+@pytest.mark.parametrize("field", ["top_logprobs", "prompt_top_logprobs"])
+async def test_a_logprobs_count_past_the_limit_is_an_invalid_request_before_the_engine_sees_it(field):
+    msg = pb.SamplingParams(return_logprobs=True, return_prompt_logprobs=True, **{field: MAX_TOP_LOGPROBS + 1})
+    with pytest.raises(InvalidRequest, match=f"{field}=21 must be in"):
+        await checked_sampling(None, msg)

@@ -136,8 +136,9 @@ def token_to_pb(output: TokenOutput, event: pb.TokenEvent | None = None) -> pb.T
 
 
 def relayed(request_id: str, output: TokenOutput, as_record: bool = False) -> pb.RoutedEvent | bytes:
-    """A token as the token channel carries it: with `as_record`, the common token (mid-stream, no logprobs, no
-    stop string) as a token record; else a RoutedEvent built in place (no TokenEvent copied into it)."""
+    """A token as the token channel carries it: with `as_record`, the common token (mid-stream, no logprobs or
+    prompt logprobs, no stop string; request id and text within MAX_RECORD_FIELD_BYTES) as a token record; else a
+    RoutedEvent built in place (no TokenEvent copied into it)."""
     if (as_record and output.finish_reason is None and output.logprobs is None and output.matched_stop is None
             and output.prompt_logprobs is None):
         rid, text = request_id.encode(), output.text.encode()

@@ -1,5 +1,5 @@
 """A worker's token channels: one raw connection per coordinator carries that coordinator's requests and
-every event of theirs, one frame per event-loop turn (so one per decode step), where gRPC would cost a call
+every event of theirs, one write per event-loop turn (so one per decode step), where gRPC would cost a call
 per request and a message and a wake-up per token on both ends. A decode worker's carry decode requests, a
 prefill worker's carry prefills (each answered by one `prefilled` event).
 
@@ -11,10 +11,10 @@ Life of a channel:
      closes).
   3. Each TokenChannelRequest `decode` (`prefill`) runs as a Decode (Prefill) call would: the same
      servicer code, with a context whose abort becomes an `error` event, under its `timeout_s`; its
-     accepted, tokens, answer and error are queued as events, and the queue is written as one frame
-     when the event loop turn that filled it ends (runs of common tokens, where the hello asked, as a
-     frame of fixed binary token records: proto/token_channel.py). `cancel` ends one at once; `health` is answered at
-     once, as the Health call; `watch_kv_events` subscribes the channel to the worker's KV events (a
+     accepted, tokens, answer and error are queued as events, and the queue is written as one frame, in
+     one write, when the event loop turn that filled it ends (where the hello asked for them, each run of
+     common tokens as a frame of fixed binary token records instead: proto/token_channel.py). `cancel`
+     ends one at once; `health` is answered at once, as the Health call; `watch_kv_events` subscribes the channel to the worker's KV events (a
      snapshot, then every change, in the frames' `kv_events`; asked again, a new snapshot). A request of the
      other role's kind is refused with UNIMPLEMENTED.
   4. When the connection closes, its requests are cancelled and released, and its KV events subscription ends.
@@ -32,7 +32,7 @@ import grpc
 from proto import worker_pb2 as pb
 from proto.failure_reason import reason_from_metadata
 from proto.token_channel import (HELLO_TIMEOUT_S, MAX_FRAME_BYTES, MAX_HELLO_BYTES, ChannelState, FrameError,
-                                 FrameReader, encode_frame, encode_records)
+                                 FrameReader, TokenRecords, encode_frame, encode_records)
 from security.secrets import SecretFile
 from security.tls import LinkTls
 from worker.service.kv_event_log import KvEventLog
@@ -104,6 +104,9 @@ class CoordinatorConnection(asyncio.Protocol):
             self._transport.abort()
             return
         for frame in frames:
+            if frame.__class__ is TokenRecords:  # only a worker sends them
+                self._transport.abort()
+                return
             if self.state is ChannelState.GREETING:
                 self._hello_timer.cancel()
                 self._greet(frame)
@@ -208,44 +211,26 @@ class CoordinatorConnection(asyncio.Protocol):
             return
         # A snapshot's batches (up to SNAPSHOT_BATCH_EVENTS blocks each) go in frames of their own, in order with the
         # changes: a large cache in one frame could pass the frame limit.
+        out: list[bytes] = []  # the turn's frames, in one write
         changes = []
         for batch in kv_events:
             if batch.snapshot:
                 if changes:
-                    self._write(pb.TokenChannelFrame(kv_events=changes))
+                    out.append(_frame(pb.TokenChannelFrame(kv_events=changes)))
                     changes = []
-                self._write(pb.TokenChannelFrame(kv_events=[batch]))
+                out.append(_frame(pb.TokenChannelFrame(kv_events=[batch])))
             else:
                 changes.append(batch)
         if events or changes:
-            self._write_events(events, changes)
+            _event_frames(events, changes, out)
+        if out:
+            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
         if self._transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
             logger.warning("token channel %s: the coordinator stopped reading; closing it", self.channel_id)
             self._transport.abort()
 
-    def _write_events(self, events: list[pb.RoutedEvent | bytes], changes: list[pb.KvEventBatch]) -> None:
-        """The turn's events in order: each run of token records in a records frame, each run of RoutedEvents (with
-        the KV changes) in a TokenChannelFrame."""
-        routed: list[pb.RoutedEvent] = []
-        records: list[bytes] = []
-        for event in events:
-            if event.__class__ is bytes:
-                if routed:
-                    self._write(pb.TokenChannelFrame(events=routed))
-                    routed = []
-                records.append(event)
-            else:
-                if records:
-                    self._transport.write(encode_records(records))
-                    records = []
-                routed.append(event)
-        if records:
-            self._transport.write(encode_records(records))
-        if routed or changes:
-            self._write(pb.TokenChannelFrame(events=routed, kv_events=changes))
-
     def _write(self, frame: pb.TokenChannelFrame) -> None:
-        self._transport.write(encode_frame(frame.SerializeToString()))
+        self._transport.write(_frame(frame))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._hello_timer is not None:
@@ -256,6 +241,32 @@ class CoordinatorConnection(asyncio.Protocol):
             self.listener.kv_events.unsubscribe(self.send_kv_events)
         for task in self.tasks.values():  # nobody reads their events any more
             task.cancel()
+
+
+def _frame(frame: pb.TokenChannelFrame) -> bytes:
+    return encode_frame(frame.SerializeToString())
+
+
+def _event_frames(events: list[pb.RoutedEvent | bytes], changes: list[pb.KvEventBatch], out: list[bytes]) -> None:
+    """A turn's events in order onto `out`: each run of token records as a records frame, each run of RoutedEvents
+    (the last with the KV changes) as a TokenChannelFrame."""
+    routed: list[pb.RoutedEvent] = []
+    records: list[bytes] = []
+    for event in events:
+        if event.__class__ is bytes:
+            if routed:
+                out.append(_frame(pb.TokenChannelFrame(events=routed)))
+                routed = []
+            records.append(event)
+        else:
+            if records:
+                out.append(encode_records(records))
+                records = []
+            routed.append(event)
+    if records:
+        out.append(encode_records(records))
+    if routed or changes:
+        out.append(_frame(pb.TokenChannelFrame(events=routed, kv_events=changes)))
 
 
 class TokenChannelListener:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from coordinator.requests.request import GenerationRequest
 from proto import worker_pb2 as pb
+from proto.plain_token import PlainTokenEvent
 
 # What the prefill instance is told: hold the prompt's KV blocks for a decode instance to read.
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -100,18 +101,10 @@ def prefill_body(decode_body: dict) -> dict:
     return body
 
 
-class PlainToken:
-    """The common chunk's token (one, mid-stream, without logprobs) with the pb.TokenEvent fields TokenRelay reads:
-    made and read at a fraction of a protobuf message's cost, once per token."""
+class PlainToken(PlainTokenEvent):
+    """The common chunk's token (one, mid-stream, without logprobs)."""
 
     __slots__ = ("token_id", "index", "time_ms", "text")
-    finish_reason = 0
-    batch_size = 1
-    queue_wait_ms = 0.0
-    logprob = 0.0
-    top_logprobs = ()
-    prompt_logprobs = ()
-    matched_stop = ""
 
     def __init__(self, token_id: int, index: int, time_ms: float, text: str):
         self.token_id = token_id
