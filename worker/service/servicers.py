@@ -22,7 +22,6 @@ from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from proto.failure_reason import reason_metadata
 from proto.sampling import DEFAULT_SAMPLING
-from proto.token_channel import MAX_RECORD_FIELD_BYTES, token_record
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
 from worker.engine.errors import InvalidRequest
 from worker.engine.load import WorkerLoad
@@ -30,24 +29,16 @@ from worker.engine.lora import LoadedLora, lora_from_pb, refuse_lora
 from worker.engine.media import MediaSpan, spans_from_pb
 from worker.engine.messages import KvLayerReady, PrefillDone, PrefillEvent, PrefillFailed
 from worker.engine.prefill_backend import PrefillBackend, PrefillJob
-from worker.engine.sequence import SamplingParams, StopCause, TokenOutput
+from worker.engine.sequence import SamplingParams
 from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate, refuse_if_draining
 from worker.service.errors import abort_with, engine_errors_as_status
 from worker.service.request_spans import (DecodeTimes, PrefillTimes, failure_text, record_decode, record_prefill,
                                            record_safely, traced)
 from worker.service.token_channel import ChannelCallContext, CoordinatorConnection, serve_as_call
+from worker.service.token_events import relayed, token_to_pb
 
 logger = logging.getLogger(__name__)
-
-_FINISH_TO_PB = {
-    None: pb.FINISH_REASON_UNSPECIFIED,
-    StopCause.EOS: pb.FINISH_REASON_EOS,
-    StopCause.STOP_STRING: pb.FINISH_REASON_STOP_STRING,
-    StopCause.LENGTH: pb.FINISH_REASON_LENGTH,
-    StopCause.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
-}
-
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(
@@ -113,41 +104,6 @@ async def checked_lora(engine: PrefillBackend | DecodeBackend, msg: pb.LoraAdapt
     if engine.loras is None:
         refuse_lora(ref, "this worker (started with --max-loras 0, or a simulated one)")
     return await engine.loras.acquire(ref)
-
-
-def token_to_pb(output: TokenOutput, event: pb.TokenEvent | None = None) -> pb.TokenEvent:
-    """`output` as a TokenEvent, written into `event` when given (a field of the message that carries it)."""
-    if event is None:
-        event = pb.TokenEvent()
-    event.token_id = output.token_id
-    event.text = output.text
-    event.time_ms = output.time_ms
-    event.finish_reason = _FINISH_TO_PB[output.finish_reason]
-    event.index = output.index
-    event.matched_stop = output.matched_stop or ""
-    event.batch_size = output.batch_size
-    event.queue_wait_ms = output.queue_wait_ms
-    if output.logprobs is not None:
-        event.logprob = output.logprobs.logprob
-        event.top_logprobs.extend(pb.TopLogprob(token_id=t, logprob=lp) for t, lp in output.logprobs.top)
-    if output.prompt_logprobs:
-        event.prompt_logprobs.extend(output.prompt_logprobs)
-    return event
-
-
-def relayed(request_id: str, output: TokenOutput, as_record: bool = False) -> pb.RoutedEvent | bytes:
-    """A token as the token channel carries it: with `as_record`, the common token (mid-stream, no logprobs or
-    prompt logprobs, no stop string; request id and text within MAX_RECORD_FIELD_BYTES) as a token record; else a
-    RoutedEvent built in place (no TokenEvent copied into it)."""
-    if (as_record and output.finish_reason is None and output.logprobs is None and output.matched_stop is None
-            and output.prompt_logprobs is None):
-        rid, text = request_id.encode(), output.text.encode()
-        if len(rid) <= MAX_RECORD_FIELD_BYTES and len(text) <= MAX_RECORD_FIELD_BYTES:
-            return token_record(rid, output.token_id, output.index, output.batch_size, output.time_ms,
-                                output.queue_wait_ms, text)
-    event = pb.RoutedEvent(request_id=request_id)
-    token_to_pb(output, event.token)
-    return event
 
 
 def load_to_pb(load: WorkerLoad, draining: bool) -> pb.HealthResponse:
