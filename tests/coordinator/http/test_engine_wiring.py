@@ -1,0 +1,28 @@
+"""create_app gives a vLLM fleet's client what its config and routing policy ask: the load read only for a policy
+that routes on it, seeded sampling only without CPU instances."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.config import parse_config
+from coordinator.http.app import create_app
+from coordinator.state import STATE
+
+
+def vllm_app(model_dir, algorithm: str, device: str):
+    instances = {"prefill": [{"engine": "vllm", "url": "http://127.0.0.1:8100", "device": device}],
+                 "decode": [{"engine": "vllm", "url": "http://127.0.0.1:8200", "device": device}]}
+    return create_app(parse_config({"model_config": {"modelWeightPath": str(model_dir)}, "instances": instances,
+                                    "digs_scheduler_config": {"algorithm_type": algorithm}}))
+
+
+@pytest.mark.parametrize("algorithm, reads_load", [("round_robin", False), ("load_balance", True),
+                                                   ("cache_affinity", True)])
+def test_a_vllm_fleet_reads_load_only_under_a_policy_that_routes_on_it(model_dir, algorithm, reads_load):
+    assert vllm_app(model_dir, algorithm, "gpu")[STATE].client.read_load is reads_load
+
+
+@pytest.mark.parametrize("device, seeded", [("gpu", True), ("cpu", False)])
+def test_a_vllm_fleet_with_cpu_instances_does_not_sample_from_seeds(model_dir, device, seeded):
+    assert vllm_app(model_dir, "round_robin", device)[STATE].client.seeded_sampling is seeded
