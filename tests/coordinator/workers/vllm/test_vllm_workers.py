@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import ssl
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -185,6 +186,19 @@ def test_sampling_logprobs_and_stops_reach_the_engine(fleet, https):
         "model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stop": [stop]}).json()
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stop not in stopped["choices"][0]["text"]
+
+
+def test_sampled_streams_run_without_a_seed_and_a_clients_seed_is_refused_by_name_on_cpu_instances(fleet, https):
+    # vLLM's CPU build fails a seeded request whose prompt is chunked, and its engine with it: pdserve sends no seed
+    # of its own, and refuses a client's (pdserve up marks its instances device cpu).
+    body = {"model": "pdserve-tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0.9}
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda _: https.post(f"{fleet.address}/v1/completions", json=body), range(8)))
+    assert [r.status_code for r in replies] == [200] * 8
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in replies)
+    refused = https.post(f"{fleet.address}/v1/completions", json={**body, "seed": 7})
+    assert refused.status_code == 400 and "seed=7 with temperature=0.9" in refused.json()["error"]["message"]
+    assert https.post(f"{fleet.address}/v1/completions", json={**body, "seed": 7, "temperature": 0}).status_code == 200
 
 
 @pytest.mark.parametrize("path, body, status", [
