@@ -157,27 +157,23 @@ class TokenChannel(asyncio.Protocol):
         unflushed: list[TokenSink] = []
         try:
             for payload in frames:
-                if payload.__class__ is TokenRecords:  # the common tokens: a lookup and a hand-over each
+                if payload.__class__ is TokenRecords:  # the common tokens, each its own RoutedEvent
                     try:
-                        tokens = read_records(payload)
+                        events = read_records(payload)
                     except FrameError as exc:
                         self._broken(exc)
                         return
-                    sinks = self.sinks
-                    for token in tokens:
-                        sink = sinks.get(token.request_id)
-                        if sink is not None and sink.push(token):
-                            unflushed.append(sink)
-                    continue
-                frame = pb.TokenChannelFrame()
-                frame.ParseFromString(payload)
-                if self.state is ChannelState.GREETING:
-                    self._greeted(frame)
-                    continue
-                if self.kv_events_sink is not None and frame.kv_events:  # a repeated field read makes an object
-                    self._kv_events(frame.kv_events)
+                else:
+                    frame = pb.TokenChannelFrame()
+                    frame.ParseFromString(payload)
+                    if self.state is ChannelState.GREETING:
+                        self._greeted(frame)
+                        continue
+                    if self.kv_events_sink is not None and frame.kv_events:  # a repeated field read makes an object
+                        self._kv_events(frame.kv_events)
+                    events = frame.events
                 sinks = self.sinks
-                for event in frame.events:
+                for event in events:
                     sink = sinks.get(event.request_id)
                     # A request that ended (client gone) may still have events in flight.
                     if sink is not None and sink.push(event):
