@@ -191,7 +191,10 @@ def test_sampling_logprobs_and_stops_reach_the_engine(fleet, https):
 def test_sampled_streams_run_without_a_seed_and_a_clients_seed_is_refused_by_name_on_cpu_instances(fleet, https):
     # vLLM's CPU build fails a seeded request whose prompt is chunked, and its engine with it: pdserve sends no seed
     # of its own, and refuses a client's (pdserve up marks its instances device cpu).
-    body = {"model": "pdserve-tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0.9}
+    # Under one KV block (128 tokens on CPU): the prefill instances' indexed blocks, which a later test picks the
+    # instance to kill by, stay as they were.
+    prompt = " ".join(f"note {i} reads {i % 5};" for i in range(12))
+    body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.9}
     with ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda _: https.post(f"{fleet.address}/v1/completions", json=body), range(8)))
     assert [r.status_code for r in replies] == [200] * 8
