@@ -4,6 +4,7 @@
     .venv/bin/python bench/engine.py --guided [--concurrency 16 64]
     .venv/bin/python bench/engine.py --step-overhead [--concurrency 16 64] [--repeats 3]
     .venv/bin/python bench/engine.py --context-steps [--contexts 256 2048] [--rows 64]
+    .venv/bin/python bench/engine.py --parity --dtype float32 [--requests 16] [--device cuda]
     .venv/bin/python bench/engine.py --device cuda --model /path/SmolLM2-135M-Instruct --dtype bfloat16 \
         --concurrency 16 64
 
@@ -116,6 +117,7 @@ class EngineRun:
     tokens: int
     elapsed: float
     ttfts: list[float]  # seconds from each request's submission to its first token
+    outputs: dict[int, list[int]]  # each prompt's (by index) generated token ids
 
     @property
     def tokens_per_s(self) -> float:
@@ -260,14 +262,16 @@ async def _run_clients(prefill, decode, decode_runner, prompts, new_tokens, conc
     decode.check_sampling(params)
     decode_runner.eos_token_ids = frozenset()
     max_seq_len = getattr(decode_runner.config, "max_position_embeddings", None) or 4096
-    pending = list(prompts)
+    pending = list(enumerate(prompts))
     total = 0
     ttfts: list[float] = []
+    outputs: dict[int, list[int]] = {}
 
     async def client():
         nonlocal total
         while pending:
-            prompt = pending.pop()
+            index, prompt = pending.pop()
+            outputs[index] = tokens = []
             rid = uuid.uuid4().hex
             submitted = time.perf_counter()
             handle = decode.register(rid, len(prompt), params, max_seq_len, prompt)
@@ -295,6 +299,7 @@ async def _run_clients(prefill, decode, decode_runner, prompts, new_tokens, conc
                         ttfts.append(time.perf_counter() - submitted)
                         first = False
                     total += 1
+                    tokens.append(out.token_id)
                     if out.finish_reason is not None:
                         break
             finally:
@@ -307,7 +312,7 @@ async def _run_clients(prefill, decode, decode_runner, prompts, new_tokens, conc
     finally:
         prefill.shutdown()
         decode.shutdown()
-    return EngineRun(total, elapsed, ttfts)
+    return EngineRun(total, elapsed, ttfts, outputs)
 
 
 def describe(args, model_name: str, runner: ModelRunner) -> str:
@@ -377,8 +382,10 @@ def context_step_ms(runner: ModelRunner, rows: int, context: int, shared: bool, 
 
 
 def run_context_steps(args, model_name, model_dir: Path) -> None:
-    """A decode step's time by context length, layout and attention path; prints the table."""
-    runners = {name: ModelRunner(model_dir, args.dtype, args.device, attention=name) for name in ("kernel", "torch")}
+    """A decode step's time by context length, layout and attention path; prints the table. The kernel is the
+    CPU's, so on a GPU only the torch path is timed (its column stands in the kernel's)."""
+    paths = ("kernel", "torch") if resolve_device(args.device).type == "cpu" else ("torch",)
+    runners = {name: ModelRunner(model_dir, args.dtype, args.device, attention=name) for name in paths}
     results = {}
     for layout in ("distinct", "shared"):
         for context in args.contexts:
@@ -388,7 +395,9 @@ def run_context_steps(args, model_name, model_dir: Path) -> None:
                 print(f"{layout} context {context} {name}: {ms:.1f} ms/step", file=sys.stderr)
                 runner.cache = None
                 gc.collect()
-    runner = runners["kernel"]
+    runner = runners[paths[0]]
+    if len(paths) == 1:
+        results.update({(layout, context, "kernel"): ms for (layout, context, _), ms in list(results.items())})
     first = args.contexts[0]
     print(f"\nModel {model_name} ({str(runner.dtype).removeprefix('torch.')}) on {device_label(runner.device)}: one "
           f"decode step of {args.rows} rows (no prompt chunks), median of {args.steps}; shared: all rows hold the "
@@ -400,6 +409,26 @@ def run_context_steps(args, model_name, model_dir: Path) -> None:
             kernel, gather = results[layout, context, "kernel"], results[layout, context, "torch"]
             print(f"| {context} | {layout} | {kernel:.1f} | {gather:.1f} | {gather / kernel:.2f}x faster "
                   f"| {kernel / results[layout, first, 'kernel']:.2f}x |")
+
+
+def run_parity(args, model_dir: Path, device: torch.device, runner, decode_runner, prompts) -> None:
+    """Greedy tokens of the engine (at `concurrency` 4, so rows batch) against `model.generate` one prompt at a
+    time; exits 1 on any difference. Meant for float32: two attention paths in bfloat16 may round apart."""
+    model = load_baseline(model_dir, args.dtype, device)
+    expected = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                                 min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+            expected.append(out[0, len(p):].tolist())
+    del model
+    run = asyncio.run(run_engine(runner, decode_runner, prompts, args.new_tokens, 4))
+    same = sum(run.outputs[i] == want for i, want in enumerate(expected))
+    print(f"parity on {device_label(device)}, {str(runner.dtype).removeprefix('torch.')}: {same}/{len(prompts)} "
+          f"prompts' {args.new_tokens} greedy tokens identical to model.generate")
+    if same != len(prompts):
+        sys.exit(1)
 
 
 def run_baselines(model_dir: Path, dtype: str, device: torch.device, base, new_tokens) -> tuple[float, float]:
@@ -432,6 +461,8 @@ def main() -> None:
                         help="with --guided: runs per mode, the best one counts; with --step-overhead: runs pooled")
     parser.add_argument("--step-overhead", action="store_true",
                         help="only the decode step's time outside the model forward, at each concurrency")
+    parser.add_argument("--parity", action="store_true",
+                        help="greedy tokens of the engine against model.generate, per prompt (exit 1 if any differ)")
     parser.add_argument("--context-steps", action="store_true",
                         help="one decode step's time by context length, kernel against the torch reference")
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 2048], help="with --context-steps")
@@ -451,13 +482,16 @@ def main() -> None:
         return
     prompts = make_prompts(args.requests, AutoConfig.from_pretrained(model_dir).vocab_size)
     baselines = None
-    if not (args.guided or args.step_overhead):  # before the engine's two copies are loaded, and freed after
+    if not (args.guided or args.step_overhead or args.parity):  # before the engine's two copies are loaded, and freed after
         baselines = run_baselines(model_dir, args.dtype, device, prompts[: args.baseline_requests], args.new_tokens)
 
     runner = ModelRunner(model_dir, args.dtype, args.device)
     decode_runner = ModelRunner(model_dir, args.dtype, args.device)
     for r in (runner, decode_runner):
         check_on_device(r.model, device)
+    if args.parity:
+        run_parity(args, model_dir, device, runner, decode_runner, prompts)
+        return
     if args.guided:
         run_guided(args, model_name, runner, decode_runner, prompts, args.concurrency or [16, 64])
         return

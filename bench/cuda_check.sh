@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The worker engine on a GPU, in one prepared run: parity, then bench/engine.py's tables. Each step has its own
+# time limit and writes its output to OUT (default /tmp/cuda-check); a failing step does not stop the next.
+#
+#     bash bench/cuda_check.sh [CHECK_DIR]
+#
+# CHECK_DIR (default .cudarun) holds what cannot be built there without the network:
+#   smollm2/       SmolLM2-135M-Instruct's config and tokenizer; the weights are drawn at random there (the
+#                  checkpoint does not travel), which times the same architecture: the engine's timings do not
+#                  depend on the weights' values (end-of-sequence is off in every timed run).
+#   pdserve-tiny/  the embedded model, for the float32 parity check.
+#   ../.whl/       wheels the machine lacks (llguidance; protobuf at this project's version), installed first.
+set -u
+CHECK_DIR=${1:-.cudarun}
+OUT=${OUT:-/tmp/cuda-check}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PDSERVE_CACHE=/tmp/pdserve-cache  # bench/engine.py builds pdserve-bench-512x8 here
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+    | tee -a "$OUT/gpu.txt"
+
+smollm2=/tmp/smollm2-random
+$PY - "$CHECK_DIR/smollm2" "$smollm2" <<'EOF'
+import shutil, sys
+from pathlib import Path
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+src, out = Path(sys.argv[1]), Path(sys.argv[2])
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.bfloat16)
+model.save_pretrained(out)
+for f in src.glob("*.json"):
+    if f.name != "config.json":
+        shutil.copy(f, out / f.name)
+print("random-weight SmolLM2-135M built", file=sys.stderr)
+EOF
+
+step() {  # step NAME SECONDS ARGS...: one bench/engine.py run
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name" >&2
+    timeout "$limit" $PY bench/engine.py --device cuda "$@" >"$OUT/$name.txt" 2>"$OUT/$name.err"
+    echo "rc=$?" >>"$OUT/$name.txt"
+    cat "$OUT/$name.txt"
+}
+step parity 90 --parity --dtype float32 --requests 16 --new-tokens 32 --model "$CHECK_DIR/pdserve-tiny"
+step smollm2 150 --model "$smollm2" --dtype bfloat16 --requests 64 --new-tokens 64 --concurrency 4 16 64
+step context 60 --context-steps --model "$smollm2" --dtype bfloat16 --contexts 256 2048 --rows 64
+step bench512 100 --dtype bfloat16 --requests 64 --new-tokens 64 --concurrency 16 64
