@@ -237,6 +237,13 @@ class SchedulerConfig(_Section):
     cache_affinity_lora_load_tokens: float = Field(
         256.0, ge=0, le=1_000_000, description="cache_affinity: an instance that has not loaded the request's LoRA "
         "adapter (as its last health check said) costs this many prompt tokens more: loading it takes time.")
+    cache_affinity_tier_token_cost: float = Field(
+        0.1, ge=0, le=1, description="cache_affinity: a prompt token an instance holds only in its KV tier (local "
+        "disk) costs this fraction of one it must compute: loading its block back is cheaper than computing it "
+        "(measured in docs/benchmarks/kv-tier.md).")
+    cache_affinity_expected_ttl_s: float = Field(
+        10.0, ge=0, le=600, description="cache_affinity: a prompt just routed counts as held by its instances for "
+        "this long, until their KV events confirm it, so a burst sharing a new prefix lands on one worker; 0: off.")
     local_prefill_max_tokens: int = Field(
         0, ge=0, description="Conditional disaggregation: a prompt is prefilled on the chosen decode worker "
         "itself when the part of it that worker does not hold (all of it, unless cache_affinity knows better) is "

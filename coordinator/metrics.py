@@ -55,10 +55,12 @@ class InstanceCollector:
         if self.index is not None:
             blocks = GaugeMetricFamily("pdserve_instance_kv_index_blocks",
                                        "KV blocks the instance holds in its prefix cache, as its KV events told "
-                                       "this coordinator.", labels=["role", "address"])
+                                       "this coordinator, by medium: pool (its block pool) or tier (its KV tier).",
+                                       labels=["role", "address", "medium"])
             for role in ("prefill", "decode"):
                 for i in self.instances.instances(role):
-                    blocks.add_metric([role, i.address], self.index.blocks_of(i.address))
+                    for medium in ("pool", "tier"):
+                        blocks.add_metric([role, i.address, medium], self.index.blocks_of(i.address, medium))
             families += [blocks, self.routed_tokens.family(), self.expected_cached.family()]
         return families
 

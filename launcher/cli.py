@@ -55,7 +55,7 @@ def _worker(args: argparse.Namespace) -> int:
     from security.settings import SecurityFile, load_security_file
     from security.tls import TlsError
     from telemetry.tracing import TracingSetupError
-    from worker.service.options import ModelBackend, WorkerOptions
+    from worker.service.options import ModelBackend
     from worker.service.serve import serve
 
     if args.simulate:
@@ -81,23 +81,34 @@ def _worker(args: argparse.Namespace) -> int:
     auth = security.auth_config.model_copy(update={
         k: v for k, v in (("registration_token_file", args.registration_token_file),
                           ("worker_secret_file", args.worker_secret_file)) if v is not None})
-    options = WorkerOptions(role=args.role, backend=backend, host=args.host, port=args.port,
-                            kv_trans_timeout_s=args.kv_trans_timeout, kv_lease_timeout_s=args.kv_lease_timeout,
-                            kv_budget_tokens=args.kv_budget_tokens, max_prefill_tokens=args.max_prefill_tokens,
-                            block_size=args.block_size, prefix_caching=not args.no_prefix_caching,
-                            max_prefill_batch_size=args.max_prefill_batch_size, max_running=args.max_running,
-                            kv_data_port=args.kv_data_port, metrics_port=args.metrics_port,
-                            health_port=args.health_port,
-                            token_channel_port=args.token_channel_port,
-                            coordinator_url=args.coordinator, heartbeat_interval_s=args.heartbeat_interval,
-                            advertise_host=args.advertise_host, drain_seconds=args.drain_seconds,
-                            tls=security.tls_config, auth=auth)
+    try:
+        options = _worker_options(args, backend, security, auth)
+    except ValueError as exc:
+        print(f"pdserve worker: {exc}", file=sys.stderr)
+        return 2
     try:
         run_event_loop(serve(options))
     except (TlsError, SecretError, TracingSetupError) as exc:
         print(f"pdserve worker: cannot start:\n{exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _worker_options(args, backend, security, auth):
+    from worker.service.options import WorkerOptions
+
+    return WorkerOptions(role=args.role, backend=backend, host=args.host, port=args.port,
+                         kv_trans_timeout_s=args.kv_trans_timeout, kv_lease_timeout_s=args.kv_lease_timeout,
+                         kv_budget_tokens=args.kv_budget_tokens, max_prefill_tokens=args.max_prefill_tokens,
+                         block_size=args.block_size, prefix_caching=not args.no_prefix_caching,
+                         kv_tier_dir=args.kv_tier_dir, kv_tier_gb=args.kv_tier_gb,
+                         max_prefill_batch_size=args.max_prefill_batch_size, max_running=args.max_running,
+                         kv_data_port=args.kv_data_port, metrics_port=args.metrics_port,
+                         health_port=args.health_port,
+                         token_channel_port=args.token_channel_port,
+                         coordinator_url=args.coordinator, heartbeat_interval_s=args.heartbeat_interval,
+                         advertise_host=args.advertise_host, drain_seconds=args.drain_seconds,
+                         tls=security.tls_config, auth=auth)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -188,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="token positions per KV block (paged KV cache)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="do not keep full KV blocks for later prompts that start with the same tokens")
+    p.add_argument("--kv-tier-dir", default=None, metavar="DIR",
+                   help="keep prefix-cache blocks the pool evicts in a file in DIR (local disk), loaded back instead "
+                        "of recomputed (with --kv-tier-gb)")
+    p.add_argument("--kv-tier-gb", type=float, default=0.0, metavar="GB",
+                   help="the KV tier's size in GiB (0: no tier); the file is made whole at start-up")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of this worker (default: torch's own, one per core)")
     p.add_argument("--encoder-cache-images", type=int, default=32, metavar="N",

@@ -441,16 +441,18 @@ class TokenChannelFrame(_message.Message):
     def __init__(self, channel_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[RoutedEvent, _Mapping]]] = ..., refused: _Optional[str] = ..., answers_health: _Optional[bool] = ..., kv_events: _Optional[_Iterable[_Union[KvEventBatch, _Mapping]]] = ..., streams_kv_events: _Optional[bool] = ...) -> None: ...
 
 class KvBlockEvent(_message.Message):
-    __slots__ = ("hash", "parent_hash", "num_tokens", "removed")
+    __slots__ = ("hash", "parent_hash", "num_tokens", "removed", "medium")
     HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     hash: bytes
     parent_hash: bytes
     num_tokens: int
     removed: bool
-    def __init__(self, hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., removed: _Optional[bool] = ...) -> None: ...
+    medium: int
+    def __init__(self, hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., removed: _Optional[bool] = ..., medium: _Optional[int] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
     __slots__ = ("epoch", "seq", "reset", "snapshot", "role", "block_size", "events")

@@ -403,20 +403,20 @@ def one_route_app(handler) -> web.Application:
 
 
 def kv_blocks_batch(role: str, token_ids: list[int], block_size: int = 16, epoch: str = "epoch-1", seq: int = 0,
-                    reset: bool = True, removed: bool = False) -> pb.KvEventBatch:
+                    reset: bool = True, removed: bool = False, medium: int = 0) -> pb.KvEventBatch:
     """A worker's KV events batch for the full blocks of `token_ids`: by default a snapshot holding them; with
-    `reset` False, changes numbered up to `seq` (stored, or `removed`)."""
+    `reset` False, changes numbered up to `seq` (stored, or `removed`); `medium` 1: in its KV tier."""
     from kv_events.block_hash import ROOT_HASH, chain_hashes, hash_to_bytes
 
     hashes = chain_hashes(token_ids, block_size)
     events = []
     for i, h in enumerate(hashes):
         if removed:
-            events.append(pb.KvBlockEvent(hash=hash_to_bytes(h), removed=True))
+            events.append(pb.KvBlockEvent(hash=hash_to_bytes(h), removed=True, medium=medium))
         else:
             parent = hashes[i - 1] if i else ROOT_HASH
             events.append(pb.KvBlockEvent(hash=hash_to_bytes(h), parent_hash=hash_to_bytes(parent) if i else b"",
-                                          num_tokens=block_size))
+                                          num_tokens=block_size, medium=medium))
     return pb.KvEventBatch(epoch=epoch, seq=seq, reset=reset, snapshot=reset, role=role, block_size=block_size,
                            events=events)
 

@@ -87,6 +87,19 @@ class PrefixCacheCounters:
                                   "cache (not computed again).", value=stats.hit_tokens)
         yield CounterMetricFamily("pdserve_worker_prefix_cache_queried_tokens", "Prompt positions looked up in the "
                                   "prefix cache.", value=stats.queried_tokens)
+        # Present without a tier too (zeros), so dashboards and alerts need not know which workers have one.
+        yield CounterMetricFamily("pdserve_worker_kv_tier_hit_tokens", "Prompt positions loaded from the KV tier "
+                                  "(part of the prefix cache's hits).", value=stats.tier_hit_tokens)
+        tier = self.pool.tier
+        t = tier.stats() if tier is not None else None
+        yield GaugeMetricFamily("pdserve_worker_kv_tier_blocks", "KV blocks the tier holds.",
+                                value=t.blocks if t else 0)
+        yield GaugeMetricFamily("pdserve_worker_kv_tier_capacity_blocks", "KV blocks the tier can hold (0: no tier, "
+                                "or a disk error turned it off).", value=t.capacity_blocks if t and t.enabled else 0)
+        yield CounterMetricFamily("pdserve_worker_kv_tier_written_blocks", "KV blocks written to the tier.",
+                                  value=t.written_blocks if t else 0)
+        yield CounterMetricFamily("pdserve_worker_kv_tier_dropped_blocks", "Tier blocks found damaged or missing "
+                                  "when read (recomputed).", value=t.dropped_blocks if t else 0)
 
 
 class LoraInfo:

@@ -80,9 +80,10 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     # cache_affinity routes on an exact index of the workers' prefix caches, fed by their KV events.
     kv_watch = None
     if scheduling.algorithm_type == "cache_affinity":
-        kv_watch = (VllmKvEventWatch(KvIndex(), config.instances.kv_event_endpoints(), loras.digest_of)
+        index = KvIndex(scheduling.cache_affinity_expected_ttl_s)
+        kv_watch = (VllmKvEventWatch(index, config.instances.kv_event_endpoints(), loras.digest_of)
                     if engine == "vllm"
-                    else KvEventWatch(KvIndex(), client))
+                    else KvEventWatch(index, client))
     policy = make_policy(scheduling, kv_watch.index if kv_watch is not None else None)
     if engine == "vllm":
         client.read_load = policy.reads_load

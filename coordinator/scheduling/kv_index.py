@@ -1,13 +1,19 @@
-"""The exact prefix index: which instances hold each KV block, from their KV events only (no guessing).
+"""The exact prefix index: which instances hold each KV block, and where (pool or tier), from their KV events.
 
-Every worker announces the blocks its prefix cache stores and removes (worker/service/kv_event_log.py); the
-coordinator applies them here, per instance, and drops an instance's entries when it leaves, is declared lost,
-or its event stream breaks. A prompt is looked up by hashing its leading blocks the way the workers do
-(kv_events/block_hash.py) until no instance holds the next one, so a prompt nobody caches costs one hash.
+Every worker announces the blocks its prefix cache stores and removes (worker/service/kv_event_log.py), each
+with its medium: the block pool, or the KV tier under it (local disk); the coordinator applies them here, per
+instance and medium, and drops an instance's entries when it leaves, is declared lost, or its event stream
+breaks. A prompt is looked up by hashing its leading blocks the way the workers do (kv_events/block_hash.py)
+until no instance holds the next one, so a prompt nobody caches costs one hash.
+
+Expected entries: a prompt just routed to an instance (`expect`) counts as held there for a short lifetime, until
+the instance's events confirm its blocks, so a burst sharing a new prefix finds where the first one went.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from kv_events.block_hash import hash_from_bytes, iter_chain_hashes
@@ -16,10 +22,13 @@ from proto import worker_pb2 as pb
 
 @dataclass(frozen=True)
 class CacheMatch:
-    """Leading prompt tokens each instance holds (instances holding none left out), by role."""
+    """Leading prompt tokens each instance holds (instances holding none left out), by role; of them, by address,
+    those held only in its tier (`tier`) and those only expected (`expected`), where there are any."""
 
     prefill: dict[str, int] = field(default_factory=dict)
     decode: dict[str, int] = field(default_factory=dict)
+    tier: dict[str, int] = field(default_factory=dict)
+    expected: dict[str, int] = field(default_factory=dict)
 
     def of(self, role: str) -> dict[str, int]:
         return self.prefill if role == "prefill" else self.decode
@@ -38,15 +47,21 @@ class _Holder:
     block_size: int
     epoch: str
     seq: int = 0
-    blocks: set[int] = field(default_factory=set)
+    blocks: set[int] = field(default_factory=set)  # in its pool
+    tier: set[int] = field(default_factory=set)  # in its KV tier
     digest: int = 0  # XOR of its block hashes: two indexes agree on an instance when block count and digest do
 
 
 class KvIndex:
     """Block hash → the instances holding it (a bit per instance), built from KV event batches."""
 
-    def __init__(self):
-        self._holders: dict[int, int] = {}  # block hash -> bit mask of the slots holding it
+    def __init__(self, expected_ttl_s: float = 10.0):
+        self._holders: dict[int, int] = {}  # block hash -> bit mask of the slots holding it in their pool
+        self._tier_holders: dict[int, int] = {}  # the same, in their KV tier
+        # block hash -> [mask of the slots a prompt holding it was just routed to, when that expires]
+        self._expected: dict[int, list] = {}
+        self._expiries: deque[tuple[float, int]] = deque()  # (expires, hash), oldest first
+        self.expected_ttl_s = expected_ttl_s
         self._by_address: dict[str, _Holder] = {}
         self._slots: list[_Holder | None] = []
         # block size -> bit mask of the instances hashing blocks of that size (usually one size for the fleet)
@@ -73,22 +88,24 @@ class KvIndex:
                 return False
             holder.seq = batch.seq
         bit = 1 << holder.slot
-        holders, blocks = self._holders, holder.blocks
+        expected = self._expected
         for event in batch.events:
             key = hash_from_bytes(event.hash)
+            if event.medium:
+                holders, blocks = self._tier_holders, holder.tier
+            else:
+                holders, blocks = self._holders, holder.blocks
             if event.removed:
                 if key in blocks:
                     blocks.discard(key)
                     holder.digest ^= key
-                    mask = holders[key] & ~bit
-                    if mask:
-                        holders[key] = mask
-                    else:
-                        del holders[key]
+                    _clear(holders, key, bit)
             elif key not in blocks:
                 blocks.add(key)
                 holder.digest ^= key
                 holders[key] = holders.get(key, 0) | bit
+                if key in expected and expected[key][0] & bit:  # confirmed
+                    _clear_expected(expected, key, bit)
         return True
 
     def _add(self, address: str, batch: pb.KvEventBatch) -> _Holder:
@@ -108,13 +125,12 @@ class KvIndex:
         if holder is None:
             return
         bit = 1 << holder.slot
-        holders = self._holders
         for key in holder.blocks:
-            mask = holders[key] & ~bit
-            if mask:
-                holders[key] = mask
-            else:
-                del holders[key]
+            _clear(self._holders, key, bit)
+        for key in holder.tier:
+            _clear(self._tier_holders, key, bit)
+        for key in [k for k, entry in self._expected.items() if entry[0] & bit]:  # before its slot is reused
+            _clear_expected(self._expected, key, bit)
         self._slots[holder.slot] = None
         mask = self._sizes[holder.block_size] & ~bit
         if mask:
@@ -122,46 +138,116 @@ class KvIndex:
         else:
             del self._sizes[holder.block_size]
 
+    # expected entries --------------------------------------------------------------------------------------
+    def expect(self, address: str, token_ids: list[int]) -> None:
+        """`address` was just given this prompt: its blocks count as held there until its events confirm them or
+        `expected_ttl_s` passes (a request that fails leaves nothing behind for longer)."""
+        holder = self._by_address.get(address)
+        if holder is None or not self.expected_ttl_s:
+            return
+        now = time.monotonic()
+        self._expire(now)
+        expires, bit, expected = now + self.expected_ttl_s, 1 << holder.slot, self._expected
+        bs = holder.block_size
+        for key in iter_chain_hashes(token_ids, bs, num_blocks=(len(token_ids) - 1) // bs):
+            if key in holder.blocks:
+                continue
+            entry = expected.get(key)
+            if entry is None:
+                expected[key] = [bit, expires]
+            else:
+                entry[0] |= bit
+                entry[1] = expires
+            self._expiries.append((expires, key))
+
+    def _expire(self, now: float) -> None:
+        expiries, expected = self._expiries, self._expected
+        while expiries and expiries[0][0] <= now:
+            _, key = expiries.popleft()
+            entry = expected.get(key)
+            if entry is not None and entry[1] <= now:
+                del expected[key]
+
     # lookups ---------------------------------------------------------------------------------------------
     def match(self, token_ids: list[int]) -> CacheMatch:
-        """How many leading tokens of the prompt each instance holds. The last token is never counted: a worker
-        always computes it (its logits give the first token)."""
+        """How many leading tokens of the prompt each instance holds, in its pool, its tier or expected. The last
+        token is never counted: a worker always computes it (its logits give the first token)."""
         if not self._sizes:
             return NO_MATCH
         found = CacheMatch()
-        holders = self._holders
+        holders, tier, expected = self._holders, self._tier_holders, self._expected
+        now = time.monotonic() if expected else 0.0
         for block_size, alive in self._sizes.items():
             matched = 0
+            counts: dict[int, list[int]] = {}  # slot -> [tier blocks, expected blocks] in its match so far
             for key in iter_chain_hashes(token_ids, block_size, num_blocks=(len(token_ids) - 1) // block_size):
-                held = holders.get(key, 0) & alive
+                held = holders.get(key, 0)
+                in_tier = (tier.get(key, 0) & ~held) if tier else 0
+                if expected and (entry := expected.get(key)) is not None and entry[1] > now:
+                    only_expected = entry[0] & ~held & ~in_tier
+                else:
+                    only_expected = 0
+                held = (held | in_tier | only_expected) & alive
                 if held != alive:
                     if matched:
-                        self._credit(alive & ~held, matched * block_size, found)
+                        self._credit(alive & ~held, matched * block_size, found, counts)
                     alive = held
                     if not alive:
                         break
+                if in_tier or only_expected:
+                    _count(in_tier & alive, counts, 0)
+                    _count(only_expected & alive, counts, 1)
                 matched += 1
             if alive and matched:
-                self._credit(alive, matched * block_size, found)
+                self._credit(alive, matched * block_size, found, counts)
         return found
 
-    def _credit(self, mask: int, tokens: int, found: CacheMatch) -> None:
+    def _credit(self, mask: int, tokens: int, found: CacheMatch, counts: dict[int, list[int]]) -> None:
         slots = self._slots
         while mask:
             low = mask & -mask
-            holder = slots[low.bit_length() - 1]
+            slot = low.bit_length() - 1
+            holder = slots[slot]
             found.of(holder.role)[holder.address] = tokens
+            if slot in counts:
+                tier_blocks, expected_blocks = counts[slot]
+                if tier_blocks:
+                    found.tier[holder.address] = tier_blocks * holder.block_size
+                if expected_blocks:
+                    found.expected[holder.address] = expected_blocks * holder.block_size
             mask ^= low
 
     # inspection ------------------------------------------------------------------------------------------
-    def blocks_of(self, address: str) -> int:
+    def blocks_of(self, address: str, medium: str = "pool") -> int:
         holder = self._by_address.get(address)
-        return 0 if holder is None else len(holder.blocks)
+        return 0 if holder is None else len(holder.blocks if medium == "pool" else holder.tier)
 
     def describe(self, address: str) -> dict | None:
         """What the index holds of `address` (for GET /v1/instances): None when it follows no events from it."""
         holder = self._by_address.get(address)
         if holder is None:
             return None
-        return {"blocks": len(holder.blocks), "digest": f"{holder.digest:032x}", "epoch": holder.epoch,
-                "seq": holder.seq, "block_size": holder.block_size}
+        return {"blocks": len(holder.blocks), "tier_blocks": len(holder.tier), "digest": f"{holder.digest:032x}",
+                "epoch": holder.epoch, "seq": holder.seq, "block_size": holder.block_size}
+
+
+def _clear(holders: dict[int, int], key: int, bit: int) -> None:
+    mask = holders[key] & ~bit
+    if mask:
+        holders[key] = mask
+    else:
+        del holders[key]
+
+
+def _clear_expected(expected: dict[int, list], key: int, bit: int) -> None:
+    entry = expected[key]
+    entry[0] &= ~bit
+    if not entry[0]:
+        del expected[key]
+
+
+def _count(mask: int, counts: dict[int, list[int]], which: int) -> None:
+    while mask:
+        low = mask & -mask
+        counts.setdefault(low.bit_length() - 1, [0, 0])[which] += 1
+        mask ^= low

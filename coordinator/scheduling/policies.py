@@ -45,6 +45,9 @@ class RoundRobinPolicy:
         """What each instance holds of the prompt: nothing known, for a policy without an index."""
         return NO_MATCH
 
+    def expect(self, prefill: Instance | None, decode: Instance, prompt_token_ids: list[int]) -> None:
+        """The request was placed on these instances: nothing to remember, for a policy without an index."""
+
     def _next(self, pool: RolePool, ordered: list[str], exclude: Collection[str]) -> Instance | None:
         """The role's next turn among `ordered` (sorted addresses) outside `exclude`."""
         address = nth_outside(ordered, self._turn[pool.role], exclude)
@@ -54,11 +57,13 @@ class RoundRobinPolicy:
         return pool.get(address)
 
     def choose_prefill(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                       exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
+                       exclude: Collection[str] = frozenset(), lora: str | None = None,
+                       match: CacheMatch = NO_MATCH) -> Instance | None:
         return self._next(pool, pool.routable, exclude)
 
     def choose_decode(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                      exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
+                      exclude: Collection[str] = frozenset(), lora: str | None = None,
+                      match: CacheMatch = NO_MATCH) -> Instance | None:
         return self._next(pool, pool.routable, exclude)
 
 
@@ -84,11 +89,13 @@ class LoadBalancePolicy(RoundRobinPolicy):
         return None if least is None else self._next(pool, least[1], exclude)
 
     def choose_prefill(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                       exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
+                       exclude: Collection[str] = frozenset(), lora: str | None = None,
+                       match: CacheMatch = NO_MATCH) -> Instance | None:
         return self._least(pool, exclude, prefill_load)
 
     def choose_decode(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                      exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
+                      exclude: Collection[str] = frozenset(), lora: str | None = None,
+                      match: CacheMatch = NO_MATCH) -> Instance | None:
         return self._least(pool, exclude, decode_load)
 
 
@@ -100,7 +107,10 @@ class CacheAffinityPolicy(LoadBalancePolicy):
     - decode: uncached prompt tokens (to transfer, or to prefill locally) + `decode_load_weight` x its running
       sequences, so a conversation's next turn goes back to the decode worker that holds it unless that one
       carries that much more load;
-    - either, for a request under a LoRA adapter: + `lora_load_tokens` where the adapter is not loaded yet.
+    - either, for a request under a LoRA adapter: + `lora_load_tokens` where the adapter is not loaded yet;
+    - a prompt token held only in an instance's KV tier counts `tier_token_cost` of an uncached one (its block is
+      loaded back, not computed); on a prefill instance, prompt tokens only expected there (a request just sent
+      there is computing them) do not count as load ahead of this one: this request needs them computed anyway.
     Only the least loaded instance and those holding part of the prompt are priced, so a request costs the same
     whatever the size of the fleet (but for a LoRA request whose adapter the least loaded has not loaded: the
     instances that have are priced too).
@@ -109,18 +119,25 @@ class CacheAffinityPolicy(LoadBalancePolicy):
     prices_cache = True
 
     def __init__(self, index: KvIndex, prefill_load_weight: float = 1.0, decode_load_weight: float = 64.0,
-                 lora_load_tokens: float = 256.0):
+                 lora_load_tokens: float = 256.0, tier_token_cost: float = 0.1):
         super().__init__()
         self.index = index
         self.prefill_load_weight = prefill_load_weight
         self.decode_load_weight = decode_load_weight
         self.lora_load_tokens = lora_load_tokens
+        self.tier_token_cost = tier_token_cost
 
     def match(self, prompt_token_ids: list[int]) -> CacheMatch:
         return self.index.match(prompt_token_ids)
 
+    def expect(self, prefill: Instance | None, decode: Instance, prompt_token_ids: list[int]) -> None:
+        if prefill is not None:
+            self.index.expect(prefill.address, prompt_token_ids)
+        self.index.expect(decode.address, prompt_token_ids)
+
     def _cheapest(self, pool: RolePool, prompt_len: int, cached: dict[str, int], exclude: Collection[str],
-                  load: Callable[[Instance], float], weight: float, lora: str | None) -> Instance | None:
+                  load: Callable[[Instance], float], weight: float, lora: str | None,
+                  match: CacheMatch) -> Instance | None:
         best = self._least(pool, exclude, load)
         if best is None:
             return best
@@ -131,26 +148,37 @@ class CacheAffinityPolicy(LoadBalancePolicy):
         if not candidates:
             return best
 
-        def adapter_cost(instance: Instance) -> float:
-            return self.lora_load_tokens if lora is not None and lora not in instance.reported.loras else 0.0
+        tier, expected = match.tier, match.expected if load is prefill_load else {}
 
-        best_cost = prompt_len - cached.get(best.address, 0) + weight * load(best) + adapter_cost(best)
+        def cost(instance: Instance) -> float:
+            address = instance.address
+            c = prompt_len - cached.get(address, 0) + weight * load(instance)
+            if tier or expected:
+                c += self.tier_token_cost * tier.get(address, 0)
+                c -= weight * min(expected.get(address, 0), load(instance))
+            if lora is not None and lora not in instance.reported.loras:
+                c += self.lora_load_tokens
+            return c
+
+        best_cost = cost(best)
         for address in candidates:
             if address in exclude or not pool.is_routable(address):
                 continue
             instance = pool.get(address)
-            cost = prompt_len - cached.get(address, 0) + weight * load(instance) + adapter_cost(instance)
-            if cost < best_cost:
-                best, best_cost = instance, cost
+            c = cost(instance)
+            if c < best_cost:
+                best, best_cost = instance, c
         return best
 
     def choose_prefill(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                       exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
-        return self._cheapest(pool, prompt_len, cached, exclude, prefill_load, self.prefill_load_weight, lora)
+                       exclude: Collection[str] = frozenset(), lora: str | None = None,
+                       match: CacheMatch = NO_MATCH) -> Instance | None:
+        return self._cheapest(pool, prompt_len, cached, exclude, prefill_load, self.prefill_load_weight, lora, match)
 
     def choose_decode(self, pool: RolePool, prompt_len: int, cached: dict[str, int],
-                      exclude: Collection[str] = frozenset(), lora: str | None = None) -> Instance | None:
-        return self._cheapest(pool, prompt_len, cached, exclude, decode_load, self.decode_load_weight, lora)
+                      exclude: Collection[str] = frozenset(), lora: str | None = None,
+                      match: CacheMatch = NO_MATCH) -> Instance | None:
+        return self._cheapest(pool, prompt_len, cached, exclude, decode_load, self.decode_load_weight, lora, match)
 
 
 def make_policy(config, index: KvIndex | None = None) -> RoundRobinPolicy:
@@ -161,5 +189,6 @@ def make_policy(config, index: KvIndex | None = None) -> RoundRobinPolicy:
         if index is None:
             raise ValueError("cache_affinity routes on a KvIndex")
         return CacheAffinityPolicy(index, config.cache_affinity_prefill_load_weight,
-                                   config.cache_affinity_decode_load_weight, config.cache_affinity_lora_load_tokens)
+                                   config.cache_affinity_decode_load_weight, config.cache_affinity_lora_load_tokens,
+                                   config.cache_affinity_tier_token_cost)
     return RoundRobinPolicy()

@@ -41,15 +41,19 @@ class Router:
         policy, registry = self.policy, self.registry
         match = policy.match(prompt_token_ids)
         prompt_len = len(prompt_token_ids)
-        decode = policy.choose_decode(registry.pool("decode"), prompt_len, match.decode, exclude_decode, lora)
+        decode = policy.choose_decode(registry.pool("decode"), prompt_len, match.decode, exclude_decode, lora,
+                                      match=match)
         if decode is None:
             raise WorkerError(_none_left("decode", registry, exclude_decode))
         decode_cached = match.decode.get(decode.address, 0)
         if local_prefill and prompt_len - decode_cached < self.local_prefill_max_tokens:
+            policy.expect(None, decode, prompt_token_ids)
             return Placement(None, decode, decode_cached_tokens=decode_cached)
-        prefill = policy.choose_prefill(registry.pool("prefill"), prompt_len, match.prefill, exclude_prefill, lora)
+        prefill = policy.choose_prefill(registry.pool("prefill"), prompt_len, match.prefill, exclude_prefill, lora,
+                                        match=match)
         if prefill is None:
             raise WorkerError(_none_left("prefill", registry, exclude_prefill))
+        policy.expect(prefill, decode, prompt_token_ids)
         return Placement(prefill, decode, match.prefill.get(prefill.address, 0), decode_cached)
 
 

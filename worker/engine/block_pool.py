@@ -10,6 +10,9 @@ Block 0 is never handed out: attention reads it (zeros) wherever a padded row ha
 
 A `listener` (the worker's KV event log) hears of every block the cache stores and removes, under the pool's
 lock, so a snapshot (`registered_blocks`) and the changes after it never disagree.
+
+With a KV tier attached (`attach_tier`), an evicted block's bytes go to the tier, and a prompt's lookup goes on
+in the tier where the pool's blocks end: each block found there is loaded into a fresh pool block.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kv_events.block_hash import ROOT_HASH, block_hash, chain_hashes
+from worker.engine.kv_tier import TIER, BlockBytes, KvTier
 
 NULL_BLOCK = 0
 
@@ -40,8 +44,8 @@ class BlockTable:
 class CacheListener(Protocol):
     """Hears of the prefix cache's changes (called with the pool's lock held: it must only record them)."""
 
-    def stored(self, block_hash: int, parent_hash: int, num_tokens: int) -> None: ...
-    def removed(self, block_hash: int) -> None: ...
+    def stored(self, block_hash: int, parent_hash: int, num_tokens: int, medium: int = 0) -> None: ...
+    def removed(self, block_hash: int, medium: int = 0) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class PoolStats:
     used_blocks: int  # referenced by a live sequence
     hit_tokens: int  # prompt tokens found cached, since start
     queried_tokens: int  # prompt tokens looked up, since start
+    tier_hit_tokens: int = 0  # of the hits, loaded from the KV tier
 
 
 class BlockPool:
@@ -82,7 +87,15 @@ class BlockPool:
         self._fresh: list[int] = []
         self.hit_tokens = 0
         self.queried_tokens = 0
+        self.tier_hit_tokens = 0
+        self._tier_loads = 0  # blocks loaded from the tier since `take_tier_loads` last took them
         self.listener: CacheListener | None = None
+        self.tier: KvTier | None = None
+        self._bytes: BlockBytes | None = None
+
+    def attach_tier(self, tier: KvTier, blocks: BlockBytes) -> None:
+        """Keep evicted blocks in `tier`, their bytes moved by `blocks` (the backend's pool memory)."""
+        self.tier, self._bytes = tier, blocks
 
     # figures ---------------------------------------------------------------------------------
     @property
@@ -101,7 +114,7 @@ class BlockPool:
         with self._lock:
             free = len(self._free) + len(self._cached)
             return PoolStats(self.num_blocks - 1, self.block_size, free, len(self._cached),
-                             self.num_blocks - 1 - free, self.hit_tokens, self.queried_tokens)
+                             self.num_blocks - 1 - free, self.hit_tokens, self.queried_tokens, self.tier_hit_tokens)
 
     # prefix cache ----------------------------------------------------------------------------
     def cached_prefix(self, token_ids: Sequence[int], max_tokens: int, table: BlockTable) -> int:
@@ -124,7 +137,7 @@ class BlockPool:
             for b in range(len(table.block_ids), min(len(token_ids), max_tokens) // bs):
                 h = block_hash(parent, token_ids[b * bs : (b + 1) * bs])
                 block = self._by_hash.get(h)
-                if block is None:
+                if block is None and (block := self._load_from_tier(h, parent)) is None:
                     break
                 self._take(block)
                 table.block_ids.append(block)
@@ -132,6 +145,30 @@ class BlockPool:
                 parent = h
                 self.hit_tokens += bs
             return len(table.block_ids) * bs
+
+    def _load_from_tier(self, h: int, parent: int) -> int | None:
+        """A free block holding the tier's copy of block `h`, now cached in the pool; None when the tier lacks it
+        (or it is damaged) or no block is free. The pool's lock is held."""
+        tier = self.tier
+        if tier is None or not tier.holds(h) or not (self._free or self._cached):
+            return None
+        block = self._allocate()
+        data = tier.load(h)
+        if data is None:
+            self._refs[block] = 0
+            self._free.append(block)
+            return None
+        self._bytes.write_block(block, data)
+        if block in self._fresh:  # written whole: it must not be zeroed as a fresh block
+            self._fresh.remove(block)
+        self._refs[block] = 0
+        self._hash[block], self._parent[block], self._by_hash[h] = h, parent, block
+        self._cached[block] = None
+        self.tier_hit_tokens += self.block_size
+        self._tier_loads += 1
+        if self.listener is not None:
+            self.listener.stored(h, parent, self.block_size)
+        return block
 
     def register(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
         """Record the contents of `table`'s blocks that are full and computed (positions < `num_computed`), so
@@ -155,13 +192,17 @@ class BlockPool:
                 parent = h
         table.hashes.extend(hashes)
 
-    def registered_blocks(self, listener: CacheListener | None = None) -> list[tuple[int, int]]:
-        """(hash, parent hash) of every block the cache holds now; with `listener`, it hears of every change after
-        this moment from now on (one atomic step: no change falls between the list and the first event)."""
+    def registered_blocks(self, listener: CacheListener | None = None) -> list[tuple[int, int, int]]:
+        """(hash, parent hash, medium) of every block the cache and its tier hold now; with `listener`, it hears of
+        every change after this moment from now on (one atomic step: no change falls between the list and the
+        first event)."""
         with self._lock:
             if listener is not None:
                 self.listener = listener
-            return [(h, self._parent[block]) for h, block in self._by_hash.items()]
+            blocks = [(h, self._parent[block], 0) for h, block in self._by_hash.items()]
+            if self.tier is not None:
+                blocks += [(h, parent, TIER) for h, parent in self.tier.entries(listener)]
+            return blocks
 
     def has_unregistered_full_block(self, table: BlockTable, num_computed: int) -> bool:
         """Whether `register` would record anything: a growing sequence fills a block only every block_size tokens."""
@@ -220,6 +261,12 @@ class BlockPool:
             fresh, self._fresh = self._fresh, []
             return fresh
 
+    def take_tier_loads(self) -> int:
+        """Blocks loaded from the tier since the last call (the simulated backend charges each a load)."""
+        with self._lock:
+            loads, self._tier_loads = self._tier_loads, 0
+            return loads
+
     def _allocate(self) -> int:
         if self._free:
             block = self._free.popleft()
@@ -233,5 +280,7 @@ class BlockPool:
             self._hash[block] = None
             if self.listener is not None:
                 self.listener.removed(evicted)
+            if self.tier is not None:  # its bytes leave now: the block is overwritten next
+                self.tier.evicted(evicted, self._parent[block], self._bytes.read_block(block))
         self._refs[block] = 1
         return block

@@ -35,9 +35,9 @@ SNAPSHOT_BATCH_EVENTS = 8192
 MAX_BEHIND_BATCHES = 256
 
 
-def _stored_pb(block_hash: int, parent: int, num_tokens: int) -> pb.KvBlockEvent:
-    return pb.KvBlockEvent(hash=hash_to_bytes(block_hash),
-                           parent_hash=hash_to_bytes(parent) if parent != ROOT_HASH else b"", num_tokens=num_tokens)
+def _stored_pb(block_hash: int, parent: int, num_tokens: int, medium: int = 0) -> pb.KvBlockEvent:
+    return pb.KvBlockEvent(hash=hash_to_bytes(block_hash), parent_hash=hash_to_bytes(parent) if parent != ROOT_HASH
+                           else b"", num_tokens=num_tokens, medium=medium)
 
 
 class KvEventLog:
@@ -51,7 +51,8 @@ class KvEventLog:
         self._pool = pool
         self._loop = loop
         self._lock = threading.Lock()
-        self._pending: list[tuple[int, int, int] | int] = []  # (hash, parent, tokens) stored, or a removed hash
+        # (hash, parent, tokens, medium) stored, or (hash, medium) removed
+        self._pending: list[tuple[int, int, int, int] | tuple[int, int]] = []
         self._armed = False
         self._last_published = float("-inf")
         self._subscribers: set[Callable[[pb.KvEventBatch], None]] = set()
@@ -60,11 +61,11 @@ class KvEventLog:
         pool.registered_blocks(self)  # hears of every change from now on
 
     # the block pool's side (any thread, the pool's lock held) -------------------------------------------
-    def stored(self, block_hash: int, parent_hash: int, num_tokens: int) -> None:
-        self._record((block_hash, parent_hash, num_tokens))
+    def stored(self, block_hash: int, parent_hash: int, num_tokens: int, medium: int = 0) -> None:
+        self._record((block_hash, parent_hash, num_tokens, medium))
 
-    def removed(self, block_hash: int) -> None:
-        self._record(block_hash)
+    def removed(self, block_hash: int, medium: int = 0) -> None:
+        self._record((block_hash, medium))
 
     def _record(self, change) -> None:
         with self._lock:
@@ -95,8 +96,8 @@ class KvEventLog:
         self.seq += len(pending)
         if not self._subscribers:
             return
-        events = [_stored_pb(*change) if type(change) is tuple else pb.KvBlockEvent(hash=hash_to_bytes(change),
-                                                                                       removed=True)
+        events = [_stored_pb(*change) if len(change) == 4
+                  else pb.KvBlockEvent(hash=hash_to_bytes(change[0]), removed=True, medium=change[1])
                   for change in pending]
         batch = pb.KvEventBatch(epoch=self.epoch, seq=self.seq, role=self.role, block_size=self.block_size,
                                 events=events)
@@ -111,7 +112,8 @@ class KvEventLog:
             batches.append(pb.KvEventBatch(
                 epoch=self.epoch, seq=self.seq, reset=not batches, snapshot=True, role=self.role,
                 block_size=self.block_size,
-                events=[_stored_pb(h, parent, self.block_size) for h, parent in blocks[start:start + SNAPSHOT_BATCH_EVENTS]]))
+                events=[_stored_pb(h, parent, self.block_size, medium)
+                        for h, parent, medium in blocks[start:start + SNAPSHOT_BATCH_EVENTS]]))
         return batches
 
     def subscribe(self, deliver: Callable[[pb.KvEventBatch], None]) -> None:

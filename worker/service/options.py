@@ -49,6 +49,8 @@ class WorkerOptions:
     kv_budget_tokens: int | None = None  # None: the backend's default (real: a share of the memory free at start-up)
     block_size: int = 16  # token positions per KV block
     prefix_caching: bool = True  # keep full blocks cached for later prompts with the same leading tokens
+    kv_tier_dir: str | None = None  # the KV tier's folder (local disk); needs kv_tier_gb > 0
+    kv_tier_gb: float = 0.0  # the KV tier's size; 0: no tier
     max_prefill_tokens: int = 2048
     max_prefill_batch_size: int = 16
     max_running: int = 64
@@ -70,6 +72,12 @@ class WorkerOptions:
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if self.kv_tier_gb < 0:
+            raise ValueError(f"--kv-tier-gb must be >= 0, got {self.kv_tier_gb}")
+        if self.kv_tier_gb and isinstance(self.backend, ModelBackend) and not self.kv_tier_dir:
+            raise ValueError("--kv-tier-gb needs --kv-tier-dir (the folder on local disk that holds the tier)")
+        if self.kv_tier_gb and not self.prefix_caching:
+            raise ValueError("--kv-tier-gb keeps prefix-cache blocks: it cannot go with --no-prefix-caching")
 
     @property
     def public_host(self) -> str:

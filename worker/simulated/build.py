@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from worker.engine.block_pool import BlockPool
+from worker.engine.kv_tier import EmptyBlocks, attach_tier
 from worker.simulated.decode_engine import SimulatedDecodeEngine
 from worker.simulated.prefill_engine import SimulatedPrefillEngine
 
@@ -12,6 +13,8 @@ def build_engine(options) -> SimulatedPrefillEngine | SimulatedDecodeEngine:
     sim = options.backend
     budget = options.kv_budget_tokens or sim.kv_budget_tokens
     pool = BlockPool(1 + max(1, budget // options.block_size), options.block_size, options.prefix_caching)
+    attach_tier(pool, options.kv_tier_dir, options.kv_tier_gb, sim.kv_shape.kv_bytes(options.block_size),
+                EmptyBlocks())
     if options.role == "prefill":
         return SimulatedPrefillEngine(sim.cost, sim.kv_shape, pool, options.max_prefill_tokens,
                                       options.max_prefill_batch_size, sim.vocab_size)

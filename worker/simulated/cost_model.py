@@ -18,9 +18,11 @@ class CostModel:
     prefill_per_token_ms: float = 0.02
     decode_base_ms: float = 5.0
     decode_per_seq_ms: float = 0.05
+    tier_load_per_block_ms: float = 0.01  # a block loaded from the KV tier instead of computed
 
     def __post_init__(self):
-        for name in ("prefill_base_ms", "prefill_per_token_ms", "decode_base_ms", "decode_per_seq_ms"):
+        for name in ("prefill_base_ms", "prefill_per_token_ms", "decode_base_ms", "decode_per_seq_ms",
+                     "tier_load_per_block_ms"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}={value} must be a finite number >= 0")
@@ -30,6 +32,9 @@ class CostModel:
 
     def step_ms(self, batch_size: int) -> float:
         return self.decode_base_ms + self.decode_per_seq_ms * batch_size
+
+    def tier_load_ms(self, num_blocks: int) -> float:
+        return self.tier_load_per_block_ms * num_blocks
 
 
 @dataclass(frozen=True)

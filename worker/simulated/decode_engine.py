@@ -98,7 +98,8 @@ class SimulatedDecodeEngine(RunsOnEventLoop, RefusesTokenConstraints, DecodeBack
     async def _step(self, batch: list[Sequence], chunks: list[Chunk]) -> None:
         started = time.perf_counter()
         prompt_tokens = sum(c.num_tokens for c in chunks)
-        cost_ms = (self.cost.step_ms(len(batch)) if batch else 0.0) + (self.cost.prefill_ms(prompt_tokens) if chunks else 0.0)
+        cost_ms = ((self.cost.step_ms(len(batch)) if batch else 0.0) + (self.cost.prefill_ms(prompt_tokens) if chunks else 0.0)
+                   + self.cost.tier_load_ms(self.pool.take_tier_loads()))
         await sleep_until(started + cost_ms / 1000)
         now = time.perf_counter()
         self._stepped([seq for seq in batch if not seq.is_finished], len(chunks), started, now)

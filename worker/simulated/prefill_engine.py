@@ -57,7 +57,8 @@ class SimulatedPrefillEngine(RunsOnEventLoop, RefusesTokenConstraints, PrefillBa
 
     async def _forward(self, chunks: list[Chunk]) -> None:
         started = time.perf_counter()
-        duration_s = self.cost.prefill_ms(sum(c.num_tokens for c in chunks)) / 1000
+        duration_s = (self.cost.prefill_ms(sum(c.num_tokens for c in chunks))
+                      + self.cost.tier_load_ms(self.pool.take_tier_loads())) / 1000
         last = [c.work for c in chunks if c.last]
         num_layers = self.kv_shape.num_layers
         layer_bytes = [self.kv_shape.tensor_bytes(job.num_sent_tokens) for job in last]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from worker.engine.block_pool import BlockPool
 from worker.engine.kv_budget import default_capacity_tokens
+from worker.engine.kv_tier import attach_tier
 from worker.engine.lora import LoraResidency
 from worker.torch_engine.decode_engine import DecodeEngine
 from worker.torch_engine.model_runner import ModelRunner
@@ -29,6 +30,7 @@ def build_engine(options) -> PrefillEngine | DecodeEngine:
                          backend.max_loras, backend.max_lora_rank, backend.attention)
     tokens = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token(), runner.device.type)
     pool = paged_pool(runner, tokens, options.block_size, options.prefix_caching)
+    attach_tier(pool, options.kv_tier_dir, options.kv_tier_gb, runner.cache.block_bytes, runner.cache)
     if options.role == "prefill":
         engine = PrefillEngine(runner, pool, options.max_prefill_tokens, options.max_prefill_batch_size)
     else:

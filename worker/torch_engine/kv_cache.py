@@ -55,6 +55,30 @@ class KvCache:
             self.keys[i].index_copy_(0, slots, k.to(self.device))
             self.values[i].index_copy_(0, slots, v.to(self.device))
 
+    # one block as bytes, for the KV tier (worker/engine/kv_tier.py's BlockBytes) --------------------------------
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: every layer's keys and values."""
+        t = self.keys[0]
+        return 2 * len(self.keys) * self.block_size * t[0].numel() * t.element_size()
+
+    def read_block(self, block: int) -> bytes:
+        """A copy of `block`'s keys and values, layer by layer (keys, then values), as host bytes."""
+        span = slice(block * self.block_size, (block + 1) * self.block_size)
+        parts = [t[span].reshape(-1).view(torch.uint8) for pair in zip(self.keys, self.values) for t in pair]
+        return torch.cat(parts).cpu().numpy().tobytes()
+
+    def write_block(self, block: int, data: bytes) -> None:
+        """Put bytes `read_block` gave into `block`."""
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        span = slice(block * self.block_size, (block + 1) * self.block_size)
+        offset = 0
+        for pair in zip(self.keys, self.values):
+            for t in pair:
+                dst = t[span].reshape(-1).view(torch.uint8)
+                dst.copy_(src[offset:offset + dst.numel()])
+                offset += dst.numel()
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s keys and values at `slots`, as contiguous host tensors [n, kv_heads, head_dim] (the
         wire's layout is the pool's: one gather, no permute)."""

@@ -41,6 +41,14 @@ RETRY_S = 1.0
 # Positional field order of vLLM's events when they come as arrays (the tag first).
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
                   "extra_keys", "group_idx")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+def _medium(fields: dict) -> int:
+    """pdserve's medium of a vLLM event: its GPU (or unnamed) cache is the pool; CPU or storage offloading (vLLM's
+    offloading connector) is the tier."""
+    medium = fields.get("medium")
+    return 0 if medium is None or str(medium).upper() == "GPU" else 1
 
 
 def _fields(event) -> tuple[str, dict]:
@@ -49,7 +57,7 @@ def _fields(event) -> tuple[str, dict]:
         return event.get("type", ""), event
     if isinstance(event, (list, tuple)) and event:
         kind = event[0]
-        names = _STORED_FIELDS if kind == "BlockStored" else ("block_hashes",)
+        names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS
         return kind, dict(zip(names, event[1:]))
     return "", {}
 
@@ -64,6 +72,7 @@ class VllmEventTranslator:
         self.epoch = ""
         self.seq = 0  # pdserve events sent in this epoch
         self._hashes: dict[object, int] = {}  # vLLM's hash -> pdserve's
+        self._media: dict[object, int] = {}  # vLLM's hash -> bit mask of the media holding it (1: pool, 2: tier)
         self._last_vllm_seq: int | None = None
 
     def batch(self, vllm_seq: int, payload: bytes) -> list[pb.KvEventBatch]:
@@ -95,6 +104,7 @@ class VllmEventTranslator:
     def _start_over(self, batches: list[pb.KvEventBatch]) -> None:
         """Forget every block: a new, empty snapshot (or, before the block size is known, nothing yet)."""
         self._hashes.clear()
+        self._media.clear()
         if self.block_size:
             batches.append(self._reset())
 
@@ -121,20 +131,30 @@ class VllmEventTranslator:
             return []  # chained to a block stored before the subscription: its pdserve hash is unknown
         # Under an adapter, its token ids salted as pdserve's workers and the coordinator hash them.
         hashes = chain_hashes(lora_cache_tokens(fields["token_ids"], digest), self.block_size, parent)
+        medium = _medium(fields)
         events = []
         for vllm_hash, ours in zip(fields["block_hashes"], hashes):
             self._hashes[vllm_hash] = ours
+            self._media[vllm_hash] = self._media.get(vllm_hash, 0) | (1 << medium)
             events.append(pb.KvBlockEvent(hash=hash_to_bytes(ours), num_tokens=self.block_size,
-                                          parent_hash=hash_to_bytes(parent) if parent else b""))
+                                          parent_hash=hash_to_bytes(parent) if parent else b"", medium=medium))
             parent = ours
         return events
 
     def _removed(self, fields: dict) -> list[pb.KvBlockEvent]:
         events = []
+        medium = _medium(fields)
         for vllm_hash in fields.get("block_hashes") or ():
-            ours = self._hashes.pop(vllm_hash, None)
-            if ours is not None:
-                events.append(pb.KvBlockEvent(hash=hash_to_bytes(ours), removed=True))
+            ours = self._hashes.get(vllm_hash)
+            if ours is None:
+                continue
+            events.append(pb.KvBlockEvent(hash=hash_to_bytes(ours), removed=True, medium=medium))
+            left = self._media.get(vllm_hash, 0) & ~(1 << medium)
+            if left:
+                self._media[vllm_hash] = left
+            else:  # in no medium any more: a later block cannot chain to it
+                del self._hashes[vllm_hash]
+                self._media.pop(vllm_hash, None)
         return events
 
 

@@ -117,3 +117,41 @@ def test_a_prompt_with_an_image_matches_the_worker_that_computed_that_image_and_
     assert index.match(request(1234).cache_token_ids()).prefill == {"p0:1": 32}
     assert index.match(request(4321).cache_token_ids()).prefill == {}  # the same placeholders, another image
     assert index.match(ids).prefill == {}  # nor do the bare placeholder ids
+
+
+def test_the_index_knows_each_block_medium_and_counts_tier_only_tokens():
+    index = KvIndex()
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(32)))
+    tier_batch = kv_blocks_batch("prefill", prompt(64), reset=False, seq=4, medium=1)
+    index.apply("p0:1", tier_batch)  # all four blocks in the tier, the first two in the pool too
+    match = index.match(prompt(65))
+    assert match.prefill == {"p0:1": 64} and match.tier == {"p0:1": 32}
+    assert index.describe("p0:1")["tier_blocks"] == 4 and index.blocks_of("p0:1", "tier") == 4
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(64), reset=False, seq=8, removed=True, medium=1))
+    assert index.match(prompt(65)).prefill == {"p0:1": 32} and index.match(prompt(65)).tier == {}
+
+
+def test_a_just_routed_prompt_is_expected_until_events_confirm_it_or_it_expires(monkeypatch):
+    import coordinator.scheduling.kv_index as kv_index
+
+    now = [1000.0]
+    monkeypatch.setattr(kv_index.time, "monotonic", lambda: now[0])
+    index = KvIndex(expected_ttl_s=5)
+    index.apply("p0:1", kv_blocks_batch("prefill", []))
+    index.expect("p0:1", prompt(49))
+    assert index.match(prompt(49)).prefill == {"p0:1": 48}
+    assert index.match(prompt(49)).expected == {"p0:1": 48}
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(32), reset=False, seq=2))  # two blocks confirmed
+    assert index.match(prompt(49)).expected == {"p0:1": 16}
+    now[0] += 6
+    assert index.match(prompt(49)).prefill == {"p0:1": 32}  # the unconfirmed block expired
+    assert index.match(prompt(49)).expected == {}
+
+
+def test_an_instance_dropped_leaves_no_expected_entries_for_the_next_in_its_slot():
+    index = KvIndex(expected_ttl_s=60)
+    index.apply("p0:1", kv_blocks_batch("prefill", []))
+    index.expect("p0:1", prompt(49))
+    index.drop("p0:1")
+    index.apply("p9:1", kv_blocks_batch("prefill", []))  # takes the freed slot
+    assert index.match(prompt(49)).prefill == {}

@@ -77,9 +77,9 @@ def test_load_balance_spreads_a_burst_over_idle_instances():
     assert set(chosen.values()) == {2}
 
 
-def affinity_router(registry: InstanceRegistry, local_prefill_max_tokens: int = 0,
+def affinity_router(registry: InstanceRegistry, local_prefill_max_tokens: int = 0, expected_ttl_s: float = 0.0,
                     **weights) -> tuple[Router, KvIndex]:
-    index = KvIndex()
+    index = KvIndex(expected_ttl_s)
     return Router(registry, CacheAffinityPolicy(index, **weights), local_prefill_max_tokens), index
 
 
@@ -177,3 +177,29 @@ def test_no_routable_instance_is_a_503_naming_each_instance_state():
         Router(registry, RoundRobinPolicy()).route(prompt(4))
     assert err.value.status == 503
     assert "d0:1: unhealthy (connection refused)" in err.value.message
+
+
+def test_cache_affinity_sends_a_burst_sharing_a_new_prefix_to_one_prefill_instance():
+    registry = make_registry()
+    router, index = affinity_router(registry, expected_ttl_s=60)
+    for address in ("p0:1", "p1:1", "p2:1"):
+        index.apply(address, kv_blocks_batch("prefill", []))  # following their (empty) caches
+    shared = prompt(992)
+    chosen = set()
+    for i in range(16):
+        placement = router.route(shared + [5000 + i] * 8)
+        chosen.add(placement.prefill.address)
+        placement.prefill.outstanding_prompt_tokens += 1000 - placement.prefill_cached_tokens
+    assert len(chosen) == 1
+
+
+def test_cache_affinity_prices_tier_blocks_between_pool_blocks_and_computing():
+    registry = make_registry()
+    router, index = affinity_router(registry, tier_token_cost=0.1)
+    index.apply("p1:1", kv_blocks_batch("prefill", prompt(96), medium=1))  # all in its tier: 100 - 96 + 9.6
+    registry.get("prefill", "p1:1").outstanding_prompt_tokens = 10  # 23.6 in all
+    index.apply("p2:1", kv_blocks_batch("prefill", prompt(96)))  # in its pool: 100 - 96 + 20 = 24
+    registry.get("prefill", "p2:1").outstanding_prompt_tokens = 20
+    assert router.route(prompt(100)).prefill.address == "p1:1"
+    registry.get("prefill", "p1:1").outstanding_prompt_tokens = 16  # 29.6 > 24
+    assert router.route(prompt(100)).prefill.address == "p2:1"

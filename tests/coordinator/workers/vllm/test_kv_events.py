@@ -12,11 +12,11 @@ BS = 4
 PROMPT = list(range(100, 113))  # three full blocks and a token
 
 
-def stored(hashes, parent, token_ids, as_array=False):
+def stored(hashes, parent, token_ids, as_array=False, medium="GPU"):
     if as_array:
-        return ["BlockStored", hashes, parent, token_ids, BS, None, "CPU"]
+        return ["BlockStored", hashes, parent, token_ids, BS, None, medium]
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": token_ids,
-            "block_size": BS, "lora_id": None, "medium": "CPU", "extra_keys": [None] * len(hashes)}
+            "block_size": BS, "lora_id": None, "medium": medium, "extra_keys": [None] * len(hashes)}
 
 
 def message(*events) -> bytes:
@@ -39,8 +39,20 @@ def test_stored_blocks_chained_over_several_events_match_the_prompt():
 def test_removed_blocks_leave_the_index():
     index, translator = KvIndex(), VllmEventTranslator("decode")
     feed(index, translator, 0, stored([b"h1", b"h2", b"h3"], None, PROMPT[:12]))
-    feed(index, translator, 1, {"type": "BlockRemoved", "block_hashes": [b"h2", b"unknown"], "medium": "CPU"})
+    feed(index, translator, 1, {"type": "BlockRemoved", "block_hashes": [b"h2", b"unknown"], "medium": "GPU"})
     assert index.match(PROMPT).decode == {"vllm-1:8000": 4}
+
+
+def test_blocks_vllm_offloads_to_the_cpu_are_indexed_as_tier_blocks():
+    index, translator = KvIndex(), VllmEventTranslator("prefill")
+    feed(index, translator, 0, stored([b"h1", b"h2", b"h3"], None, PROMPT[:12]))
+    feed(index, translator, 1, stored([b"h2", b"h3"], b"h1", PROMPT[4:12], medium="CPU"))  # offloaded
+    feed(index, translator, 2, ["BlockRemoved", [b"h2", b"h3"], "GPU"])  # then evicted from the GPU
+    match = index.match(PROMPT)
+    assert match.prefill == {"vllm-1:8000": 12} and match.tier == {"vllm-1:8000": 8}
+    assert index.describe("vllm-1:8000")["tier_blocks"] == 2
+    feed(index, translator, 3, {"type": "BlockRemoved", "block_hashes": [b"h3"], "medium": "CPU"})
+    assert index.match(PROMPT).prefill == {"vllm-1:8000": 8}
 
 
 def test_a_block_chained_to_one_never_seen_is_left_out():
