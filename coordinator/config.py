@@ -241,6 +241,16 @@ class SchedulerConfig(_Section):
         0.1, ge=0, le=1, description="cache_affinity: a prompt token an instance holds only in its KV tier (local "
         "disk) costs this fraction of one it must compute: loading its block back is cheaper than computing it "
         "(measured in docs/benchmarks/kv-tier.md).")
+    cache_affinity_peer_pulls: bool = Field(
+        True, description="cache_affinity on pdserve's own workers: a prefill worker that lacks a prompt's leading "
+        "blocks which another worker holds (pool or tier, any role) pulls them from it over the KV transfer path "
+        "instead of computing them, when that saves at least cache_affinity_pull_min_tokens (vLLM instances: off).")
+    cache_affinity_pull_min_tokens: int = Field(
+        64, ge=1, le=1_000_000, description="cache_affinity: the fewest prompt tokens a peer pull must save; below "
+        "it the call's fixed cost outweighs computing them.")
+    cache_affinity_pull_token_cost: float = Field(
+        0.2, ge=0, le=1, description="cache_affinity: a prompt token pulled from a peer costs this fraction of one "
+        "computed (measured in docs/benchmarks/kv-tier.md).")
     cache_affinity_expected_ttl_s: float = Field(
         10.0, ge=0, le=600, description="cache_affinity: a prompt just routed counts as held by its instances for "
         "this long, until their KV events confirm it, so a burst sharing a new prefix lands on one worker; 0: off.")

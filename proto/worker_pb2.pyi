@@ -133,7 +133,7 @@ class PromptLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address", "kv_transfer_token", "traceparent", "decode_cached_tokens", "media", "lora", "kv_layout_version")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "kv_data_address", "kv_transfer_token", "traceparent", "decode_cached_tokens", "media", "lora", "kv_layout_version", "pull_from", "pull_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,8 @@ class PrefillRequest(_message.Message):
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PULL_FROM_FIELD_NUMBER: _ClassVar[int]
+    PULL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -156,7 +158,9 @@ class PrefillRequest(_message.Message):
     media: _containers.RepeatedCompositeFieldContainer[MediaItem]
     lora: LoraAdapter
     kv_layout_version: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., kv_layout_version: _Optional[int] = ...) -> None: ...
+    pull_from: str
+    pull_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., kv_layout_version: _Optional[int] = ..., pull_from: _Optional[str] = ..., pull_tokens: _Optional[int] = ...) -> None: ...
 
 class MediaItem(_message.Message):
     __slots__ = ("kind", "data", "content_hash", "offset", "num_tokens", "source")
@@ -475,3 +479,15 @@ class KvEventBatch(_message.Message):
 class WatchKvEventsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PullKvRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "max_tokens", "block_size")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    block_size: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...

@@ -423,3 +423,81 @@ class KvEvents:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KvPeerStub:
+    """Served by every worker: the leading blocks of a prompt it holds (pool or tier), as a KV stream (a header with
+    positions from 0, checksummed blocks, a trailer), NOT_FOUND when it holds none. Calls carry the worker secret.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PullKv = channel.unary_stream(
+                '/pdserve.v1.KvPeer/PullKv',
+                request_serializer=proto_dot_worker__pb2.PullKvRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.KvMessage.FromString,
+                _registered_method=True)
+
+
+class KvPeerServicer:
+    """Served by every worker: the leading blocks of a prompt it holds (pool or tier), as a KV stream (a header with
+    positions from 0, checksummed blocks, a trailer), NOT_FOUND when it holds none. Calls carry the worker secret.
+    """
+
+    def PullKv(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KvPeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PullKv': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullKv,
+                    request_deserializer=proto_dot_worker__pb2.PullKvRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.KvMessage.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.KvPeer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.KvPeer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KvPeer:
+    """Served by every worker: the leading blocks of a prompt it holds (pool or tier), as a KV stream (a header with
+    positions from 0, checksummed blocks, a trailer), NOT_FOUND when it holds none. Calls carry the worker secret.
+    """
+
+    @staticmethod
+    def PullKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.KvPeer/PullKv',
+            proto_dot_worker__pb2.PullKvRequest.SerializeToString,
+            proto_dot_worker__pb2.KvMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

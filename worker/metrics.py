@@ -50,6 +50,12 @@ class WorkerMetrics:
         self.kv_duration = Histogram("pdserve_kv_transfer_duration_seconds", "KV transfer time as each end measures "
                                      "it: send (prefill, until the decode worker's ack) or receive (decode, header "
                                      "to last block).", ["side", "transport"], buckets=TRANSFER_BUCKETS, registry=r)
+        self.kv_pulls = Counter("pdserve_worker_kv_pulls_total", "Peer pulls of a prompt's leading KV blocks, by "
+                                "outcome: pulled (this worker fetched them from a peer), failed (it computed them "
+                                "instead) or served (a peer fetched them from this worker).", ["outcome"], registry=r)
+        self.kv_pull_bytes = Counter("pdserve_worker_kv_pull_bytes_total", "KV bytes moved by peer pulls: pulled "
+                                     "(received and verified here) or served (sent to a peer).", ["outcome"],
+                                     registry=r)
         self.kv_failures = Counter("pdserve_kv_transfer_failures_total", "KV transfers that failed.", registry=r)
         self.kv_refused = Counter("pdserve_worker_kv_streams_refused_total", "Decode worker: KV streams refused "
                                   "for a missing, wrong or spent transfer token.", registry=r)

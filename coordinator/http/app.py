@@ -84,7 +84,9 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         kv_watch = (VllmKvEventWatch(index, config.instances.kv_event_endpoints(), loras.digest_of)
                     if engine == "vllm"
                     else KvEventWatch(index, client))
-    policy = make_policy(scheduling, kv_watch.index if kv_watch is not None else None)
+    # vLLM instances cannot serve or take peer pulls (pdserve's KvPeer): their prompts are computed.
+    policy = make_policy(scheduling, kv_watch.index if kv_watch is not None else None,
+                         peer_pulls=False if engine == "vllm" else None)
     if engine == "vllm":
         client.read_load = policy.reads_load
     router = Router(registry, policy, scheduling.local_prefill_max_tokens)

@@ -214,8 +214,8 @@ class AttemptRunner:
         span = trace.start_prefill()
         started = time.monotonic()
         try:
-            # Its load is what it must compute: the prompt less what it was expected to hold.
-            uncached = len(request.prompt_token_ids) - placement.prefill_cached_tokens
+            # Its load is what it must compute: the prompt less what it was expected to hold or to pull.
+            uncached = len(request.prompt_token_ids) - placement.prefill_covered_tokens
             with self.registry.lease(placement.prefill, prompt_tokens=uncached):
                 try:
                     done = await self.client.prefill(
@@ -223,7 +223,8 @@ class AttemptRunner:
                         self.first_token_timeout, kv_data_address=accepted.kv_data_address,
                         kv_transfer_token=accepted.kv_transfer_token, traceparent=tracing.traceparent_of(span),
                         decode_cached_tokens=accepted.cached_tokens,
-                        sampling=sampling, kv_layout_version=accepted.kv_layout_version)
+                        sampling=sampling, kv_layout_version=accepted.kv_layout_version,
+                        pull_from=placement.pull_from, pull_tokens=placement.pull_tokens)
                 finally:
                     placement.prefill.last_heard = time.monotonic()  # an answer, for the silence watch
             trace.add_time("prefill_queue", (done.prefill_time_ms - done.forward_ms) / 1000)

@@ -48,6 +48,10 @@ class RoundRobinPolicy:
     def expect(self, prefill: Instance | None, decode: Instance, prompt_token_ids: list[int]) -> None:
         """The request was placed on these instances: nothing to remember, for a policy without an index."""
 
+    def pull_source(self, match: CacheMatch, prefill: str, held: int) -> tuple[str, int]:
+        """Where the prefill instance pulls the prompt's leading blocks from, and how many positions: none."""
+        return "", 0
+
     def _next(self, pool: RolePool, ordered: list[str], exclude: Collection[str]) -> Instance | None:
         """The role's next turn among `ordered` (sorted addresses) outside `exclude`."""
         address = nth_outside(ordered, self._turn[pool.role], exclude)
@@ -110,7 +114,9 @@ class CacheAffinityPolicy(LoadBalancePolicy):
     - either, for a request under a LoRA adapter: + `lora_load_tokens` where the adapter is not loaded yet;
     - a prompt token held only in an instance's KV tier counts `tier_token_cost` of an uncached one (its block is
       loaded back, not computed); on a prefill instance, prompt tokens only expected there (a request just sent
-      there is computing them) do not count as load ahead of this one: this request needs them computed anyway.
+      there is computing them) do not count as load ahead of this one: this request needs them computed anyway;
+    - with peer pulls, a prefill instance lacking leading tokens another instance holds (`pull_source`) counts
+      those at `pull_token_cost` (it fetches them from that one) when they are at least `pull_min_tokens`.
     Only the least loaded instance and those holding part of the prompt are priced, so a request costs the same
     whatever the size of the fleet (but for a LoRA request whose adapter the least loaded has not loaded: the
     instances that have are priced too).
@@ -119,8 +125,12 @@ class CacheAffinityPolicy(LoadBalancePolicy):
     prices_cache = True
 
     def __init__(self, index: KvIndex, prefill_load_weight: float = 1.0, decode_load_weight: float = 64.0,
-                 lora_load_tokens: float = 256.0, tier_token_cost: float = 0.1):
+                 lora_load_tokens: float = 256.0, tier_token_cost: float = 0.1, peer_pulls: bool = False,
+                 pull_min_tokens: int = 64, pull_token_cost: float = 0.2):
         super().__init__()
+        self.peer_pulls = peer_pulls
+        self.pull_min_tokens = pull_min_tokens
+        self.pull_token_cost = pull_token_cost
         self.index = index
         self.prefill_load_weight = prefill_load_weight
         self.decode_load_weight = decode_load_weight
@@ -129,6 +139,17 @@ class CacheAffinityPolicy(LoadBalancePolicy):
 
     def match(self, prompt_token_ids: list[int]) -> CacheMatch:
         return self.index.match(prompt_token_ids)
+
+    def pull_source(self, match: CacheMatch, prefill: str, held: int) -> tuple[str, int]:
+        if not self.peer_pulls:
+            return "", 0
+        source, best = "", held + self.pull_min_tokens - 1
+        for tokens_by in (match.prefill, match.decode):
+            for address, tokens in tokens_by.items():
+                tokens -= match.expected.get(address, 0)  # only what it holds now can be read from it
+                if tokens > best and address != prefill:
+                    source, best = address, tokens
+        return (source, best) if source else ("", 0)
 
     def expect(self, prefill: Instance | None, decode: Instance, prompt_token_ids: list[int]) -> None:
         if prefill is not None:
@@ -149,10 +170,17 @@ class CacheAffinityPolicy(LoadBalancePolicy):
             return best
 
         tier, expected = match.tier, match.expected if load is prefill_load else {}
+        peer = 0  # the most leading tokens any instance holds now, which a prefill instance may pull
+        if self.peer_pulls and load is prefill_load:
+            peer = self.pull_source(match, "", 0)[1]
 
         def cost(instance: Instance) -> float:
             address = instance.address
-            c = prompt_len - cached.get(address, 0) + weight * load(instance)
+            held = cached.get(address, 0)
+            if peer - held >= self.pull_min_tokens:
+                c = prompt_len - peer + self.pull_token_cost * (peer - held) + weight * load(instance)
+            else:
+                c = prompt_len - held + weight * load(instance)
             if tier or expected:
                 c += self.tier_token_cost * tier.get(address, 0)
                 c -= weight * min(expected.get(address, 0), load(instance))
@@ -181,14 +209,17 @@ class CacheAffinityPolicy(LoadBalancePolicy):
         return self._cheapest(pool, prompt_len, cached, exclude, decode_load, self.decode_load_weight, lora, match)
 
 
-def make_policy(config, index: KvIndex | None = None) -> RoundRobinPolicy:
-    """The policy named by a SchedulerConfig (cache_affinity routes on `index`)."""
+def make_policy(config, index: KvIndex | None = None, peer_pulls: bool | None = None) -> RoundRobinPolicy:
+    """The policy named by a SchedulerConfig (cache_affinity routes on `index`; `peer_pulls`: whether the workers can
+    pull, default as configured)."""
     if config.algorithm_type == "load_balance":
         return LoadBalancePolicy()
     if config.algorithm_type == "cache_affinity":
+        peer_pulls = config.cache_affinity_peer_pulls if peer_pulls is None else peer_pulls
         if index is None:
             raise ValueError("cache_affinity routes on a KvIndex")
         return CacheAffinityPolicy(index, config.cache_affinity_prefill_load_weight,
                                    config.cache_affinity_decode_load_weight, config.cache_affinity_lora_load_tokens,
-                                   config.cache_affinity_tier_token_cost)
+                                   config.cache_affinity_tier_token_cost, peer_pulls,
+                                   config.cache_affinity_pull_min_tokens, config.cache_affinity_pull_token_cost)
     return RoundRobinPolicy()

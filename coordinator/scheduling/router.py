@@ -18,6 +18,13 @@ class Placement:
     decode: Instance
     prefill_cached_tokens: int = 0
     decode_cached_tokens: int = 0
+    pull_from: str = ""  # the instance the prefill worker pulls the prompt's leading blocks from ("": none)
+    pull_tokens: int = 0
+
+    @property
+    def prefill_covered_tokens(self) -> int:
+        """Leading prompt positions the prefill worker need not compute: held there, or pulled."""
+        return max(self.prefill_cached_tokens, self.pull_tokens)
 
     def instance(self, role: str) -> Instance | None:
         return self.prefill if role == "prefill" else self.decode
@@ -54,7 +61,9 @@ class Router:
         if prefill is None:
             raise WorkerError(_none_left("prefill", registry, exclude_prefill))
         policy.expect(prefill, decode, prompt_token_ids)
-        return Placement(prefill, decode, match.prefill.get(prefill.address, 0), decode_cached)
+        prefill_cached = match.prefill.get(prefill.address, 0)
+        pull_from, pull_tokens = policy.pull_source(match, prefill.address, prefill_cached)
+        return Placement(prefill, decode, prefill_cached, decode_cached, pull_from, pull_tokens)
 
 
 def _none_left(role: str, registry: InstanceRegistry, exclude: set[str]) -> str:

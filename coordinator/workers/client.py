@@ -324,11 +324,13 @@ class WorkerClient:
     async def prefill(
         self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str, timeout: float,
         kv_data_address: str = "", kv_transfer_token: str = "", traceparent: str = "", decode_cached_tokens: int = 0,
-        sampling: pb.SamplingParams | None = None, kv_layout_version: int = 0,
+        sampling: pb.SamplingParams | None = None, kv_layout_version: int = 0, pull_from: str = "",
+        pull_tokens: int = 0,
     ) -> PrefillResult:
         """Prefill on `address` and push the KV cache to the decode worker that answered `accepted` with
         `kv_data_address`, `kv_transfer_token`, `cached_tokens` (passed as `decode_cached_tokens`: positions it
-        holds already, not sent) and `kv_layout_version` (the KV layout it reads); `sampling` as in open_decode."""
+        holds already, not sent) and `kv_layout_version` (the KV layout it reads); `sampling` as in open_decode;
+        `pull_from`: the instance it first pulls the prompt's leading `pull_tokens` positions from."""
         message = pb.PrefillRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -341,6 +343,8 @@ class WorkerClient:
             traceparent=traceparent,
             media=media_to_pb(request.media, with_data=True),
             lora=lora_to_pb(request),
+            pull_from=pull_from,
+            pull_tokens=pull_tokens,
         )
         channel = self.token_channels.open_channel(address)
         if channel is not None and message.ByteSize() < MAX_REQUEST_FRAME_BYTES:

@@ -126,7 +126,8 @@ class BlockPool:
             self.queried_tokens += max_tokens
         return self.more_cached_prefix(token_ids, max_tokens, table)
 
-    def more_cached_prefix(self, token_ids: Sequence[int], max_tokens: int, table: BlockTable) -> int:
+    def more_cached_prefix(self, token_ids: Sequence[int], max_tokens: int, table: BlockTable,
+                           count_hits: bool = True) -> int:
         """`cached_prefix` continued: `table` holds only cached leading blocks (found before), and takes those that
         follow them now (cached since); return the positions it covers in all (new ones counted as hits)."""
         bs = self.block_size
@@ -143,8 +144,27 @@ class BlockPool:
                 table.block_ids.append(block)
                 table.hashes.append(h)
                 parent = h
-                self.hit_tokens += bs
+                if count_hits:
+                    self.hit_tokens += bs
             return len(table.block_ids) * bs
+
+    def pin_prefix(self, token_ids: Sequence[int], max_tokens: int, table: BlockTable) -> int:
+        """The leading blocks of `token_ids` the cache (or its tier) holds, taken into the empty `table` for a peer
+        to read (not counted as this worker's hits); return the positions they cover."""
+        return self.more_cached_prefix(token_ids, max_tokens, table, count_hits=False)
+
+    def take_for_write(self, table: BlockTable, num_tokens: int) -> bool:
+        """`grow`, for blocks the caller writes whole (a peer's pulled blocks): none of them is zeroed as fresh."""
+        with self._lock:
+            need = self.blocks_for(num_tokens) - table.num_blocks
+            if need > len(self._free) + len(self._cached):
+                return False
+            for _ in range(need):
+                block = self._allocate()
+                if block in self._fresh:
+                    self._fresh.remove(block)
+                table.block_ids.append(block)
+        return True
 
     def _load_from_tier(self, h: int, parent: int) -> int | None:
         """A free block holding the tier's copy of block `h`, now cached in the pool; None when the tier lacks it
@@ -152,12 +172,10 @@ class BlockPool:
         tier = self.tier
         if tier is None or not tier.holds(h) or not (self._free or self._cached):
             return None
-        block = self._allocate()
-        data = tier.load(h)
+        data = tier.load(h)  # first: a damaged copy must not cost an evicted block
         if data is None:
-            self._refs[block] = 0
-            self._free.append(block)
             return None
+        block = self._allocate()
         self._bytes.write_block(block, data)
         if block in self._fresh:  # written whole: it must not be zeroed as a fresh block
             self._fresh.remove(block)

@@ -23,6 +23,7 @@ from worker.engine.prefill_backend import PrefillBackend
 from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate
 from worker.service.kv_event_log import KvEventLog, KvEventsServicer
+from worker.service.kv_peer import KvPeerServicer, PeerPuller
 from worker.service.lifecycle import serve_until_stopped
 from worker.service.options import SimulatedBackend, WorkerOptions
 from worker.service.servicers import DecodeServicer, PrefillServicer
@@ -76,16 +77,18 @@ async def _serve(options: WorkerOptions) -> None:
     # Every coordinator this worker serves follows its prefix cache, on a token channel or a Watch stream.
     kv_events = KvEventLog(engine.pool, options.role, asyncio.get_running_loop())
     pb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events), server)
+    pb_grpc.add_KvPeerServicer_to_server(KvPeerServicer(engine, options.kv_chunk_bytes, metrics), server)
     gate.on_drain(kv_events.close)
     closers = []
     if options.role == "prefill":
         grpc_sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s,
                                    tls=trust.grpc_client)
         tcp_sender = TcpKvSender(options.kv_chunk_bytes, tls=trust.kv_client)
-        servicer = PrefillServicer(engine, grpc_sender, tcp_sender, options.kv_lease_timeout_s, metrics, gate)
+        puller = PeerPuller(engine, trust.grpc_client, trust.worker_secret, metrics, options.kv_trans_timeout_s)
+        servicer = PrefillServicer(engine, grpc_sender, tcp_sender, options.kv_lease_timeout_s, metrics, gate, puller)
         await open_token_channels(servicer, "prefill", options, trust, closers, kv_events)
         pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-        closers.append(grpc_sender.close)
+        closers += [grpc_sender.close, puller.close]
     else:
         def on_kv(kv):
             engine.on_kv(kv)

@@ -32,6 +32,7 @@ from worker.engine.prefill_backend import PrefillBackend, PrefillJob
 from worker.engine.sequence import SamplingParams
 from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate, refuse_if_draining
+from worker.service.kv_peer import PeerPuller
 from worker.service.errors import abort_with, engine_errors_as_status
 from worker.service.request_spans import (DecodeTimes, PrefillTimes, failure_text, record_decode, record_prefill,
                                            record_safely, traced)
@@ -178,8 +179,9 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
     """Prefill, then push the KV cache to the decode worker the coordinator chose."""
 
     def __init__(self, engine: PrefillBackend, grpc_sender: GrpcKvSender, tcp_sender: TcpKvSender,
-                 lease_timeout_s: float, metrics: WorkerMetrics, gate: DrainGate):
+                 lease_timeout_s: float, metrics: WorkerMetrics, gate: DrainGate, puller: PeerPuller | None = None):
         self.engine = engine
+        self.puller = puller
         self.token_channel_address = ""  # its token channel listener, named in every answer once it listens
         self.grpc_sender = grpc_sender
         self.tcp_sender = tcp_sender
@@ -215,6 +217,8 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
             self.metrics.kv_failures.inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(mismatch),
                                 trailing_metadata=reason_metadata(pb.FAILURE_REASON_KV_SEND_FAILED))
+        if request.pull_from and self.puller is not None:
+            await self.puller.pull(request)  # into the prefix cache, where the prefill below finds them
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
             media, prepared = await checked_media(self.engine, request.media, len(request.prompt_token_ids), True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from worker.engine.block_pool import BlockPool
 from worker.engine.kv_tier import EmptyBlocks, attach_tier
 from worker.simulated.decode_engine import SimulatedDecodeEngine
+from worker.simulated.kv import SimulatedPeerBlocks
 from worker.simulated.prefill_engine import SimulatedPrefillEngine
 
 
@@ -16,7 +17,10 @@ def build_engine(options) -> SimulatedPrefillEngine | SimulatedDecodeEngine:
     attach_tier(pool, options.kv_tier_dir, options.kv_tier_gb, sim.kv_shape.kv_bytes(options.block_size),
                 EmptyBlocks())
     if options.role == "prefill":
-        return SimulatedPrefillEngine(sim.cost, sim.kv_shape, pool, options.max_prefill_tokens,
-                                      options.max_prefill_batch_size, sim.vocab_size)
-    return SimulatedDecodeEngine(sim.cost, pool, options.max_running, options.max_prefill_tokens,
-                                 options.max_prefill_batch_size, sim.vocab_size)
+        engine = SimulatedPrefillEngine(sim.cost, sim.kv_shape, pool, options.max_prefill_tokens,
+                                        options.max_prefill_batch_size, sim.vocab_size)
+    else:
+        engine = SimulatedDecodeEngine(sim.cost, pool, options.max_running, options.max_prefill_tokens,
+                                       options.max_prefill_batch_size, sim.vocab_size)
+    engine.peer_blocks = SimulatedPeerBlocks(sim.kv_shape)
+    return engine

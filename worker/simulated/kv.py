@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_transfer.base import KvReceipt
-from kv_transfer.wire import KvStreamVerifier, RawKvLayer
+from kv_transfer.wire import KvStreamVerifier, RawKvLayer, header, make_trailer
 from proto import worker_pb2 as pb
 
 _zeros = memoryview(b"")
@@ -70,3 +70,26 @@ class VerifyOnlyKvAssembler(KvStreamVerifier):
     def _result(self) -> VerifiedKv:
         return VerifiedKv(self.header.request_id, self.positions, self.bytes_received, self.trailer.first_token_id,
                           self.trailer.prefill_time_ms, first_position=self.header.first_position)
+
+
+class SimulatedPeerBlocks:
+    """Peer pulls on a simulated worker (worker/service/kv_peer.py's PeerBlocks): synthetic bytes sized as the
+    model's cache out, verified and dropped in; the pulled blocks are only bookkeeping."""
+
+    def __init__(self, kv_shape):
+        self.kv_shape = kv_shape
+
+    def header(self, request_id: str, positions: int) -> pb.KvHeader:
+        return header(request_id, self.kv_shape.dtype, self.kv_shape.num_layers, self.kv_shape.tensor_shape(positions))
+
+    def items(self, request_id: str, block_ids: list[int], positions: int):
+        yield self.header(request_id, positions)
+        for i in range(self.kv_shape.num_layers):
+            yield synthetic_layer(i, self.kv_shape.tensor_bytes(positions))
+        yield make_trailer(0, 0.0)
+
+    def assembler(self, kv_header: pb.KvHeader) -> VerifyOnlyKvAssembler:
+        return VerifyOnlyKvAssembler(kv_header)
+
+    def place(self, block_ids: list[int], positions: int, verified) -> None:
+        pass

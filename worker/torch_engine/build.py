@@ -8,6 +8,7 @@ from worker.engine.kv_tier import attach_tier
 from worker.engine.lora import LoraResidency
 from worker.torch_engine.decode_engine import DecodeEngine
 from worker.torch_engine.model_runner import ModelRunner
+from worker.torch_engine.peer_blocks import TorchPeerBlocks
 from worker.torch_engine.prefill_engine import PrefillEngine
 
 
@@ -36,6 +37,7 @@ def build_engine(options) -> PrefillEngine | DecodeEngine:
     else:
         engine = DecodeEngine(runner, pool, options.max_running, options.max_prefill_tokens,
                               options.max_prefill_batch_size)
+    engine.peer_blocks = TorchPeerBlocks(runner)
     if runner.max_loras:
         engine.loras = LoraResidency(runner.max_loras, runner.load_lora)
     return engine

@@ -103,9 +103,12 @@ class VllmClient:
     async def prefill(self, address: str, request: GenerationRequest, max_tokens: int, decode_address: str,
                       timeout: float, kv_data_address: str = "", kv_transfer_token: str = "", traceparent: str = "",
                       decode_cached_tokens: int = 0, sampling: pb.SamplingParams | None = None,
-                      kv_layout_version: int = 0) -> PrefillResult:
+                      kv_layout_version: int = 0, pull_from: str = "", pull_tokens: int = 0) -> PrefillResult:
         """Step 1 of the handshake on the prefill instance; its kv_transfer_params go to the decode stream (vLLM's
-        NIXL connector agrees on its own KV layout: `kv_layout_version` is not used)."""
+        NIXL connector agrees on its own KV layout: `kv_layout_version` is not used). `pull_from` is always empty
+        here: the policy makes no peer pulls on a vLLM fleet (vLLM serves no KvPeer)."""
+        if pull_from:
+            raise ValueError("vLLM instances cannot pull KV from a peer")
         handoff = self._handoffs.pop(request.request_id, None)
         params = handoff.params if handoff is not None else None
         started = time.monotonic()

@@ -26,3 +26,12 @@ def test_a_vllm_fleet_reads_load_only_under_a_policy_that_routes_on_it(model_dir
 @pytest.mark.parametrize("device, seeded", [("gpu", True), ("cpu", False)])
 def test_a_vllm_fleet_with_cpu_instances_does_not_sample_from_seeds(model_dir, device, seeded):
     assert vllm_app(model_dir, "round_robin", device)[STATE].client.seeded_sampling is seeded
+
+
+def test_a_vllm_fleet_makes_no_peer_pulls_and_pdserve_workers_do(model_dir):
+    assert vllm_app(model_dir, "cache_affinity", "gpu")[STATE].router.policy.peer_pulls is False
+    own = create_app(parse_config({"model_config": {"modelWeightPath": str(model_dir)},
+                                   "instances": {"prefill": [{"address": "127.0.0.1:1"}],
+                                                 "decode": [{"address": "127.0.0.1:2"}]},
+                                   "digs_scheduler_config": {"algorithm_type": "cache_affinity"}}))
+    assert own[STATE].router.policy.peer_pulls is True

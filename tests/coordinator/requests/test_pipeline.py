@@ -72,7 +72,7 @@ class ScriptedWorkers:
 
     async def prefill(self, address, request, max_tokens, decode_address, timeout, kv_data_address="",
                       kv_transfer_token="", traceparent="", decode_cached_tokens=0, sampling=None,
-                      kv_layout_version=0):
+                      kv_layout_version=0, pull_from="", pull_tokens=0):
         self.traceparents.append(("prefill", traceparent))
         if address in self.prefill_errors:
             raise self.prefill_errors[address]

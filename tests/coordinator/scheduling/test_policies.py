@@ -203,3 +203,35 @@ def test_cache_affinity_prices_tier_blocks_between_pool_blocks_and_computing():
     assert router.route(prompt(100)).prefill.address == "p1:1"
     registry.get("prefill", "p1:1").outstanding_prompt_tokens = 16  # 29.6 > 24
     assert router.route(prompt(100)).prefill.address == "p2:1"
+
+
+def test_cache_affinity_has_a_prefill_instance_pull_a_prefix_another_instance_holds():
+    registry = make_registry(num_decode=2)
+    router, index = affinity_router(registry, peer_pulls=True, pull_min_tokens=32, decode_load_weight=0)
+    index.apply("d1:1", kv_blocks_batch("decode", prompt(96)))  # only a decode instance holds the prefix
+    placement = router.route(prompt(100))
+    assert placement.pull_from == "d1:1" and placement.pull_tokens == 96
+    assert placement.prefill_covered_tokens == 96
+
+
+def test_cache_affinity_prefers_pulling_to_a_busy_holder_and_skips_small_pulls():
+    registry = make_registry()
+    router, index = affinity_router(registry, peer_pulls=True, pull_min_tokens=32, pull_token_cost=0.2)
+    index.apply("p1:1", kv_blocks_batch("prefill", prompt(96)))
+    registry.get("prefill", "p1:1").outstanding_prompt_tokens = 50  # 4 + 50 = 54 > 4 + 0.2 x 96 = 23.2 elsewhere
+    placement = router.route(prompt(100))
+    assert placement.prefill.address != "p1:1" and placement.pull_from == "p1:1"
+    small, index = affinity_router(make_registry(), peer_pulls=True, pull_min_tokens=64)
+    index.apply("p1:1", kv_blocks_batch("prefill", prompt(48)))
+    registry = small.registry
+    registry.get("prefill", "p1:1").outstanding_prompt_tokens = 500
+    placement = small.route(prompt(100))
+    assert placement.prefill.address != "p1:1" and placement.pull_from == ""  # 48 < 64: computed
+
+
+def test_no_pulls_without_peer_pulls():
+    registry = make_registry()
+    router, index = affinity_router(registry, peer_pulls=False)
+    index.apply("p1:1", kv_blocks_batch("prefill", prompt(96)))
+    registry.get("prefill", "p1:1").outstanding_prompt_tokens = 1000
+    assert router.route(prompt(100)).pull_from == ""
