@@ -49,6 +49,9 @@ are printed, counted by kind); mean prompt tokens the server reported; and for p
 workers sent: the `pdserve_kv_transfer_bytes_total{side="send"}` counters of the worker metrics URLs that `pdserve up`
 prints (`pdserve worker metrics: URL`), read before and after each load, divided by the requests (turns) sent.
 The worker adds a transfer's bytes when its send completes, so transfers that failed or timed out count nothing.
+Prefix hit rate: prompt tokens the prefix cache found / looked up during the load (pdserve: its prefill workers'
+`pdserve_worker_prefix_cache_*_tokens_total`, KV tier hits included; vLLM: `vllm:prefix_cache_hits_total` /
+`vllm:prefix_cache_queries_total`).
 A pdserve that prints no metrics URL gets "not exposed"; one whose worker restarted during the load (its URL
 stopped answering) gets the counters that still answered, marked partial.
 
@@ -326,6 +329,11 @@ class PdserveTarget(Target):
             reading.answered[url] = sum(
                 float(m.group(1)) for m in re.finditer(
                     r'^pdserve_kv_transfer_bytes_total\{[^}]*side="send"[^}]*\}\s+(\S+)', text, re.M))
+            if "pdserve_worker_queued_prompt_tokens" in text:  # a prefill worker
+                reading.prefix_hits = (reading.prefix_hits or 0) + metric_sum(
+                    text, "pdserve_worker_prefix_cache_hit_tokens_total")
+                reading.prefix_queried = (reading.prefix_queried or 0) + metric_sum(
+                    text, "pdserve_worker_prefix_cache_queried_tokens_total")
         return reading
 
 
@@ -359,11 +367,37 @@ class VllmTarget(Target):
             self.check_alive(deadline)
             time.sleep(1.0)
 
+    def kv_sent(self) -> "KvReading":
+        """No KV leaves one vLLM instance; its own prefix cache's counters."""
+        status, text = self.get("/metrics")
+        reading = KvReading(urls=[], kv_exposed=False)
+        if status == 200:
+            reading.prefix_hits = metric_sum(text, "vllm:prefix_cache_hits_total")
+            reading.prefix_queried = metric_sum(text, "vllm:prefix_cache_queries_total")
+        return reading
+
 
 @dataclass
 class KvReading:
     urls: list[str]
     answered: dict[str, float] = field(default_factory=dict)
+    # prompt tokens its prefix cache found and looked up: pdserve's prefill workers' (the tier's hits included),
+    # or the vLLM instance's own; None: not exposed
+    prefix_hits: float | None = None
+    prefix_queried: float | None = None
+    kv_exposed: bool = True  # False: a target that moves no KV between processes (one vLLM instance)
+
+
+def prefix_hit_rate(before: "KvReading | None", after: "KvReading | None") -> float | None:
+    """Hits / lookups of the prefix cache during a load, from two readings."""
+    if before is None or after is None or after.prefix_queried is None or before.prefix_queried is None:
+        return None
+    queried = after.prefix_queried - before.prefix_queried
+    return (after.prefix_hits - before.prefix_hits) / queried if queried > 0 else None
+
+
+def metric_sum(text: str, name: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)", text, re.M))
 
 
 # ----------------------------------------------------------------------------------------------- the client
@@ -473,6 +507,7 @@ class Run(OutcomeFigures):
     wall_s: float = 0.0
     kv_bytes: float | None = None
     kv_note: str = ""
+    hit_rate: float | None = None  # the prefix cache's, during the load (pdserve: its prefill workers')
     skipped: str = ""  # the target did not start
 
     @property
@@ -602,7 +637,7 @@ async def warm_up(target: Target, args) -> list[str]:
 
 
 def kv_delta(before: KvReading | None, after: KvReading | None) -> tuple[float | None, str]:
-    if before is None or after is None:
+    if before is None or after is None or not after.kv_exposed:
         return None, ""
     if not after.urls:
         return None, "not exposed"
@@ -646,7 +681,7 @@ def table(workload: Workload, runs: list[Run], targets: list[str], baseline: str
     by = {(r.target, r.concurrency): r for r in runs if r.workload == workload.name}
     head = (f"| target | concurrency | {workload.unit}s ok/sent | errors | output tok/s | tok/s vs {baseline} | "
             f"TTFT p50 s | TTFT p99 s | TTFT p50 vs {baseline} | prompt tok/{workload.unit} | "
-            f"KV sent/{workload.unit} |")
+            f"KV sent/{workload.unit} | prefix hit rate |")
     lines = [f"### {workload.name}: {workload.title}", "", head, "|" + "---|" * head.count(" | ") + "---|"]
     notes = []
     for c in workload.levels:
@@ -657,7 +692,7 @@ def table(workload: Workload, runs: list[Run], targets: list[str], baseline: str
                 continue
             if r.skipped:
                 why = "did not start" if r.skipped.startswith("did not start") else "not run: it exited"
-                lines.append(f"| {t} | {c} | – | {why} | – | – | – | – | – | – | – |")
+                lines.append(f"| {t} | {c} | – | {why} | – | – | – | – | – | – | – | – |")
                 continue
             kv = r.kv_note if r.kv_bytes is None and r.kv_note else (
                 "–" if r.kv_bytes is None else fmt_bytes(r.kv_bytes / max(r.sent, 1))
@@ -667,7 +702,7 @@ def table(workload: Workload, runs: list[Run], targets: list[str], baseline: str
                 f"| {t} | {c} | {len(r.ok)}/{r.sent} | {len(r.errors)} | {fmt(r.tokens_per_s, '.1f')} | "
                 f"{ratio(r.tokens_per_s, base.tokens_per_s) if base_ok else '–'} | {fmt(r.ttft(0.5), '.2f')} | "
                 f"{fmt(r.ttft(0.99), '.2f')} | {ratio(r.ttft(0.5), base.ttft(0.5)) if base_ok else '–'} | "
-                f"{fmt(r.prompt_tokens, '.0f')} | {kv} |")
+                f"{fmt(r.prompt_tokens, '.0f')} | {kv} | {fmt(r.hit_rate, '.3f')} |")
             if r.errors:
                 kinds = collections.Counter(error_kind(e) for e in r.errors)
                 notes.append(f"- {t} at {c}: {len(r.errors)} failed: " + "; ".join(
@@ -787,6 +822,7 @@ def main(argv=None) -> int:
                     after = target.kv_sent()
                     run = Run(target.name, workload.name, c, outcomes, wall)
                     run.kv_bytes, run.kv_note = kv_delta(before, after)
+                    run.hit_rate = prefix_hit_rate(before, after)
                     runs.append(run)
                     log(f"{target.name} {workload.name} c={c}: {len(run.ok)}/{run.sent} ok, "
                         f"{fmt(run.tokens_per_s, '.1f')} tok/s, TTFT p50 {fmt(run.ttft(0.5), '.2f')} s, "
