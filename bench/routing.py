@@ -19,6 +19,8 @@ gets a fresh fleet and coordinator(s): empty caches, counters from zero. Setups 
   session's consecutive turns always go to different coordinators), so each routes conversations it did not start.
 - `single`: 1 prefill + 1 decode worker, cache_affinity: every prompt lands in one cache as large as the four
   prefill workers' together, the reference hit rate. Its TTFT is not comparable (a quarter of the prefill capacity).
+- `events+tier`: `events` with a KV tier (`--kv-tier-gb`, TIER_GB) under each prefill worker's pool.
+- `unbounded`: `events` with prefill pools 100x `--prefill-cache-tokens`: the hit rate no eviction lowers.
 
 Each prefill worker's KV pool holds `--prefill-cache-tokens` (2,560: between two and three system prompts), so no
 worker can keep every shared prompt: the regime where where a prompt lands decides whether it is found.
@@ -35,12 +37,17 @@ coordinator uses; each request carries a seed, so the simulated answers, and thu
   one of 4 shared 1,000-token system prompts (seeded choice) + "\\n\\nQuestion N: " + a distinct 30-token question
   + "\\nAnswer:". 16 new tokens per request.
 
+- `burst`: BURST_REQUESTS (16) requests sharing a new 1,000-token prefix + a distinct 30-token question, all sent at
+  once: the prompt tokens the prefill workers computed in all, against one whole prompt + 15 questions (expected
+  entries send the burst to one worker, which computes the prefix once).
+
 Every request: temperature 0, ignore_eos. Per (setup, workload): TTFT p50 / p90 at the client (the first streamed
 token); prefill hit rate = sum of the prefill workers' prefix_hit_tokens / prefix_queried_tokens from their gRPC
 Health at the end (decode the same: what a decode worker holds is not transferred); KV MB sent per request (the
 prefill workers' `pdserve_kv_transfer_bytes_total{side="send"}`), beside the mean prompt tokens per request.
 Acceptance checks, per workload: events' prefill hit rate >= 0.9 x single's; events' TTFT p50 <= 0.4 x
-round_robin's; events x2's prefill hit rate within 5% of events'. Process logs go to `--log-dir` (printed).
+round_robin's; events x2's prefill hit rate within 5% of events'; multiturn: events+tier's hit rate >= 0.9 x
+unbounded's and its TTFT p50 <= 0.5 x events'; burst: computed prompt tokens <= 1.25 x the ideal. Process logs go to `--log-dir` (printed).
 """
 
 from __future__ import annotations

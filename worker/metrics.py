@@ -56,6 +56,10 @@ class WorkerMetrics:
         self.kv_pull_bytes = Counter("pdserve_worker_kv_pull_bytes_total", "KV bytes moved by peer pulls: pulled "
                                      "(received and verified here) or served (sent to a peer).", ["outcome"],
                                      registry=r)
+        for outcome in ("pulled", "failed", "served"):  # every series from the start, at 0
+            self.kv_pulls.labels(outcome)
+            if outcome != "failed":
+                self.kv_pull_bytes.labels(outcome)
         self.kv_failures = Counter("pdserve_kv_transfer_failures_total", "KV transfers that failed.", registry=r)
         self.kv_refused = Counter("pdserve_worker_kv_streams_refused_total", "Decode worker: KV streams refused "
                                   "for a missing, wrong or spent transfer token.", registry=r)

@@ -151,6 +151,30 @@ def test_a_direct_grpc_call_needs_a_client_certificate_and_the_worker_secret(sec
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_peer_pull_needs_the_worker_secret_and_then_streams_over_mutual_tls(secure, pki):
+    """KvPeer.PullKv carries KV out of a worker: the worker secret is asked of it as of any control call."""
+    with tls_client(pki) as client:
+        reply = client.post(secure.url + "/v1/completions", json={
+            "model": "pdserve-tiny", "prompt": " ".join(PROMPTS * 6), "max_tokens": 2, "return_token_ids": True})
+    ids = reply.json()["choices"][0]["prompt_token_ids"]
+    wanted = (len(ids) - 1) // 16 * 16  # the prefill worker's cached leading blocks
+    read = lambda name: (pki.dir / name).read_bytes()  # noqa: E731
+    creds = grpc.ssl_channel_credentials(read("ca.pem"), read("client-key.pem"), read("client.pem"))
+    secret = [("authorization", f"Bearer {secure.secret}")]
+    with grpc.secure_channel(secure.prefill.address, creds) as channel:
+        stub = pb_grpc.KvPeerStub(channel)
+        request = pb.PullKvRequest(request_id="t", token_ids=ids, max_tokens=wanted, block_size=16)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.PullKv(request, timeout=10))
+        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        messages = list(stub.PullKv(request, timeout=10, metadata=secret))
+        assert messages[0].header.shape[0] == wanted and messages[-1].HasField("trailer")
+        nobody = pb.PullKvRequest(token_ids=[7] * 64, max_tokens=64, block_size=16)
+        with pytest.raises(grpc.RpcError) as absent:  # a prompt it does not hold: an answer, not a refusal
+            list(stub.PullKv(nobody, timeout=10, metadata=secret))
+        assert absent.value.code() is grpc.StatusCode.NOT_FOUND
+
+
 def served_common_name(url: str, pki) -> str:
     host, port = url.removeprefix("https://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as raw:

@@ -138,7 +138,7 @@ class BlockPool:
             for b in range(len(table.block_ids), min(len(token_ids), max_tokens) // bs):
                 h = block_hash(parent, token_ids[b * bs : (b + 1) * bs])
                 block = self._by_hash.get(h)
-                if block is None and (block := self._load_from_tier(h, parent)) is None:
+                if block is None and (block := self._load_from_tier(h, parent, count_hits)) is None:
                     break
                 self._take(block)
                 table.block_ids.append(block)
@@ -166,9 +166,10 @@ class BlockPool:
                 table.block_ids.append(block)
         return True
 
-    def _load_from_tier(self, h: int, parent: int) -> int | None:
-        """A free block holding the tier's copy of block `h`, now cached in the pool; None when the tier lacks it
-        (or it is damaged) or no block is free. The pool's lock is held."""
+    def _load_from_tier(self, h: int, parent: int, count_hit: bool) -> int | None:
+        """A free block holding the tier's copy of block `h`, now cached in the pool (`count_hit`: for one of this
+        worker's prompts); None when the tier lacks it (or it is damaged) or no block is free. The pool's lock is
+        held."""
         tier = self.tier
         if tier is None or not tier.holds(h) or not (self._free or self._cached):
             return None
@@ -182,7 +183,8 @@ class BlockPool:
         self._refs[block] = 0
         self._hash[block], self._parent[block], self._by_hash[h] = h, parent, block
         self._cached[block] = None
-        self.tier_hit_tokens += self.block_size
+        if count_hit:
+            self.tier_hit_tokens += self.block_size
         self._tier_loads += 1
         if self.listener is not None:
             self.listener.stored(h, parent, self.block_size)

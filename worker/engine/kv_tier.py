@@ -39,8 +39,8 @@ class BlockBytes(Protocol):
 
     block_bytes: int  # bytes of one block, every layer's keys and values
 
-    def read_block(self, block: int) -> bytes: ...
-    def write_block(self, block: int, data: bytes) -> None: ...
+    def read_block(self, block: int) -> bytes | bytearray: ...
+    def write_block(self, block: int, data: bytearray) -> None: ...
 
 
 class EmptyBlocks:
@@ -144,7 +144,7 @@ class KvTier:
                 return
         self._queue.put((block_hash, parent, data))
 
-    def load(self, block_hash: int) -> bytes | None:
+    def load(self, block_hash: int) -> bytearray | None:
         """The block's bytes, checked; None (the entry dropped) when it is missing, damaged or unreadable."""
         with self._lock:
             entry = self._entries.get(block_hash) if self.enabled else None
@@ -152,14 +152,16 @@ class KvTier:
                 return None
             self._entries.move_to_end(block_hash)
             fd = self._fd
-        data = b""
+        data = bytearray(self.block_bytes)  # writable: the backend copies from it without another copy
         if fd is not None:
             try:
-                data = os.pread(fd, self.block_bytes, entry.slot * self.block_bytes)
+                read = os.preadv(fd, [data], entry.slot * self.block_bytes)
             except OSError as exc:
                 self._fail(f"a read failed: {exc}")
                 return None
-        if len(data) != self.block_bytes or xxhash.xxh3_64_intdigest(data) != entry.checksum:
+        else:
+            read = 0
+        if read != self.block_bytes or xxhash.xxh3_64_intdigest(data) != entry.checksum:
             logger.warning("KV tier: a damaged block was dropped (it is recomputed)")
             with self._lock:
                 self.dropped_blocks += 1

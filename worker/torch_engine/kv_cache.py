@@ -62,22 +62,28 @@ class KvCache:
         t = self.keys[0]
         return 2 * len(self.keys) * self.block_size * t[0].numel() * t.element_size()
 
-    def read_block(self, block: int) -> bytes:
+    def read_block(self, block: int) -> bytearray:
         """A copy of `block`'s keys and values, layer by layer (keys, then values), as host bytes."""
-        span = slice(block * self.block_size, (block + 1) * self.block_size)
-        parts = [t[span].reshape(-1).view(torch.uint8) for pair in zip(self.keys, self.values) for t in pair]
-        return torch.cat(parts).cpu().numpy().tobytes()
+        out = bytearray(self.block_bytes)
+        self._copy_block(block, torch.frombuffer(out, dtype=torch.uint8), out_of_pool=True)
+        return out
 
-    def write_block(self, block: int, data: bytes) -> None:
-        """Put bytes `read_block` gave into `block`."""
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+    def write_block(self, block: int, data: bytearray) -> None:
+        """Put bytes `read_block` gave (a writable buffer: no copy is made of it) into `block`."""
+        self._copy_block(block, torch.frombuffer(data, dtype=torch.uint8), out_of_pool=False)
+
+    def _copy_block(self, block: int, flat: torch.Tensor, out_of_pool: bool) -> None:
         span = slice(block * self.block_size, (block + 1) * self.block_size)
         offset = 0
         for pair in zip(self.keys, self.values):
             for t in pair:
-                dst = t[span].reshape(-1).view(torch.uint8)
-                dst.copy_(src[offset:offset + dst.numel()])
-                offset += dst.numel()
+                rows = t[span].reshape(-1).view(torch.uint8)
+                piece = flat[offset:offset + rows.numel()]
+                if out_of_pool:
+                    piece.copy_(rows)
+                else:
+                    rows.copy_(piece)
+                offset += rows.numel()
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s keys and values at `slots`, as contiguous host tensors [n, kv_heads, head_dim] (the
