@@ -121,7 +121,8 @@ def report_from_pb(reply: pb.HealthResponse) -> HealthReport:
     return HealthReport(ReportedLoad(
         num_running=reply.num_running, num_waiting=reply.num_waiting, kv_used_tokens=reply.kv_used_tokens,
         kv_capacity_tokens=reply.kv_capacity_tokens, queued_prompt_tokens=reply.queued_prompt_tokens,
-        loras=frozenset(reply.lora_resident),
+        loras=frozenset(reply.lora_resident), tier_blocks=reply.kv_tier_blocks, tier_hit_tokens=reply.tier_hit_tokens,
+        pulls=reply.kv_pulls, pulled_bytes=reply.kv_pulled_bytes,
     ), draining=reply.draining)
 
 

@@ -42,6 +42,10 @@ class ReportedLoad:
     kv_capacity_tokens: int = 0
     queued_prompt_tokens: int = 0
     loras: frozenset[str] = frozenset()  # LoRA adapters loaded on it now (loading another costs time)
+    tier_blocks: int = 0  # blocks its KV tier holds
+    tier_hit_tokens: int = 0  # prompt tokens it loaded from its tier instead of computing, since start
+    pulls: int = 0  # prompts' leading blocks it pulled from peers, since start
+    pulled_bytes: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -113,7 +117,10 @@ class Instance:
                          "kv_used_tokens": self.reported.kv_used_tokens,
                          "kv_capacity_tokens": self.reported.kv_capacity_tokens,
                          "queued_prompt_tokens": self.reported.queued_prompt_tokens,
-                         "lora_adapters": sorted(self.reported.loras)},
+                         "lora_adapters": sorted(self.reported.loras),
+                         "kv_tier_blocks": self.reported.tier_blocks,
+                         "tier_hit_tokens": self.reported.tier_hit_tokens,
+                         "kv_pulls": self.reported.pulls, "kv_pulled_bytes": self.reported.pulled_bytes},
         }
 
 

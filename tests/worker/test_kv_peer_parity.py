@@ -88,7 +88,8 @@ def pull_again(peer_cluster, hf_model, tag: str) -> list[int]:
 
     before = {(w.address, o, n): pulls(w, o, n) for w in (prefill, decode) for o in ("pulled", "failed", "served")
               for n in ("pdserve_worker_kv_pulls_total", "pdserve_worker_kv_pull_bytes_total")}
-    hits = health(prefill.address, "prefill").prefix_hit_tokens
+    reported = health(prefill.address, "prefill")
+    hits = reported.prefix_hit_tokens
     choice = complete(url, prompt)
     assert choice["prompt_token_ids"] == prompt_ids
     assert choice["token_ids"] == reference_tokens(hf_model, prompt_ids, MAX_TOKENS)
@@ -104,7 +105,9 @@ def pull_again(peer_cluster, hf_model, tag: str) -> list[int]:
     assert pulled_bytes == grown(decode, "served", "pdserve_worker_kv_pull_bytes_total")
     # The pulled blocks were found cached by the prefill that followed: it computed only the rest.
     cacheable = (len(prompt_ids) - 1) // BLOCK * BLOCK
-    assert health(prefill.address, "prefill").prefix_hit_tokens - hits == cacheable
+    after = health(prefill.address, "prefill")  # what GET /v1/instances shows under `reported`
+    assert after.prefix_hit_tokens - hits == cacheable
+    assert after.kv_pulls - reported.kv_pulls == 1 and after.kv_pulled_bytes - reported.kv_pulled_bytes == pulled_bytes
     return prompt_ids
 
 

@@ -10,7 +10,7 @@ import pytest
 from kv_events.block_hash import chain_hashes, hash_from_bytes
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.helpers import metrics_url, reference_tokens, scrape, start_coordinator, start_worker, wait_for, write_config
+from tests.helpers import health, metrics_url, reference_tokens, scrape, start_coordinator, start_worker, wait_for, write_config
 
 pytestmark = pytest.mark.system
 
@@ -80,6 +80,8 @@ def test_a_prefix_loaded_back_from_the_tier_gives_the_same_greedy_tokens(tier_cl
     assert choice["prompt_token_ids"] == prompt_ids
     assert choice["token_ids"] == reference_tokens(hf_model, prompt_ids, MAX_TOKENS)
     assert metric(prefill, "pdserve_worker_kv_tier_hit_tokens_total") - hits == (len(prompt_ids) - 1) // BLOCK * BLOCK
+    reply = health(prefill.address, "prefill")  # what GET /v1/instances shows under `reported`
+    assert reply.kv_tier_blocks > 0 and reply.tier_hit_tokens >= (len(prompt_ids) - 1) // BLOCK * BLOCK
 
 
 def test_a_damaged_tier_file_is_recomputed_and_the_output_stays_the_same(tier_cluster, hf_model):

@@ -60,6 +60,7 @@ class PoolStats:
     hit_tokens: int  # prompt tokens found cached, since start
     queried_tokens: int  # prompt tokens looked up, since start
     tier_hit_tokens: int = 0  # of the hits, loaded from the KV tier
+    tier_blocks: int = 0  # blocks the KV tier holds
 
 
 class BlockPool:
@@ -114,7 +115,8 @@ class BlockPool:
         with self._lock:
             free = len(self._free) + len(self._cached)
             return PoolStats(self.num_blocks - 1, self.block_size, free, len(self._cached),
-                             self.num_blocks - 1 - free, self.hit_tokens, self.queried_tokens, self.tier_hit_tokens)
+                             self.num_blocks - 1 - free, self.hit_tokens, self.queried_tokens, self.tier_hit_tokens,
+                             self.tier.stats().blocks if self.tier is not None else 0)
 
     # prefix cache ----------------------------------------------------------------------------
     def cached_prefix(self, token_ids: Sequence[int], max_tokens: int, table: BlockTable) -> int:

@@ -83,6 +83,7 @@ class PeerPuller:
         self.secret = secret
         self.metrics = metrics
         self.timeout_s = timeout_s
+        self.pulled = self.pulled_bytes = 0  # since start, for Health
         self._channels = ChannelCache(tls, GRPC_OPTIONS, grace_s=timeout_s + 5)
 
     async def pull(self, request: pb.PrefillRequest) -> int:
@@ -123,6 +124,8 @@ class PeerPuller:
                 verifier.discard()
         self.metrics.kv_pulls.labels("pulled").inc()
         self.metrics.kv_pull_bytes.labels("pulled").inc(verifier.bytes_received)
+        self.pulled += 1
+        self.pulled_bytes += verifier.bytes_received
         logger.debug("request %s: pulled %d positions from %s in %.1f ms", request.request_id, positions,
                      request.pull_from, (time.perf_counter() - started) * 1000)
         return positions

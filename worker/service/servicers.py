@@ -119,6 +119,7 @@ def load_to_pb(load: WorkerLoad, draining: bool) -> pb.HealthResponse:
         health.kv_block_size, health.kv_blocks, health.kv_free_blocks = pool.block_size, pool.num_blocks, pool.free_blocks
         health.kv_cached_blocks = pool.cached_blocks
         health.prefix_hit_tokens, health.prefix_queried_tokens = pool.hit_tokens, pool.queried_tokens
+        health.kv_tier_blocks, health.tier_hit_tokens = pool.tier_blocks, pool.tier_hit_tokens
     if load.loras is not None:
         loras = load.loras
         health.max_loras = loras.max_loras
@@ -188,6 +189,12 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
         self.lease_timeout_s = lease_timeout_s
         self.metrics = metrics
         self.gate = gate
+
+    def health_now(self) -> pb.HealthResponse:
+        health = super().health_now()
+        if self.puller is not None:
+            health.kv_pulls, health.kv_pulled_bytes = self.puller.pulled, self.puller.pulled_bytes
+        return health
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         await refuse_if_draining(self.gate, context)
