@@ -1,6 +1,7 @@
 """Who may call a worker's gRPC port, and the coordinator's side of it.
 
-Server side (`CallerCheck`): control calls (Prefill, Decode, Health) must carry the worker secret
+Server side (`CallerCheck`): control calls (Prefill, Decode, Health, and KvPeer.PullKv, which carries a
+worker's KV out to a peer) must carry the worker secret
 when one is configured, else UNAUTHENTICATED; with mutual TLS and a CRL, a caller whose certificate
 is revoked is refused per call (gRPC's TLS has no CRL setting). KV pushes are exempt from the secret:
 a decode worker admits a KV stream only with the one-time transfer token it issued for that request.

@@ -104,7 +104,9 @@ class RequestPipeline:
                                               exclude_prefill=excluded["prefill"],
                                               lora=request.lora.name if request.lora is not None else None,
                                               # prompt logprobs are a prefill worker's
-                                              local_prefill=request.sampling.prompt_logprobs is None)
+                                              local_prefill=request.sampling.prompt_logprobs is None,
+                                              # a worker pulls only blocks whose cache ids are the prompt's ids
+                                              pullable=request.lora is None and not request.media)
                 trace.phase("route", started, time.monotonic())
                 self._routed(placement, len(prompt), trace)
             except WorkerError as exc:

@@ -29,6 +29,7 @@ class CacheMatch:
     decode: dict[str, int] = field(default_factory=dict)
     tier: dict[str, int] = field(default_factory=dict)
     expected: dict[str, int] = field(default_factory=dict)
+    pullable: bool = True  # the prompt's blocks may be pulled between workers (its cache ids are its token ids)
 
     def of(self, role: str) -> dict[str, int]:
         return self.prefill if role == "prefill" else self.decode
@@ -58,9 +59,9 @@ class KvIndex:
     def __init__(self, expected_ttl_s: float = 10.0):
         self._holders: dict[int, int] = {}  # block hash -> bit mask of the slots holding it in their pool
         self._tier_holders: dict[int, int] = {}  # the same, in their KV tier
-        # block hash -> [mask of the slots a prompt holding it was just routed to, when that expires]
-        self._expected: dict[int, list] = {}
-        self._expiries: deque[tuple[float, int]] = deque()  # (expires, hash), oldest first
+        # block hash -> {bit of a slot a prompt holding it was just routed to: when that expires}
+        self._expected: dict[int, dict[int, float]] = {}
+        self._expiries: deque[tuple[float, int, int]] = deque()  # (expires, hash, bit), oldest first
         self.expected_ttl_s = expected_ttl_s
         self._by_address: dict[str, _Holder] = {}
         self._slots: list[_Holder | None] = []
@@ -104,7 +105,7 @@ class KvIndex:
                 blocks.add(key)
                 holder.digest ^= key
                 holders[key] = holders.get(key, 0) | bit
-                if key in expected and expected[key][0] & bit:  # confirmed
+                if key in expected:  # confirmed, if it was expected there
                     _clear_expected(expected, key, bit)
         return True
 
@@ -129,7 +130,7 @@ class KvIndex:
             _clear(self._holders, key, bit)
         for key in holder.tier:
             _clear(self._tier_holders, key, bit)
-        for key in [k for k, entry in self._expected.items() if entry[0] & bit]:  # before its slot is reused
+        for key in [k for k, entry in self._expected.items() if bit in entry]:  # before its slot is reused
             _clear_expected(self._expected, key, bit)
         self._slots[holder.slot] = None
         mask = self._sizes[holder.block_size] & ~bit
@@ -152,21 +153,16 @@ class KvIndex:
         for key in iter_chain_hashes(token_ids, bs, num_blocks=(len(token_ids) - 1) // bs):
             if key in holder.blocks:
                 continue
-            entry = expected.get(key)
-            if entry is None:
-                expected[key] = [bit, expires]
-            else:
-                entry[0] |= bit
-                entry[1] = expires
-            self._expiries.append((expires, key))
+            expected.setdefault(key, {})[bit] = expires  # each instance's entry lives its own lifetime
+            self._expiries.append((expires, key, bit))
 
     def _expire(self, now: float) -> None:
         expiries, expected = self._expiries, self._expected
         while expiries and expiries[0][0] <= now:
-            _, key = expiries.popleft()
+            _, key, bit = expiries.popleft()
             entry = expected.get(key)
-            if entry is not None and entry[1] <= now:
-                del expected[key]
+            if entry is not None and entry.get(bit, now + 1) <= now:  # not renewed since
+                _clear_expected(expected, key, bit)
 
     # lookups ---------------------------------------------------------------------------------------------
     def match(self, token_ids: list[int]) -> CacheMatch:
@@ -183,10 +179,12 @@ class KvIndex:
             for key in iter_chain_hashes(token_ids, block_size, num_blocks=(len(token_ids) - 1) // block_size):
                 held = holders.get(key, 0)
                 in_tier = (tier.get(key, 0) & ~held) if tier else 0
-                if expected and (entry := expected.get(key)) is not None and entry[1] > now:
-                    only_expected = entry[0] & ~held & ~in_tier
-                else:
-                    only_expected = 0
+                only_expected = 0
+                if expected and (entry := expected.get(key)) is not None:
+                    for bit, expires in entry.items():
+                        if expires > now:
+                            only_expected |= bit
+                    only_expected &= ~held & ~in_tier
                 held = (held | in_tier | only_expected) & alive
                 if held != alive:
                     if matched:
@@ -239,10 +237,10 @@ def _clear(holders: dict[int, int], key: int, bit: int) -> None:
         del holders[key]
 
 
-def _clear_expected(expected: dict[int, list], key: int, bit: int) -> None:
+def _clear_expected(expected: dict[int, dict[int, float]], key: int, bit: int) -> None:
     entry = expected[key]
-    entry[0] &= ~bit
-    if not entry[0]:
+    entry.pop(bit, None)
+    if not entry:
         del expected[key]
 
 

@@ -48,7 +48,8 @@ class RoundRobinPolicy:
     def expect(self, prefill: Instance | None, decode: Instance, prompt_token_ids: list[int]) -> None:
         """The request was placed on these instances: nothing to remember, for a policy without an index."""
 
-    def pull_source(self, match: CacheMatch, prefill: str, held: int) -> tuple[str, int]:
+    def pull_source(self, match: CacheMatch, prefill: str, held: int,
+                    exclude: Collection[str] = frozenset()) -> tuple[str, int]:
         """Where the prefill instance pulls the prompt's leading blocks from, and how many positions: none."""
         return "", 0
 
@@ -140,14 +141,15 @@ class CacheAffinityPolicy(LoadBalancePolicy):
     def match(self, prompt_token_ids: list[int]) -> CacheMatch:
         return self.index.match(prompt_token_ids)
 
-    def pull_source(self, match: CacheMatch, prefill: str, held: int) -> tuple[str, int]:
-        if not self.peer_pulls:
+    def pull_source(self, match: CacheMatch, prefill: str, held: int,
+                    exclude: Collection[str] = frozenset()) -> tuple[str, int]:
+        if not self.peer_pulls or not match.pullable:
             return "", 0
         source, best = "", held + self.pull_min_tokens - 1
         for tokens_by in (match.prefill, match.decode):
             for address, tokens in tokens_by.items():
                 tokens -= match.expected.get(address, 0)  # only what it holds now can be read from it
-                if tokens > best and address != prefill:
+                if tokens > best and address != prefill and address not in exclude:
                     source, best = address, tokens
         return (source, best) if source else ("", 0)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from coordinator.errors import WorkerError
 from coordinator.workers.instances import Instance, InstanceRegistry
@@ -40,11 +40,12 @@ class Router:
         self.local_prefill_max_tokens = local_prefill_max_tokens
 
     def route(self, prompt_token_ids: list[int], exclude_decode: set[str] = frozenset(),
-              exclude_prefill: set[str] = frozenset(), lora: str | None = None, local_prefill: bool = True
-              ) -> Placement:
+              exclude_prefill: set[str] = frozenset(), lora: str | None = None, local_prefill: bool = True,
+              pullable: bool = True) -> Placement:
         """The decode instance first; then, unless the part of the prompt it does not hold is shorter than
         local_prefill_max_tokens (it prefills that itself; never without `local_prefill`), a prefill instance
-        (`lora`: the request's adapter)."""
+        (`lora`: the request's adapter; `pullable`: whether a prefill worker may pull its leading blocks from a
+        peer: not under an adapter or with images)."""
         policy, registry = self.policy, self.registry
         match = policy.match(prompt_token_ids)
         prompt_len = len(prompt_token_ids)
@@ -53,16 +54,21 @@ class Router:
         if decode is None:
             raise WorkerError(_none_left("decode", registry, exclude_decode))
         decode_cached = match.decode.get(decode.address, 0)
-        if local_prefill and prompt_len - decode_cached < self.local_prefill_max_tokens:
+        # Blocks only expected there are not there yet: prefilling locally would compute them all.
+        if local_prefill and prompt_len - decode_cached + match.expected.get(decode.address, 0) \
+                < self.local_prefill_max_tokens:
             policy.expect(None, decode, prompt_token_ids)
             return Placement(None, decode, decode_cached_tokens=decode_cached)
+        if not pullable:
+            match = replace(match, pullable=False)
         prefill = policy.choose_prefill(registry.pool("prefill"), prompt_len, match.prefill, exclude_prefill, lora,
                                         match=match)
         if prefill is None:
             raise WorkerError(_none_left("prefill", registry, exclude_prefill))
         policy.expect(prefill, decode, prompt_token_ids)
         prefill_cached = match.prefill.get(prefill.address, 0)
-        pull_from, pull_tokens = policy.pull_source(match, prefill.address, prefill_cached)
+        pull_from, pull_tokens = policy.pull_source(match, prefill.address, prefill_cached,
+                                                    exclude_prefill | exclude_decode)
         return Placement(prefill, decode, prefill_cached, decode_cached, pull_from, pull_tokens)
 
 

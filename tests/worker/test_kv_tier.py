@@ -155,3 +155,22 @@ def test_tier_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match="no-prefix-caching"):
         WorkerOptions(role="prefill", backend=ModelBackend("m"), kv_tier_gb=1, kv_tier_dir=str(tmp_path),
                       prefix_caching=False)
+
+
+def test_a_block_whose_slot_the_writer_reuses_during_a_read_is_a_miss_not_damage(tmp_path, monkeypatch):
+    tier = KvTier(tmp_path, 1, 64, BS)  # one slot: the next block written takes it
+    tier.evicted(1, 0, bytearray(b"a" * 64))
+    tier.flush()
+    read = os.preadv
+
+    def read_while_the_writer_takes_the_slot(fd, buffers, offset):
+        monkeypatch.setattr(os, "preadv", read)
+        tier._write(2, 0, bytearray(b"b" * 64))  # the tier is full: block 1 is dropped and its slot reused
+        return read(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", read_while_the_writer_takes_the_slot)
+    assert tier.load(1) is None
+    stats = tier.stats()
+    assert stats.dropped_blocks == 0 and [h for h, _ in tier.entries()] == [2]
+    assert tier.load(2) == bytearray(b"b" * 64)
+    tier.close()

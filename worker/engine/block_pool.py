@@ -155,18 +155,6 @@ class BlockPool:
         to read (not counted as this worker's hits); return the positions they cover."""
         return self.more_cached_prefix(token_ids, max_tokens, table, count_hits=False)
 
-    def take_for_write(self, table: BlockTable, num_tokens: int) -> bool:
-        """`grow`, for blocks the caller writes whole (a peer's pulled blocks): none of them is zeroed as fresh."""
-        with self._lock:
-            need = self.blocks_for(num_tokens) - table.num_blocks
-            if need > len(self._free) + len(self._cached):
-                return False
-            for _ in range(need):
-                block = self._allocate()
-                if block in self._fresh:
-                    self._fresh.remove(block)
-                table.block_ids.append(block)
-        return True
 
     def _load_from_tier(self, h: int, parent: int, count_hit: bool) -> int | None:
         """A free block holding the tier's copy of block `h`, now cached in the pool (`count_hit`: for one of this
@@ -180,14 +168,13 @@ class BlockPool:
             return None
         block = self._allocate()
         self._bytes.write_block(block, data)
-        if block in self._fresh:  # written whole: it must not be zeroed as a fresh block
-            self._fresh.remove(block)
+        self._written_whole(block)
         self._refs[block] = 0
         self._hash[block], self._parent[block], self._by_hash[h] = h, parent, block
         self._cached[block] = None
-        if count_hit:
+        if count_hit:  # not a peer's pin: this worker's own prompt
             self.tier_hit_tokens += self.block_size
-        self._tier_loads += 1
+            self._tier_loads += 1
         if self.listener is not None:
             self.listener.stored(h, parent, self.block_size)
         return block
@@ -234,8 +221,9 @@ class BlockPool:
     def can_grow(self, table: BlockTable, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) - table.num_blocks <= self.num_free
 
-    def grow(self, table: BlockTable, num_tokens: int) -> bool:
-        """Give `table` blocks for `num_tokens` positions in all; False (and nothing taken) if the pool cannot."""
+    def grow(self, table: BlockTable, num_tokens: int, written_whole: bool = False) -> bool:
+        """Give `table` blocks for `num_tokens` positions in all; False (and nothing taken) if the pool cannot.
+        `written_whole`: the caller writes every position of them (a peer's pulled blocks), so none is zeroed."""
         need = self.blocks_for(num_tokens) - table.num_blocks
         if need <= 0:
             return True
@@ -243,8 +231,15 @@ class BlockPool:
             if need > len(self._free) + len(self._cached):
                 return False
             for _ in range(need):
-                table.block_ids.append(self._allocate())
+                block = self._allocate()
+                if written_whole:
+                    self._written_whole(block)
+                table.block_ids.append(block)
         return True
+
+    def _written_whole(self, block: int) -> None:
+        if block in self._fresh:
+            self._fresh.remove(block)
 
     def add_blocks(self, n: int) -> None:
         """Grow the pool by `n` free blocks (a pool that models memory it is not given, as the planner's)."""
@@ -302,7 +297,7 @@ class BlockPool:
             self._hash[block] = None
             if self.listener is not None:
                 self.listener.removed(evicted)
-            if self.tier is not None:  # its bytes leave now: the block is overwritten next
+            if self.tier is not None and self.tier.wants(evicted):  # its bytes leave now: it is overwritten next
                 self.tier.evicted(evicted, self._parent[block], self._bytes.read_block(block))
         self._refs[block] = 1
         return block

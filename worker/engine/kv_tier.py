@@ -32,6 +32,7 @@ import xxhash
 logger = logging.getLogger(__name__)
 
 TIER = 1  # KvBlockEvent.medium of a block in the tier (0: the pool)
+MAX_PENDING_BYTES = 256 << 20  # evicted blocks waiting for the writer; more are dropped, not waited for
 
 
 class BlockBytes(Protocol):
@@ -111,7 +112,8 @@ class KvTier:
         self.path: Path | None = None
         if self.enabled and block_bytes and directory is not None:
             self._open(Path(directory))
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Blocks copied out and not yet written, at most MAX_PENDING_BYTES of them.
+        self._queue: queue.Queue = queue.Queue(maxsize=max(16, MAX_PENDING_BYTES // max(block_bytes, 1)))
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
 
@@ -134,15 +136,24 @@ class KvTier:
     def holds(self, block_hash: int) -> bool:
         return self.enabled and block_hash in self._entries
 
-    def evicted(self, block_hash: int, parent: int, data: bytes) -> None:
-        """The pool let go of this block (its bytes copied out): keep it, off the caller's path."""
-        if not self.enabled:
-            return
+    def wants(self, block_hash: int) -> bool:
+        """Whether a block the pool evicts should be copied out for the tier: not when the tier is off, holds it
+        already (it came from here: it is only marked recently used) or its writer is too far behind."""
+        if not self.enabled or self._queue.full():
+            return False
         with self._lock:
-            if block_hash in self._entries:  # it came from here and was not changed since: nothing to write
+            if block_hash in self._entries:
                 self._entries.move_to_end(block_hash)
-                return
-        self._queue.put((block_hash, parent, data))
+                return False
+        return True
+
+    def evicted(self, block_hash: int, parent: int, data: bytes) -> None:
+        """The pool let go of this block (its bytes copied out, after `wants`): keep it, off the caller's path. A
+        writer too far behind (a slow disk) drops it: the tier is a cache, and the pool must not wait."""
+        try:
+            self._queue.put_nowait((block_hash, parent, data))
+        except queue.Full:
+            pass
 
     def load(self, block_hash: int) -> bytearray | None:
         """The block's bytes, checked; None (the entry dropped) when it is missing, damaged or unreadable."""
@@ -162,10 +173,12 @@ class KvTier:
         else:
             read = 0
         if read != self.block_bytes or xxhash.xxh3_64_intdigest(data) != entry.checksum:
-            logger.warning("KV tier: a damaged block was dropped (it is recomputed)")
             with self._lock:
+                if self._entries.get(block_hash) is not entry:
+                    return None  # the writer took its slot meanwhile (the tier was full): gone, not damaged
                 self.dropped_blocks += 1
                 self._drop(block_hash)
+            logger.warning("KV tier: a damaged block was dropped (it is recomputed)")
             return None
         with self._lock:
             self.hit_blocks += 1
@@ -187,7 +200,7 @@ class KvTier:
     def flush(self) -> None:
         """Wait until every block queued so far is written (tests; a stopping worker need not)."""
         done = threading.Event()
-        self._queue.put(done)
+        self._queue.put(done)  # blocks while the queue is full: the writer empties it
         done.wait()
 
     def close(self) -> None:

@@ -60,8 +60,8 @@ class KvPeerServicer(pb_grpc.KvPeerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this worker's blocks hold {pool.block_size} "
                                 f"positions, not {request.block_size}")
         table = BlockTable()
-        positions = pool.pin_prefix(list(request.token_ids), request.max_tokens, table)
         try:
+            positions = pool.pin_prefix(list(request.token_ids), request.max_tokens, table)
             if not positions:
                 await context.abort(grpc.StatusCode.NOT_FOUND, "none of the prompt's leading blocks is held here")
             sent = 0
@@ -113,8 +113,9 @@ class PeerPuller:
                 raise KvTransferError("the pulled stream is empty")
             positions = verifier.positions
             self._place(token_ids, positions, verifier.finish())
-        except (grpc.aio.AioRpcError, KvTransferError) as exc:
-            why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+        except Exception as exc:  # whatever went wrong, the prompt is computed: a pull never fails a request
+            why = (f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError)
+                   else f"{type(exc).__name__}: {exc}")
             logger.warning("request %s: pulling %d positions from %s failed (%s); computing them",
                            request.request_id, want, request.pull_from, why)
             self.metrics.kv_pulls.labels("failed").inc()
@@ -151,7 +152,7 @@ class PeerPuller:
 
     def _place(self, token_ids: list[int], positions: int, verified) -> None:
         pool, table = self.engine.pool, BlockTable()
-        if not pool.take_for_write(table, positions):
+        if not pool.grow(table, positions, written_whole=True):
             raise KvTransferError("no free blocks for the pulled positions")
         try:
             self.engine.peer_blocks.place(table.block_ids, positions, verified)

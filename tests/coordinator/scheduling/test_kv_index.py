@@ -155,3 +155,18 @@ def test_an_instance_dropped_leaves_no_expected_entries_for_the_next_in_its_slot
     index.drop("p0:1")
     index.apply("p9:1", kv_blocks_batch("prefill", []))  # takes the freed slot
     assert index.match(prompt(49)).prefill == {}
+
+
+def test_an_expected_entry_lives_its_own_lifetime_whatever_other_instances_expect(monkeypatch):
+    import coordinator.scheduling.kv_index as kv_index
+
+    now = [1000.0]
+    monkeypatch.setattr(kv_index.time, "monotonic", lambda: now[0])
+    index = KvIndex(expected_ttl_s=10)
+    for address in ("p0:1", "p1:1"):
+        index.apply(address, kv_blocks_batch("prefill", []))
+    index.expect("p0:1", prompt(33))  # its request then fails: nothing confirms it
+    now[0] += 9
+    index.expect("p1:1", prompt(33))
+    now[0] += 2  # p0's lifetime is over, p1's is not
+    assert index.match(prompt(33)).prefill == {"p1:1": 32}

@@ -235,3 +235,20 @@ def test_no_pulls_without_peer_pulls():
     index.apply("p1:1", kv_blocks_batch("prefill", prompt(96)))
     registry.get("prefill", "p1:1").outstanding_prompt_tokens = 1000
     assert router.route(prompt(100)).pull_from == ""
+
+
+def test_no_pull_is_named_for_a_prompt_a_worker_cannot_pull_or_from_an_instance_that_failed_it():
+    registry = make_registry(num_decode=2)
+    router, index = affinity_router(registry, peer_pulls=True, pull_min_tokens=32, decode_load_weight=0)
+    index.apply("d1:1", kv_blocks_batch("decode", prompt(96)))
+    assert router.route(prompt(100), pullable=False).pull_from == ""  # under an adapter, or with images
+    assert router.route(prompt(100), exclude_decode={"d1:1"}).pull_from == ""
+
+
+def test_blocks_only_expected_on_the_decode_worker_do_not_make_it_prefill_locally():
+    registry = make_registry(num_decode=1)
+    router, index = affinity_router(registry, local_prefill_max_tokens=50, expected_ttl_s=60)
+    for address in ("d0:1", "p0:1", "p1:1", "p2:1"):
+        index.apply(address, kv_blocks_batch("decode" if address.startswith("d") else "prefill", []))
+    assert router.route(prompt(100)).prefill is not None  # 100 uncached >= 50: disaggregated
+    assert router.route(prompt(100)).prefill is not None  # its blocks only expected on d0: still disaggregated
