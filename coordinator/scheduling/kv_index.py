@@ -7,7 +7,8 @@ breaks. A prompt is looked up by hashing its leading blocks the way the workers 
 until no instance holds the next one, so a prompt nobody caches costs one hash.
 
 Expected entries: a prompt just routed to an instance (`expect`) counts as held there for a short lifetime, until
-the instance's events confirm its blocks, so a burst sharing a new prefix finds where the first one went.
+the instance's events confirm its blocks, so a burst sharing a new prefix finds where the first one went. That
+hashes every routed prompt whole once more (once for both of its instances).
 """
 
 from __future__ import annotations
@@ -140,21 +141,24 @@ class KvIndex:
             del self._sizes[holder.block_size]
 
     # expected entries --------------------------------------------------------------------------------------
-    def expect(self, address: str, token_ids: list[int]) -> None:
-        """`address` was just given this prompt: its blocks count as held there until its events confirm them or
-        `expected_ttl_s` passes (a request that fails leaves nothing behind for longer)."""
-        holder = self._by_address.get(address)
-        if holder is None or not self.expected_ttl_s:
+    def expect(self, addresses: list[str], token_ids: list[int]) -> None:
+        """The instances at `addresses` were just given this prompt: its blocks count as held there until their
+        events confirm them or `expected_ttl_s` passes (a request that fails leaves nothing behind for longer).
+        The prompt is hashed once per block size, whatever the number of instances."""
+        holders = [h for h in map(self._by_address.get, addresses) if h is not None]
+        if not holders or not self.expected_ttl_s:
             return
         now = time.monotonic()
         self._expire(now)
-        expires, bit, expected = now + self.expected_ttl_s, 1 << holder.slot, self._expected
-        bs = holder.block_size
-        for key in iter_chain_hashes(token_ids, bs, num_blocks=(len(token_ids) - 1) // bs):
-            if key in holder.blocks:
-                continue
-            expected.setdefault(key, {})[bit] = expires  # each instance's entry lives its own lifetime
-            self._expiries.append((expires, key, bit))
+        expires, expected, expiries = now + self.expected_ttl_s, self._expected, self._expiries
+        for bs in {h.block_size for h in holders}:
+            same = [h for h in holders if h.block_size == bs]
+            for key in iter_chain_hashes(token_ids, bs, num_blocks=(len(token_ids) - 1) // bs):
+                for holder in same:
+                    if key not in holder.blocks:
+                        bit = 1 << holder.slot
+                        expected.setdefault(key, {})[bit] = expires  # each instance's entry lives its own lifetime
+                        expiries.append((expires, key, bit))
 
     def _expire(self, now: float) -> None:
         expiries, expected = self._expiries, self._expected

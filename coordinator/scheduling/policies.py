@@ -154,9 +154,8 @@ class CacheAffinityPolicy(LoadBalancePolicy):
         return (source, best) if source else ("", 0)
 
     def expect(self, prefill: Instance | None, decode: Instance, prompt_token_ids: list[int]) -> None:
-        if prefill is not None:
-            self.index.expect(prefill.address, prompt_token_ids)
-        self.index.expect(decode.address, prompt_token_ids)
+        addresses = [decode.address] if prefill is None else [prefill.address, decode.address]
+        self.index.expect(addresses, prompt_token_ids)
 
     def _cheapest(self, pool: RolePool, prompt_len: int, cached: dict[str, int], exclude: Collection[str],
                   load: Callable[[Instance], float], weight: float, lora: str | None,

@@ -138,7 +138,7 @@ def test_a_just_routed_prompt_is_expected_until_events_confirm_it_or_it_expires(
     monkeypatch.setattr(kv_index.time, "monotonic", lambda: now[0])
     index = KvIndex(expected_ttl_s=5)
     index.apply("p0:1", kv_blocks_batch("prefill", []))
-    index.expect("p0:1", prompt(49))
+    index.expect(["p0:1"], prompt(49))
     assert index.match(prompt(49)).prefill == {"p0:1": 48}
     assert index.match(prompt(49)).expected == {"p0:1": 48}
     index.apply("p0:1", kv_blocks_batch("prefill", prompt(32), reset=False, seq=2))  # two blocks confirmed
@@ -151,7 +151,7 @@ def test_a_just_routed_prompt_is_expected_until_events_confirm_it_or_it_expires(
 def test_an_instance_dropped_leaves_no_expected_entries_for_the_next_in_its_slot():
     index = KvIndex(expected_ttl_s=60)
     index.apply("p0:1", kv_blocks_batch("prefill", []))
-    index.expect("p0:1", prompt(49))
+    index.expect(["p0:1"], prompt(49))
     index.drop("p0:1")
     index.apply("p9:1", kv_blocks_batch("prefill", []))  # takes the freed slot
     assert index.match(prompt(49)).prefill == {}
@@ -165,8 +165,8 @@ def test_an_expected_entry_lives_its_own_lifetime_whatever_other_instances_expec
     index = KvIndex(expected_ttl_s=10)
     for address in ("p0:1", "p1:1"):
         index.apply(address, kv_blocks_batch("prefill", []))
-    index.expect("p0:1", prompt(33))  # its request then fails: nothing confirms it
+    index.expect(["p0:1"], prompt(33))  # its request then fails: nothing confirms it
     now[0] += 9
-    index.expect("p1:1", prompt(33))
+    index.expect(["p1:1"], prompt(33))
     now[0] += 2  # p0's lifetime is over, p1's is not
     assert index.match(prompt(33)).prefill == {"p1:1": 32}
