@@ -540,3 +540,12 @@ def registration_headers(up: ServerProcess) -> dict:
     config = json.loads(Path(args[args.index("--config") + 1]).read_text())
     token = Path(config["auth_config"]["registration_token_file"]).read_text().strip()
     return {"Authorization": f"Bearer {token}"}
+
+
+def greedy_completion(url: str, prompt: str, max_tokens: int) -> dict:
+    """The one choice of a greedy /v1/completions with its prompt's and its own token ids."""
+    resp = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": "pdserve-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "return_token_ids": True})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]

@@ -5,13 +5,12 @@ as transformers."""
 from __future__ import annotations
 
 import grpc
-import httpx
 import pytest
 
 from kv_events.block_hash import chain_hashes, hash_from_bytes
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.helpers import (health, index_matches_workers, metrics_url, reference_tokens, scrape, start_coordinator,
+from tests.helpers import (greedy_completion, health, index_matches_workers, metrics_url, reference_tokens, scrape, start_coordinator,
                            start_worker, wait_for, write_config)
 
 pytestmark = pytest.mark.system
@@ -40,11 +39,7 @@ def peer_cluster(model_dir, tmp_path_factory):
 
 
 def complete(url: str, prompt: str) -> dict:
-    resp = httpx.post(f"{url}/v1/completions", timeout=60, json={
-        "model": "pdserve-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "return_token_ids": True})
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]
+    return greedy_completion(url, prompt, MAX_TOKENS)
 
 
 def pulls(worker, outcome: str, name: str = "pdserve_worker_kv_pulls_total") -> float:

@@ -4,13 +4,12 @@ damaged, gives the same greedy tokens as transformers."""
 from __future__ import annotations
 
 import grpc
-import httpx
 import pytest
 
 from kv_events.block_hash import chain_hashes, hash_from_bytes
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
-from tests.helpers import health, metrics_url, reference_tokens, scrape, start_coordinator, start_worker, wait_for, write_config
+from tests.helpers import greedy_completion, health, metrics_url, reference_tokens, scrape, start_coordinator, start_worker, wait_for, write_config
 
 pytestmark = pytest.mark.system
 
@@ -35,11 +34,7 @@ def tier_cluster(model_dir, tmp_path_factory):
 
 
 def complete(url: str, prompt: str) -> dict:
-    resp = httpx.post(f"{url}/v1/completions", timeout=60, json={
-        "model": "pdserve-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "return_token_ids": True})
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]
+    return greedy_completion(url, prompt, MAX_TOKENS)
 
 
 def metric(prefill, name: str) -> float:
