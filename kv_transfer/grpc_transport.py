@@ -42,11 +42,12 @@ class GrpcKvSender:
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0, tls: LinkTls | None = None):
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
-        # The decode worker's gRPC port: tls_config.worker_grpc, client side. A push lasts at most timeout_s.
-        self._channels = ChannelCache(tls, GRPC_OPTIONS, grace_s=timeout_s + 5)
+        # Other workers' gRPC ports: tls_config.worker_grpc, client side. A push lasts at most timeout_s. Peer pulls
+        # (worker/service/kv_peer.py) dial the same workers on these channels.
+        self.channels = ChannelCache(tls, GRPC_OPTIONS, grace_s=timeout_s + 5)
 
     def _stub(self, address: str) -> pb_grpc.KvReceiverStub:
-        return pb_grpc.KvReceiverStub(self._channels.get(address))
+        return pb_grpc.KvReceiverStub(self.channels.get(address))
 
     async def send(self, address: str, kv: TransferredKv) -> int:
         """Stream a computed cache to `address`; return the bytes the receiver verified."""
@@ -67,7 +68,7 @@ class GrpcKvSender:
         return ack.bytes_received
 
     async def close(self) -> None:
-        await self._channels.close()
+        await self.channels.close()
 
 
 class KvReceiverServicer(pb_grpc.KvReceiverServicer):

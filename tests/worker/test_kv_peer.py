@@ -11,9 +11,11 @@ import torch
 from prometheus_client import CollectorRegistry, Counter
 
 from kv_transfer.codec import KvLayer, make_header, make_trailer
+from kv_transfer.grpc_transport import GRPC_OPTIONS
 from kv_transfer.wire import item_messages
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
+from security.grpc_auth import ChannelCache
 from worker.engine.block_pool import BlockPool, BlockTable
 from worker.service.kv_peer import KvPeerServicer, PeerPuller
 from worker.torch_engine.kv_cache import KvCache
@@ -60,6 +62,20 @@ async def serve(servicer) -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
+async def pull_from(servicer, puller_worker, metrics, stop_first: bool = False) -> int:
+    """`puller_worker` pulls PROMPT's three blocks from a real gRPC server of `servicer` (`stop_first`: stopped
+    before the pull, so nobody answers there); the positions it got."""
+    server, address = await serve(servicer)
+    if stop_first:
+        await server.stop(None)
+    channels = ChannelCache(None, GRPC_OPTIONS, grace_s=5)
+    try:
+        return await PeerPuller(puller_worker, channels, None, metrics, timeout_s=10).pull(request(address))
+    finally:
+        await channels.close()
+        await server.stop(None)
+
+
 def request(address, tokens=12):
     return pb.PrefillRequest(request_id="r1", prompt_token_ids=PROMPT, pull_from=address, pull_tokens=tokens)
 
@@ -73,13 +89,7 @@ async def test_a_pulled_prefix_lands_in_the_pullers_cache_with_the_sources_bytes
     source, puller_worker = worker(), worker()
     source_blocks = compute(source, PROMPT)
     metrics = Metrics()
-    server, address = await serve(KvPeerServicer(source, 1024, metrics))
-    puller = PeerPuller(puller_worker, None, None, metrics, timeout_s=10)
-    try:
-        assert await puller.pull(request(address)) == 12
-    finally:
-        await puller.close()
-        await server.stop(None)
+    assert await pull_from(KvPeerServicer(source, 1024, metrics), puller_worker, metrics) == 12
     table = BlockTable()
     assert puller_worker.pool.cached_prefix(PROMPT, 12, table) == 12
     for a, b in zip(rows(puller_worker, table.block_ids, 12), rows(source, source_blocks, 12)):
@@ -91,13 +101,7 @@ async def test_a_pulled_prefix_lands_in_the_pullers_cache_with_the_sources_bytes
 async def test_a_source_gone_costs_a_recompute_not_the_request():
     puller_worker = worker()
     metrics = Metrics()
-    server, address = await serve(KvPeerServicer(worker(), 1024, metrics))
-    await server.stop(None)  # nobody listens there any more
-    puller = PeerPuller(puller_worker, None, None, metrics, timeout_s=5)
-    try:
-        assert await puller.pull(request(address)) == 0
-    finally:
-        await puller.close()
+    assert await pull_from(KvPeerServicer(worker(), 1024, metrics), puller_worker, metrics, stop_first=True) == 0
     assert metrics.count("failed") == 1
     assert puller_worker.pool.stats().cached_blocks == 0
 
@@ -133,13 +137,7 @@ async def test_a_pull_that_breaks_mid_stream_leaves_nothing_cached(damage):
     source, puller_worker = worker(), worker()
     compute(source, PROMPT)
     metrics = Metrics()
-    server, address = await serve(DyingSource(source, damage))
-    puller = PeerPuller(puller_worker, None, None, metrics, timeout_s=10)
-    try:
-        assert await puller.pull(request(address)) == 0
-    finally:
-        await puller.close()
-        await server.stop(None)
+    assert await pull_from(DyingSource(source, damage), puller_worker, metrics) == 0
     assert metrics.count("failed") == 1
     assert puller_worker.pool.cached_prefix(PROMPT, 12, BlockTable()) == 0
 
@@ -154,13 +152,7 @@ async def test_a_stream_in_another_layout_is_refused():
                     yield m
 
     metrics, puller_worker = Metrics(), worker()
-    server, address = await serve(OtherLayout())
-    puller = PeerPuller(puller_worker, None, None, metrics, timeout_s=10)
-    try:
-        assert await puller.pull(request(address)) == 0
-    finally:
-        await puller.close()
-        await server.stop(None)
+    assert await pull_from(OtherLayout(), puller_worker, metrics) == 0
     assert puller_worker.pool.stats().cached_blocks == 0
 
 

@@ -27,7 +27,6 @@ from typing import Protocol
 import grpc
 
 from kv_transfer.base import KvTransferError
-from kv_transfer.grpc_transport import GRPC_OPTIONS
 from kv_transfer.wire import KvStreamVerifier, item_messages
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
@@ -78,13 +77,13 @@ class KvPeerServicer(pb_grpc.KvPeerServicer):
 class PeerPuller:
     """The puller's side (steps 2, 4 and 5), on prefill workers."""
 
-    def __init__(self, engine, tls, secret, metrics, timeout_s: float):
+    def __init__(self, engine, channels: ChannelCache, secret, metrics, timeout_s: float):
         self.engine = engine
+        self.channels = channels  # the KV sender's, to the same workers (closed with it)
         self.secret = secret
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.pulled = self.pulled_bytes = 0  # since start, for Health
-        self._channels = ChannelCache(tls, GRPC_OPTIONS, grace_s=timeout_s + 5)
 
     async def pull(self, request: pb.PrefillRequest) -> int:
         """Positions of the prompt pulled into this worker's prefix cache (0: none, and the prompt is computed)."""
@@ -98,7 +97,7 @@ class PeerPuller:
         started = time.perf_counter()
         verifier = None
         try:
-            call = pb_grpc.KvPeerStub(self._channels.get(request.pull_from)).PullKv(
+            call = pb_grpc.KvPeerStub(self.channels.get(request.pull_from)).PullKv(
                 pb.PullKvRequest(request_id=request.request_id, token_ids=token_ids[:want], max_tokens=want,
                                  block_size=pool.block_size),
                 timeout=self.timeout_s, metadata=secret_metadata(self.secret))
@@ -159,6 +158,3 @@ class PeerPuller:
             pool.register(table, token_ids, positions)
         finally:
             pool.release(table)  # cached now: the prefill that follows takes them
-
-    async def close(self) -> None:
-        await self._channels.close()

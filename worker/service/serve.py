@@ -84,11 +84,11 @@ async def _serve(options: WorkerOptions) -> None:
         grpc_sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s,
                                    tls=trust.grpc_client)
         tcp_sender = TcpKvSender(options.kv_chunk_bytes, tls=trust.kv_client)
-        puller = PeerPuller(engine, trust.grpc_client, trust.worker_secret, metrics, options.kv_trans_timeout_s)
+        puller = PeerPuller(engine, grpc_sender.channels, trust.worker_secret, metrics, options.kv_trans_timeout_s)
         servicer = PrefillServicer(engine, grpc_sender, tcp_sender, options.kv_lease_timeout_s, metrics, gate, puller)
         await open_token_channels(servicer, "prefill", options, trust, closers, kv_events)
         pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
-        closers += [grpc_sender.close, puller.close]
+        closers.append(grpc_sender.close)
     else:
         def on_kv(kv):
             engine.on_kv(kv)
