@@ -11,6 +11,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
                       model_validator)
 
 from embedded_model.builder import ModelSpec
+from planner.settings import PlannerConfig
 from security.settings import AuthConfig, TlsConfig
 
 
@@ -353,8 +354,16 @@ class CoordinatorConfig(_Section):
     tls_config: TlsConfig = TlsConfig()
     auth_config: AuthConfig = AuthConfig()
     backup_config: BackupConfig = BackupConfig()
+    planner_config: PlannerConfig = PlannerConfig()
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _planner_sees_all_traffic(self) -> CoordinatorConfig:
+        if self.planner_config.enabled and self.backup_config.etcd_endpoints and self.backup_config.mode == "replicas":
+            raise ValueError("planner_config.enabled needs backup_config.mode active_standby: replicas each see a "
+                             "share of the traffic, and the planner decides on the active coordinator's")
+        return self
 
     @model_validator(mode="after")
     def _etcd_tls_matches_the_endpoints(self) -> CoordinatorConfig:
@@ -418,4 +427,5 @@ def load_config(path: Path | str) -> CoordinatorConfig:
     base = path.resolve().parent
     config.tls_config = config.tls_config.resolved(base)
     config.auth_config = config.auth_config.resolved(base)
+    config.planner_config = config.planner_config.resolved(base)
     return config

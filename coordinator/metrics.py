@@ -172,6 +172,39 @@ class TokenCollector:
         return [self.ttft.family(), self.tpot.family(), tokens]
 
 
+class PlannerCollector:
+    """The online planner's desired counts (what a Kubernetes HPA scales each role's workers on), its decisions
+    by reason, and the SLO attainment it last saw."""
+
+    def __init__(self, planner):
+        self.planner = planner
+
+    def collect(self):
+        planner = self.planner
+        desired = GaugeMetricFamily("pdserve_planner_desired_instances", "Instances of the role the online planner "
+                                    "wants (damped); absent until its first decision and on a standby.",
+                                    labels=["role"])
+        current = GaugeMetricFamily("pdserve_planner_current_instances", "Routable instances of the role, as the "
+                                    "planner counts them.", labels=["role"])
+        for role, count in zip(("prefill", "decode"), planner.current()):
+            current.add_metric([role], count)
+        if planner.deciding and planner.damper.desired is not None:
+            for role, count in zip(("prefill", "decode"), planner.damper.desired):
+                desired.add_metric([role], count)
+        decisions = CounterMetricFamily("pdserve_planner_decisions", "Planner decisions by reason: meets_slo, "
+                                        "best_effort, warming_up, cannot_simulate, or held (new counts waiting on the "
+                                        "damping).", labels=["reason"])
+        for reason, count in planner.decisions.items():
+            decisions.add_metric([reason], count)
+        attainment = GaugeMetricFamily("pdserve_planner_slo_attainment", "Share of the window's requests within "
+                                       "the target: ttft, tpot, or both.", labels=["target"])
+        last = planner.last
+        if last is not None and last.attainment is not None:
+            for target in ("ttft", "tpot", "both"):
+                attainment.add_metric([target], getattr(last.attainment, target))
+        return [desired, current, decisions, attainment]
+
+
 def api_label(request: web.Request) -> str:
     """The `api` label of a request: its route's metrics label in the app's route table."""
     return request.app[ROUTE_TABLE].metrics_label(request.method, request.path) or UNROUTED_LABEL
@@ -209,6 +242,10 @@ class CoordinatorMetrics:
         self.waiting.set_function(lambda: queue.num_waiting)
         self.instances = InstanceCollector(registry, index)
         self.registry.register(self.instances)
+
+    def watch_planner(self, planner) -> None:
+        """Export the online planner's decisions (a PlannerLoop), read when scraped."""
+        self.registry.register(PlannerCollector(planner))
 
     def routed(self, role: str, address: str, prompt_tokens: int, expected_cached: int) -> None:
         """A request routed to an instance the KV index priced (cache_affinity)."""

@@ -118,6 +118,18 @@ def _up(args: argparse.Namespace) -> int:
         print(f"pdserve up: --restart-backoff must be > 0 and --max-start-failures >= 1, got "
               f"{args.restart_backoff} and {args.max_start_failures}", file=sys.stderr)
         return 2
+    if args.max_workers is not None and not args.autoscale:
+        print("pdserve up: --max-workers goes with --autoscale", file=sys.stderr)
+        return 2
+    if args.autoscale and args.engine == "vllm":
+        print("pdserve up: --autoscale drives pdserve workers: vLLM instances neither register with the coordinator "
+              "nor switch roles in place", file=sys.stderr)
+        return 2
+    if args.autoscale and (args.prefill < 1 or args.decode < 1 or
+                           (args.max_workers is not None and args.max_workers < args.prefill + args.decode)):
+        print(f"pdserve up: --autoscale needs --prefill and --decode >= 1 and --max-workers >= their sum, got "
+              f"{args.prefill}, {args.decode} and {args.max_workers}", file=sys.stderr)
+        return 2
     return run_local_cluster(ClusterOptions(config=args.config, predict_port=args.predict_port,
                                             num_prefill=args.prefill, num_decode=args.decode, model=args.model,
                                             log_level=args.log_level, tls_dir=args.tls, api_keys_file=args.api_keys,
@@ -125,7 +137,8 @@ def _up(args: argparse.Namespace) -> int:
                                             max_start_failures=args.max_start_failures,
                                             worker_threads=args.worker_threads,
                                             worker_args=tuple(shlex.split(args.worker_args)),
-                                            engine=args.engine, vllm_venv=args.vllm_venv, loras=tuple(args.lora)))
+                                            engine=args.engine, vllm_venv=args.vllm_venv, loras=tuple(args.lora),
+                                            autoscale=args.autoscale, max_workers=args.max_workers))
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -283,6 +296,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-venv", default=None, metavar="DIR",
                    help="the vLLM environment for --engine vllm (default: $PDSERVE_VLLM_VENV, else .vllm-venv at "
                         "the repository root, made by `make vllm-env`)")
+    p.add_argument("--autoscale", action="store_true",
+                   help="the coordinator's online planner (planner_config in --config: SLOs, window, damping) decides "
+                        "the prefill and decode counts; workers are started, stopped and switched in place to them "
+                        "(--prefill and --decode are the first counts)")
+    p.add_argument("--max-workers", type=int, default=None, metavar="N",
+                   help="with --autoscale: most workers at once (default: --prefill + --decode)")
     p.set_defaults(func=_up)
 
     p = sub.add_parser("build-model", help="build a tiny Llama checkpoint offline (with --vlm: a tiny LLaVA)")

@@ -22,7 +22,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from launcher.cluster_security import ClusterSecurity
-from launcher.supervisor import Child, GaveUp, RestartPolicy, StartFailed, Stopped, Supervisor
+from launcher.supervisor import Child, GaveUp, RestartPolicy, StartFailed, Stopped, Supervisor, say
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 180.0
@@ -51,12 +51,18 @@ class ClusterOptions:
     engine: str = "pdserve"  # --engine: pdserve workers, or vLLM instances (launcher/vllm_fleet.py)
     vllm_venv: str | None = None  # --vllm-venv: the vLLM environment (default: vllm_fleet.default_vllm_venv)
     loras: tuple[tuple[str, str], ...] = ()  # --lora NAME=PATH: adapters served from the start (loraModules)
+    autoscale: bool = False  # --autoscale: the planner on, workers started, stopped and switched to its counts
+    max_workers: int | None = None  # --max-workers: most workers --autoscale runs (default: --prefill + --decode)
+    autoscale_interval_s: float = 5.0
 
     def threads_per_worker(self) -> int:
         """Each worker's torch threads: workers sharing a machine's cores, rather than each taking them all."""
         if self.worker_threads:
             return self.worker_threads
-        return max(1, (os.cpu_count() or 1) // (self.num_prefill + self.num_decode))
+        return max(1, (os.cpu_count() or 1) // (self.most_workers()))
+
+    def most_workers(self) -> int:
+        return max(self.max_workers or 0, self.num_prefill + self.num_decode)
 
 
 def pdserve_command() -> list[str]:
@@ -105,9 +111,19 @@ def _cluster_config(options: ClusterOptions, prefill: list[dict], decode: list[d
         modules = base["model_config"].setdefault("loraModules", {})
         modules.update({name: os.path.abspath(path) for name, path in options.loras})
     base["instances"] = {"prefill": prefill, "decode": decode}
+    if options.autoscale:  # the workers register; the planner decides how many of each role
+        base["planner_config"] = {**base.get("planner_config", {}), "enabled": True,
+                                  "max_instances": options.most_workers()}
     for section, values in security.coordinator_sections().items():
         base.setdefault(section, {}).update(values)
     return base
+
+
+def _worker_argv(options: ClusterOptions, base: list[str], role: str, model_dir: str,
+                 security: ClusterSecurity) -> list[str]:
+    return base + ["worker", "--role", role, "--model", model_dir, "--host", HOST, "--port", "0", "--security-config",
+                   str(security.worker_security_file), "--threads", str(options.threads_per_worker()),
+                   *options.worker_args]
 
 
 def _workers(options: ClusterOptions, base: list[str], model_dir: str,
@@ -124,10 +140,8 @@ def _workers(options: ClusterOptions, base: list[str], model_dir: str,
                                      extra, verbose=options.log_level in ("debug", "info")),
                        WORKER_READY), instance.entry(security.scheme))
                 for instance in plan_instances(options.num_prefill, options.num_decode, security.run_dir)]
-    return [(Child(f"{role} worker {i}", base + ["worker", "--role", role, "--model", model_dir, "--host", HOST,
-                                                 "--port", "0", "--security-config", str(security.worker_security_file),
-                                                 "--threads", str(options.threads_per_worker()), *options.worker_args],
-                   WORKER_READY, on_ready=_pin_worker_port), None)
+    return [(Child(f"{role} worker {i}", _worker_argv(options, base, role, model_dir, security), WORKER_READY,
+                   on_ready=_pin_worker_port), None)
             for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode))
             for i in range(count)]
 
@@ -151,10 +165,14 @@ def run_local_cluster(options: ClusterOptions) -> int:
                                           else START_TIMEOUT_S))
     supervisor.install_signal_handlers()
     base = pdserve_command() + (["--log-level", options.log_level] if options.log_level else [])
-    config_file = None
+    files: list[str] = []
     run_dir = tempfile.TemporaryDirectory(prefix="pdserve-run-")
     try:
         security = ClusterSecurity.prepare(Path(run_dir.name), options.tls_dir, options.api_keys_file)
+        if options.autoscale:
+            _run_autoscaled(options, supervisor, base, model_dir, security, files)
+            supervisor.supervise()
+            return 0
         workers = _workers(options, base, model_dir, security)
         print(f"pdserve: starting {len(workers)} {'vLLM instances' if options.engine == 'vllm' else 'workers'} "
               "...", flush=True)
@@ -162,23 +180,8 @@ def run_local_cluster(options: ClusterOptions) -> int:
         entries = [(child.name, entry or {"address": child.address}) for child, entry in workers]
         prefill = [entry for name, entry in entries if name.startswith("prefill")]
         decode = [entry for name, entry in entries if name.startswith("decode")]
-        config = _cluster_config(options, prefill, decode, model_dir, security)
-        fd, config_file = tempfile.mkstemp(prefix="pdserve-", suffix=".json")
-        os.close(fd)
-        _write_config(config_file, config)
-
-        def pin_coordinator_ports(child: Child) -> None:
-            # A restarted coordinator must serve where clients and the workers' registrations already point.
-            http = config["http_config"]
-            http["predict_port"] = child.port
-            if COORDINATOR_MANAGEMENT in child.announced:
-                http["manage_port"] = urlsplit(child.announced[COORDINATOR_MANAGEMENT]).port
-            _write_config(config_file, config)
-
-        print("pdserve: starting coordinator ...", flush=True)
-        coordinator = Child("coordinator", base + ["coordinator", "--config", config_file], COORDINATOR_READY,
-                            on_ready=pin_coordinator_ports)
-        supervisor.start([coordinator])
+        coordinator = _start_coordinator(
+            supervisor, base, _cluster_config(options, prefill, decode, model_dir, security), files)
         _wait_healthy(supervisor, coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
         print(f"pdserve ready: {coordinator.address}", flush=True)
         supervisor.supervise()
@@ -191,9 +194,58 @@ def run_local_cluster(options: ClusterOptions) -> int:
         return 1
     finally:
         supervisor.stop_all()
-        if config_file:
-            os.unlink(config_file)
+        for path in files:
+            os.unlink(path)
         run_dir.cleanup()
+
+
+def _start_coordinator(supervisor: Supervisor, base: list[str], config: dict, files: list[str]) -> Child:
+    """The coordinator child, started and ready; its config file (ports pinned after its first start) is added to
+    `files`, removed at the end."""
+    fd, config_file = tempfile.mkstemp(prefix="pdserve-", suffix=".json")
+    os.close(fd)
+    files.append(config_file)
+    _write_config(config_file, config)
+
+    def pin_coordinator_ports(child: Child) -> None:
+        # A restarted coordinator must serve where clients and the workers' registrations already point.
+        http = config["http_config"]
+        http["predict_port"] = child.port
+        if COORDINATOR_MANAGEMENT in child.announced:
+            http["manage_port"] = urlsplit(child.announced[COORDINATOR_MANAGEMENT]).port
+        _write_config(config_file, config)
+
+    print("pdserve: starting coordinator ...", flush=True)
+    coordinator = Child("coordinator", base + ["coordinator", "--config", config_file], COORDINATOR_READY,
+                        on_ready=pin_coordinator_ports)
+    supervisor.start([coordinator])
+    return coordinator
+
+
+def _run_autoscaled(options: ClusterOptions, supervisor: Supervisor, base: list[str], model_dir: str,
+                    security: ClusterSecurity, files: list[str]) -> None:
+    """--autoscale: the coordinator first, then workers that register with it, then the local connector
+    (launcher/autoscaler.py) on a timer."""
+    from launcher.autoscaler import LocalAutoscaler
+
+    coordinator = _start_coordinator(supervisor, base, _cluster_config(options, [], [], model_dir, security), files)
+    management = coordinator.announced[COORDINATOR_MANAGEMENT]
+    numbers = iter(range(1_000_000))
+
+    def new_worker(role: str) -> Child:
+        argv = _worker_argv(options, base, role, model_dir, security) + ["--coordinator", management]
+        return Child(f"{role} worker {next(numbers)}", argv, WORKER_READY, on_ready=_pin_worker_port)
+
+    workers = {new_worker(role): role for role, count in (("prefill", options.num_prefill),
+                                                          ("decode", options.num_decode)) for _ in range(count)}
+    print(f"pdserve: starting {len(workers)} workers (autoscaled up to {options.most_workers()}) ...", flush=True)
+    supervisor.start(list(workers))
+    _wait_healthy(supervisor, coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
+    token = (security.run_dir / "registration-token").read_text().strip()
+    scaler = LocalAutoscaler(supervisor, management, token, security.client_ssl_context(), new_worker, workers,
+                             options.most_workers(), say)
+    supervisor.every(options.autoscale_interval_s, scaler.tick)
+    print(f"pdserve ready: {coordinator.address}", flush=True)
 
 
 def _write_config(path: str, config: dict) -> None:

@@ -82,7 +82,7 @@ class Backoff:
         return delay
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the autoscaler keys workers by their Child
 class Child:
     """One supervised pdserve process: how to start it, its current process, what it announced, its restarts.
 
@@ -104,6 +104,7 @@ class Child:
     num_failed_starts: int = 0  # in a row
     timed_out: bool = False
     backoff: Backoff | None = None
+    retired: bool = False  # stopped on purpose (a scale-down): its exit is not restarted
 
     @property
     def port(self) -> int:
@@ -113,7 +114,7 @@ class Child:
         return "".join(f"\n    {line}" for line in self.tail) if self.tail else "\n    (no output)"
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     """One line on stderr in one write, so relayed child output cannot land inside it."""
     _relay(sys.stderr, f"pdserve: {message}\n")
 
@@ -134,6 +135,7 @@ class Supervisor:
         self.children: list[Child] = []
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._supervising = False
+        self._tickers: list[list] = []  # [due at, every s, callback]
 
     def install_signal_handlers(self) -> None:
         # SimpleQueue.put is reentrant: safe in a handler that interrupts the main thread anywhere.
@@ -159,6 +161,26 @@ class Supervisor:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             self._handle(self._next_event(left))
+
+    def every(self, seconds: float, callback: Callable[[], None]) -> None:
+        """Call `callback()` on the main thread every `seconds` while supervising (the autoscaler's tick)."""
+        self._tickers.append([time.monotonic() + seconds, seconds, callback])
+
+    def launch(self, child: Child) -> None:
+        """Start one more child while supervising, without waiting for its ready line: an exit before it is a
+        failed start, restarted with backoff like any other."""
+        self.children.append(child)
+        child.backoff = Backoff(self.policy)
+        self._launch(child)
+
+    def retire(self, child: Child) -> None:
+        """SIGTERM to `child` (a worker drains first), which is then not restarted."""
+        child.retired = True
+        child.restart_at = None
+        if child.proc is not None and child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+        elif child in self.children:
+            self.children.remove(child)
 
     def supervise(self) -> None:
         """Restart children that exit until SIGTERM/SIGINT (Stopped) or a child keeps failing to start (GaveUp)."""
@@ -238,10 +260,15 @@ class Supervisor:
         timers = [c.restart_at for c in self.children if c.restart_at is not None]
         timers += [c.started_at + self.policy.start_timeout_s for c in self.children
                    if c.ready_at is None and c.restart_at is None and not c.timed_out]
+        timers += [ticker[0] for ticker in self._tickers]
         return min(timers, default=time.monotonic() + 3600.0)
 
     def _run_timers(self) -> None:
         now = time.monotonic()
+        for ticker in self._tickers:
+            if ticker[0] <= now:
+                ticker[2]()
+                ticker[0] = time.monotonic() + ticker[1]
         for child in self.children:
             if child.restart_at is not None and child.restart_at <= now:
                 try:
@@ -269,7 +296,7 @@ class Supervisor:
             if child.on_ready is not None:
                 child.on_ready(child)
             if child.num_restarts:
-                _say(f"{child.name} is back at {child.address} (pid {proc.pid}, restarts {child.num_restarts})")
+                say(f"{child.name} is back at {child.address} (pid {proc.pid}, restarts {child.num_restarts})")
         elif kind == "exit":
             self._on_exit(child, value)
 
@@ -292,9 +319,13 @@ class Supervisor:
                 state = f"starting (pid {child.proc.pid})"
             else:
                 state = f"up {now - child.ready_at:.0f}s at {child.address} (pid {child.proc.pid})"
-            _say(f"status: {child.name}: {state}, restarts {child.num_restarts}")
+            say(f"status: {child.name}: {state}, restarts {child.num_restarts}")
 
     def _on_exit(self, child: Child, code: int) -> None:
+        if child.retired:
+            self.children.remove(child)
+            say(f"{child.name} stopped ({describe_exit(code)})")
+            return
         if child.timed_out:
             what = f"was not ready after {self.policy.start_timeout_s:g}s"
         else:
@@ -317,4 +348,4 @@ class Supervisor:
         delay = child.backoff.delay(uptime_s)
         child.num_restarts += 1
         child.restart_at = time.monotonic() + delay
-        _say(f"{child.name} {which}{what}; restart {child.num_restarts} in {delay:g}s")
+        say(f"{child.name} {which}{what}; restart {child.num_restarts} in {delay:g}s")

@@ -57,8 +57,12 @@ class Planner:
     """Simulates cluster shapes for one workload, profiles and SLO, remembering each shape's prediction."""
 
     def __init__(self, workload: Workload, prefill: WorkerProfile, decode: WorkerProfile, slo: Slo,
-                 settings: WorkerSettings | None = None, policy: Policy = "load_balance", max_instances: int = 64):
+                 settings: WorkerSettings | None = None, policy: Policy = "load_balance", max_instances: int = 64,
+                 warmup: int = 0):
+        """`warmup`: the workload's first requests only load the cluster (a live window replayed: the planner
+        tiles it), the SLOs are judged on the rest."""
         self.workload = workload
+        self.warmup = warmup
         self.slo = slo
         self.max_instances = max_instances
         self.model = ClusterModel(num_prefill=1, num_decode=1, prefill=prefill.prefill, decode=decode.decode,
@@ -71,7 +75,8 @@ class Planner:
         if key not in self._predictions:
             result = simulate(replace(self.model, num_prefill=num_prefill, num_decode=num_decode), self.workload)
             self._predictions[key] = Prediction(num_prefill, num_decode,
-                                                evaluate(result.timings, self.slo, self.workload.span_s),
+                                                evaluate(result.timings[self.warmup:], self.slo,
+                                                         self.workload.span_s),
                                                 result.prefill_utilisation, result.decode_utilisation,
                                                 result.mean_decode_batch)
         return self._predictions[key]

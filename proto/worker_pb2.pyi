@@ -499,3 +499,21 @@ class PullKvRequest(_message.Message):
     max_tokens: int
     block_size: int
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_timeout_s")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    drain_timeout_s: float
+    def __init__(self, role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("previous_role", "role", "in_flight")
+    PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    previous_role: str
+    role: str
+    in_flight: int
+    def __init__(self, previous_role: _Optional[str] = ..., role: _Optional[str] = ..., in_flight: _Optional[int] = ...) -> None: ...

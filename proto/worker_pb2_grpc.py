@@ -501,3 +501,78 @@ class KvPeer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class WorkerControlStub:
+    """Served by every worker; calls carry the worker secret.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SwitchRole = channel.unary_unary(
+                '/pdserve.v1.WorkerControl/SwitchRole',
+                request_serializer=proto_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
+
+
+class WorkerControlServicer:
+    """Served by every worker; calls carry the worker secret.
+    """
+
+    def SwitchRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=proto_dot_worker__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.SwitchRoleResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.WorkerControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.WorkerControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerControl:
+    """Served by every worker; calls carry the worker secret.
+    """
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerControl/SwitchRole',
+            proto_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+            proto_dot_worker__pb2.SwitchRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -79,10 +79,37 @@ class WorkerMetrics:
         self.step.labels(kind).observe(seconds)
         self.batch.labels(kind).observe(batch_size)
 
+
+
+class ProcessMetrics:
+    """A worker process's /metrics: the serving round's WorkerMetrics (a role switch starts another round, whose
+    counters start again from 0), and what outlives switches."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.registry.register(_CurrentRound(self))
+        self.current: WorkerMetrics | None = None
+        self.role_switches = Counter("pdserve_worker_role_switches_total", "Role switches in place, by the role "
+                                     "switched to.", ["role"], registry=self.registry)
+        self.model_loads = Counter("pdserve_worker_model_loads_total", "Checkpoints loaded by this process: 1 for a "
+                                   "real worker however often it switches roles, 0 for a simulated one.",
+                                   registry=self.registry)
+        for role in ("prefill", "decode"):
+            self.role_switches.labels(role)
+
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server; return the bound port."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+
+class _CurrentRound:
+    def __init__(self, process: ProcessMetrics):
+        self.process = process
+
+    def collect(self):
+        current = self.process.current
+        return current.registry.collect() if current is not None else []
 
 
 class PrefixCacheCounters:

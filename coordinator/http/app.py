@@ -23,6 +23,8 @@ from coordinator.http.management import MANAGEMENT_ROUTES
 from coordinator.requests.media import MediaFetcher
 from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.requests.pipeline import RequestPipeline
+from coordinator.planning.planner_loop import PlannerLoop
+from planner.profile import ProfileError
 from coordinator.requests.queue import RequestQueue
 from coordinator.http.route_table import ROUTE_TABLE
 from coordinator.http.routes import PREDICT_ROUTES
@@ -125,6 +127,13 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         grammars=compiler_for(tokenizer.tokenizer, cache_size=config.request_limit.grammar_cache_size)[0])
     state.cluster = cluster
     state.kv_watch = kv_watch
+    if config.planner_config.enabled:
+        try:
+            state.planner = pipeline.planner = PlannerLoop(config.planner_config, registry,
+                                                           scheduling.algorithm_type, cluster)
+        except ProfileError as exc:  # the message names the file
+            raise ConfigError(f"planner_config: {exc}") from None
+        metrics.watch_planner(state.planner)
     state.engine = engine
     state.loras = loras
 
@@ -135,7 +144,11 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         silence.start()
         if cluster is not None:
             await cluster.start()
+        if state.planner is not None:
+            state.planner.start()
         yield
+        if state.planner is not None:
+            await state.planner.stop()
         if cluster is not None:
             await cluster.stop()
         await silence.stop()

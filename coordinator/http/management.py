@@ -4,6 +4,8 @@
   POST /v1/instances/heartbeat   {"role", "address"} -> 200, 404 when unknown (register again)
   POST /v1/instances/deregister  {"role", "address"} -> 200, 404 when unknown
   GET  /v1/instances             every instance with its state, load and outstanding work
+  POST /v1/instances/switch_role {"address", "role", "drain_timeout_s"?} -> 202 once the worker left the old role
+  GET  /v1/plan                  the online planner's last decision (planner_config), or {"enabled": false}
   POST /v1/load_lora_adapter     {"lora_name", "lora_path"} -> served under that name (`model`, `adapter_id`)
   POST /v1/unload_lora_adapter   {"lora_name"} -> no longer served (requests holding it run to their end)
   GET  /health, GET /health/live, GET /metrics
@@ -200,6 +202,57 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "lora_name": body.lora_name})
 
 
+class RoleSwitchBody(BaseModel):
+    """POST /v1/instances/switch_role: a registered worker to serve the other role, in place."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: Annotated[str, AfterValidator(check_host_port)] = Field(
+        description="host:port of the worker's gRPC server")
+    role: Literal["prefill", "decode"] = Field(description="the role it is to serve from now on")
+    drain_timeout_s: float = Field(30.0, ge=0, le=3600, allow_inf_nan=False,
+                                   description="longest wait for its requests in flight; decode streams left then "
+                                               "migrate")
+
+
+async def switch_role(request: web.Request) -> web.Response:
+    """Take the worker out of its old role's routing and have it switch (worker/service/role_switch.py)."""
+    require_proof(request)
+    state = request.app[STATE]
+    body = parse_request(RoleSwitchBody, await read_json(request))
+    if state.engine != "pdserve":
+        raise ApiError(409, f"{state.engine} instances cannot switch roles in place (a vLLM engine's kv_role is fixed "
+                            "when it starts): start an instance of the other role instead", param="role")
+    old = "decode" if body.role == "prefill" else "prefill"
+    instance = state.registry.get(old, body.address)
+    if instance is None:
+        already = state.registry.get(body.role, body.address) is not None
+        raise ApiError(409 if already else 404, f"{body.address} is a {body.role} instance already" if already else
+                       f"no {old} instance is registered at {body.address}", param="address")
+    if not instance.registered:
+        raise ApiError(409, f"{old} instance {body.address} comes from the config file: only registered workers switch "
+                            "(they register again in the new role)", param="address")
+    if len(state.registry.instances(old)) <= 1:
+        raise ApiError(409, f"{body.address} is the last {old} instance: a cluster keeps at least one of each role",
+                       param="address")
+    try:
+        in_flight = await state.client.switch_role(body.address, body.role, body.drain_timeout_s)
+    except WorkerCallError as exc:
+        raise ApiError(502, f"the worker did not switch: {exc}", param="address") from None
+    # The worker deregistered before answering; this covers a deregistration sent to another coordinator.
+    state.registry.deregister(old, body.address)
+    if state.cluster is not None:
+        state.cluster.deregistered(old, body.address)
+    return web.json_response({"status": "switching", "address": body.address, "from": old, "to": body.role,
+                              "in_flight": in_flight}, status=202)
+
+
+async def plan(request: web.Request) -> web.Response:
+    require_proof(request)
+    planner = request.app[STATE].planner
+    return web.json_response(planner.describe() if planner is not None else {"enabled": False})
+
+
 async def list_instances(request: web.Request) -> web.Response:
     require_proof(request)
     return web.json_response(request.app[STATE].instances())
@@ -210,6 +263,8 @@ MANAGEMENT_ROUTES = RouteTable([
     Route("POST", "/v1/instances/heartbeat", heartbeat, ErrorStyle.OPENAI),
     Route("POST", "/v1/instances/deregister", deregister, ErrorStyle.OPENAI),
     Route("GET", "/v1/instances", list_instances, ErrorStyle.OPENAI),
+    Route("POST", "/v1/instances/switch_role", switch_role, ErrorStyle.OPENAI),
+    Route("GET", "/v1/plan", plan, ErrorStyle.OPENAI),
     Route("POST", "/v1/load_lora_adapter", load_lora_adapter, ErrorStyle.OPENAI),
     Route("POST", "/v1/unload_lora_adapter", unload_lora_adapter, ErrorStyle.OPENAI),
     Route("GET", "/health", operations.health, ErrorStyle.TGI),

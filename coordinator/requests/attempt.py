@@ -48,6 +48,9 @@ class Progress:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     decode_times: list[float] = dataclasses.field(default_factory=list)
     prefill_ms: float = 0.0
+    first_at: float = 0.0  # time.monotonic of the first token and of the latest one
+    last_at: float = 0.0
+    batch_sum: int = 0  # the decode batch sizes its tokens were made in, summed (the planner's decode timings)
 
     @property
     def count(self) -> int:
@@ -115,11 +118,12 @@ class TokenRelay:
         progress = self.progress
         own_index, time_ms, token_id = token.index, token.time_ms, token.token_id  # each protobuf field read once
         index = self.offset + own_index
+        now = time.monotonic()
         if index == 0:
-            progress.prefill_ms = time_ms
+            progress.prefill_ms, progress.first_at = time_ms, now
         else:
             progress.decode_times.append(time_ms)
-        now = time.monotonic()
+        progress.last_at = now
         self.metrics.token(index, now - self.arrived_at, now - self.last)  # TTFT counts from arrival
         decode = self.decode
         self.last = decode.last_heard = now  # the silence watch's sign of life, and its step cadence below
@@ -129,9 +133,11 @@ class TokenRelay:
         logprob, top = None, ()
         if self.wants_logprobs:  # a protobuf field read costs (a repeated one makes an object): read when asked for
             logprob, top = token.logprob, tuple([(t.token_id, t.logprob) for t in token.top_logprobs])
+        batch = token.batch_size or 1
+        progress.batch_sum += batch
         # Positional, in TokenDelta's field order: keywords cost five times as much, once per token.
         delta = TokenDelta(token_id, token.text, index, time_ms, logprob, top, token.finish_reason != 0,
-                           token.batch_size or 1, token.queue_wait_ms if own_index else self.admission_ms)
+                           batch, token.queue_wait_ms if own_index else self.admission_ms)
         if index == 0 and token.prompt_logprobs:
             delta.prompt_logprobs = tuple((p.logprob, p.rank, tuple((t.token_id, t.logprob) for t in p.top))
                                           for p in token.prompt_logprobs)
@@ -230,6 +236,7 @@ class AttemptRunner:
             trace.add_time("prefill_queue", (done.prefill_time_ms - done.forward_ms) / 1000)
             trace.add_time("prefill_forward", done.forward_ms / 1000)
             trace.add_time("kv_transfer", done.kv_transfer_ms / 1000)
+            trace.kv_bytes += done.kv_bytes
             if span is not None:
                 span.set_attribute("pdserve.kv_bytes", done.kv_bytes)
             return done

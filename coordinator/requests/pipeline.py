@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from coordinator.requests.attempt import AttemptFailed, AttemptRunner, Progress
 from coordinator.errors import WorkerError
@@ -34,6 +35,9 @@ from coordinator.requests.queue import RequestQueue
 from coordinator.requests.trace import GenerationTrace
 from coordinator.scheduling.router import Placement, Router
 from coordinator.workers.client import WorkerClient
+
+if TYPE_CHECKING:
+    from coordinator.planning.planner_loop import PlannerLoop
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ class RequestPipeline:
         self.max_retry = max_retry
         self.max_migrations = max_migrations
         self.attempts = AttemptRunner(client, registry, limits, first_token_timeout, self.metrics)
+        self.planner: PlannerLoop | None = None  # with planner_config.enabled: told of every finished request
 
     async def generate(self, request: GenerationRequest,
                        listener: TokenListener | None = None) -> AsyncIterator[GenerationEvent]:
@@ -70,11 +75,17 @@ class RequestPipeline:
                 queued_until = time.monotonic()
                 trace.phase("queue", request.arrived_at, queued_until)
             self.metrics.queued(queued_until - request.arrived_at)
+            progress = Progress()
+            live = self.planner.arrived(request, max_tokens, progress) if self.planner is not None else None
             try:
-                async for event in self._attempts(request, max_tokens, deadline, timeout, trace, listener):
+                async for event in self._attempts(request, max_tokens, deadline, timeout, trace, listener, progress):
                     yield event
+                if live is not None:
+                    self.planner.finished(live, trace)
             finally:
                 self.queue.release()
+                if live is not None and not live.finished:  # failed, or its client left
+                    self.planner.abandoned(live)
         finally:
             trace.finish()
 
@@ -88,8 +99,7 @@ class RequestPipeline:
                 self.metrics.routed("prefill", prefill, prompt_tokens, placement.prefill_cached_tokens)
 
     async def _attempts(self, request: GenerationRequest, max_tokens: int, deadline: float, timeout: float,
-                        trace: GenerationTrace, listener: TokenListener | None):
-        progress = Progress()
+                        trace: GenerationTrace, listener: TokenListener | None, progress: Progress):
         excluded = {"prefill": set(), "decode": set()}
         retries = migrations = 0
         migrating = False

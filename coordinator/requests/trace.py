@@ -74,6 +74,7 @@ class GenerationTrace:
     def __init__(self, metrics):
         self.metrics = metrics
         self.durations: dict[str, float] = {}
+        self.kv_bytes = 0  # KV streamed prefill -> decode, over its attempts
         request = CURRENT_REQUEST.get()
         root = request.span if request is not None else None
         self.tracing = tracing.enabled()

@@ -385,6 +385,17 @@ class WorkerClient:
         """A liveness check (the silence watch's): the Health answer, whose load comes with it at no extra cost."""
         await self.health(address, role, timeout)
 
+    async def switch_role(self, address: str, role: str, drain_timeout_s: float, timeout: float = 30.0) -> int:
+        """Tell the worker to switch to `role` in place (WorkerControl.SwitchRole); it answers once deregistered,
+        with the number of requests it had in flight. WorkerCallError when it refuses or cannot be reached."""
+        _, stub = self._stub(pb_grpc.WorkerControlStub, address)
+        try:
+            reply = await stub.SwitchRole(pb.SwitchRoleRequest(role=role, drain_timeout_s=drain_timeout_s),
+                                          timeout=timeout, metadata=secret_metadata(self._secret))
+        except grpc.aio.AioRpcError as exc:
+            raise _call_error("switch", address, exc) from None
+        return reply.in_flight
+
     def watch_kv_events(self, address: str):
         """The worker's KvEvents.Watch call (a stream of pb.KvEventBatch: a snapshot, then every change)."""
         _, stub = self._stub(pb_grpc.KvEventsStub, address)

@@ -1,5 +1,5 @@
 """A worker process's life around its gRPC server, whatever its backend: listen, announce, register with
-the coordinator; on SIGTERM deregister, drain, stop."""
+the coordinator; on SIGTERM (or a role switch, `role_switch.py`) deregister, drain, stop."""
 
 from __future__ import annotations
 
@@ -10,20 +10,34 @@ import signal
 import grpc
 
 from security.reload import ReloadOnSighup
+from worker.metrics import ProcessMetrics
 from worker.service.drain import DrainGate
+from worker.service.role_switch import RoleSwitch
 from worker.service.standard_health import StandardHealth
 from worker.service.trust import WorkerTrust
 
 logger = logging.getLogger(__name__)
 
 
-async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate, health: StandardHealth, metrics,
-                              closers: list, engine, trust: WorkerTrust) -> None:
-    """Run `server` until SIGTERM/SIGINT, then drain for up to `options.drain_seconds` and stop; `health` (the
-    grpc.health.v1 state) says SERVING from start-up to the signal.
+class ProcessPorts:
+    """What outlives a role switch: the metrics endpoint and the ports bound in the first round."""
+
+    def __init__(self):
+        self.metrics = ProcessMetrics()
+        self.metrics_url: str | None = None
+        self.health_port: int | None = None
+        self.grpc_port: int | None = None
+
+
+async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate, health: StandardHealth,
+                              closers: list, engine, trust: WorkerTrust, switch: RoleSwitch,
+                              ports: ProcessPorts) -> None:
+    """Run `server` until SIGTERM/SIGINT or a role switch (`switch.next_role`), then drain for up to
+    `options.drain_seconds` (a switch's own drain) and stop; `health` (the grpc.health.v1 state) says SERVING
+    from start-up to the signal.
 
     `options` is the process's WorkerOptions; SIGHUP re-reads `trust`'s certificates and secrets."""
-    listen = f"{options.host}:{options.port}"
+    listen = f"{options.host}:{ports.grpc_port or options.port}"
     if trust.grpc_server is not None:
         port = server.add_secure_port(listen, trust.grpc_server.grpc_server_credentials())
     else:
@@ -31,23 +45,24 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
     if port == 0:
         raise OSError(f"cannot listen on {options.host}:{options.port}")
     await server.start()
-    metrics_url = ""
-    if options.metrics_port >= 0:
-        metrics_url = f"http://{options.public_host}:{metrics.serve(options.host, options.metrics_port)}"
-        print(f"pdserve worker metrics: {metrics_url}", flush=True)
+    ports.grpc_port = port  # a switched worker keeps its address
+    if options.metrics_port >= 0 and ports.metrics_url is None:  # one endpoint for the process's life
+        ports.metrics_url = f"http://{options.public_host}:{ports.metrics.serve(options.host, options.metrics_port)}"
+        print(f"pdserve worker metrics: {ports.metrics_url}", flush=True)
     if options.health_port >= 0:
-        health_port = await health.start_probe_port(options.host, options.health_port)
+        ports.health_port = await health.start_probe_port(options.host, ports.health_port or options.health_port)
         closers.append(health.stop)
-        print(f"pdserve worker health: {options.public_host}:{health_port}", flush=True)
+        print(f"pdserve worker health: {options.public_host}:{ports.health_port}", flush=True)
     await health.serving()
 
-    stop = asyncio.Event()
+    stop = switch.stop
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
         # The first signal drains; a second one (an impatient operator) stops waiting for requests.
         if stop.is_set():
             gate.abandon()
+        switch.next_role = None  # a signal stops the worker, even mid-switch
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -62,8 +77,8 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
         from worker.service.registration import CoordinatorRegistration  # aiohttp: only paid when registering
 
         registration = CoordinatorRegistration(options.coordinator_url, options.role, f"{options.public_host}:{port}",
-                                               metrics_url, options.heartbeat_interval_s, trust.registration,
-                                               trust.registration_token)
+                                               ports.metrics_url or "", options.heartbeat_interval_s,
+                                               trust.registration, trust.registration_token)
         await registration.start()
 
     await stop.wait()
@@ -71,8 +86,10 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
     logger.info("draining %s worker on port %d: %d requests in flight", options.role, port, gate.in_flight)
     if registration is not None:
         await registration.stop()  # deregisters, so the coordinator routes nothing more here
+    switch.deregistered.set()
     gate.start_draining()
-    if not await gate.wait_idle(options.drain_seconds):
+    drain_s = options.drain_seconds if switch.next_role is None else switch.drain_timeout_s
+    if not await gate.wait_idle(drain_s):
         logger.warning("%d requests still in flight after draining; stopping anyway", gate.in_flight)
     await server.stop(grace=1)
     for close in closers:

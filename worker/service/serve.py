@@ -7,7 +7,10 @@ The backend is picked like SGLang's KV transports: one set of servicers, engines
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
+import time
+from dataclasses import replace
 
 import grpc
 
@@ -24,26 +27,31 @@ from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate
 from worker.service.kv_event_log import KvEventLog, KvEventsServicer
 from worker.service.kv_peer import KvPeerServicer, PeerPuller
-from worker.service.lifecycle import serve_until_stopped
+from worker.service.lifecycle import ProcessPorts, serve_until_stopped
+from worker.service.role_switch import RoleSwitch, WorkerControlServicer
 from worker.service.options import SimulatedBackend, WorkerOptions
 from worker.service.servicers import DecodeServicer, PrefillServicer
 from worker.service.standard_health import StandardHealth
 from worker.service.token_channel import TokenChannelListener
 from worker.service.trust import WorkerTrust
 
+logger = logging.getLogger(__name__)
 
-def build_engine(options: WorkerOptions) -> PrefillBackend | DecodeBackend:
-    """The engine for the options' role from the options' backend."""
+
+def build_engine(options: WorkerOptions, runner=None) -> PrefillBackend | DecodeBackend:
+    """The engine for the options' role from the options' backend, around `runner` (the model a role switch
+    keeps) when given."""
     if isinstance(options.backend, SimulatedBackend):
         from worker.simulated.build import build_engine
     else:
         from worker.torch_engine.build import build_engine  # torch and the checkpoint: only for a real worker
-    return build_engine(options)
+    return build_engine(options, runner)
 
 
 async def serve(options: WorkerOptions) -> None:
     """Serve (registered with the coordinator if one is named) until SIGTERM/SIGINT, then deregister,
-    drain the requests in flight for up to `drain_seconds`, and stop."""
+    drain the requests in flight for up to `drain_seconds`, and stop. A role switch (`role_switch.py`) serves
+    again in the new role, in the same process."""
     tracing.configure_from_env(f"pdserve-{options.role}")
     try:
         await _serve(options)
@@ -65,12 +73,36 @@ async def open_token_channels(servicer, kind: str, options: WorkerOptions, trust
 
 
 async def _serve(options: WorkerOptions) -> None:
-    trust = WorkerTrust.from_settings(options.role, options.tls, options.auth)  # bad files fail before the model loads
-    engine = build_engine(options)
-    metrics = engine.metrics = WorkerMetrics(options.role, engine)
+    ports = ProcessPorts()
+    role, runner = options.role, None
+    while role is not None:
+        switched_at = time.monotonic()
+        # Each role uses its own links' files; bad ones fail before the model loads.
+        trust = WorkerTrust.from_settings(role, options.tls, options.auth)
+        engine = build_engine(replace(options, role=role), runner)
+        loaded = getattr(engine, "runner", None)  # None: a simulated worker, which has no model
+        if loaded is not None and loaded is not runner:
+            ports.metrics.model_loads.inc()
+        if ports.grpc_port is not None:
+            logger.info("now a %s worker (engine built in %.0f ms, the model kept loaded)", role,
+                        (time.monotonic() - switched_at) * 1000)
+        runner = loaded
+        role = await _serve_round(replace(options, role=role), trust, engine, ports)
+        if role is not None:
+            ports.metrics.role_switches.labels(role).inc()
+            if runner is not None:
+                runner.cache = None  # the old role's KV cache goes before the new one is allocated
+        engine = None
+
+
+async def _serve_round(options: WorkerOptions, trust: WorkerTrust, engine, ports: ProcessPorts) -> str | None:
+    """Serve one role until a signal (None) or a role switch (the new role)."""
+    metrics = engine.metrics = ports.metrics.current = WorkerMetrics(options.role, engine)
     engine.start()
     server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[CallerCheck(trust.worker_secret, trust.grpc_server)])
     gate = DrainGate()
+    switch = RoleSwitch(options.role, options.drain_seconds)
+    pb_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(switch, gate), server)
     health = StandardHealth(options.role)
     await health.not_serving_yet()
     health.add_to(server)
@@ -120,4 +152,5 @@ async def _serve(options: WorkerOptions) -> None:
         pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
         pb_grpc.add_KvReceiverServicer_to_server(KvReceiverServicer(sink), server)
 
-    await serve_until_stopped(server, options, gate, health, metrics, closers, engine, trust)
+    await serve_until_stopped(server, options, gate, health, closers, engine, trust, switch, ports)
+    return switch.next_role

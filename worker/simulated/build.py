@@ -9,8 +9,8 @@ from worker.simulated.kv import SimulatedPeerBlocks
 from worker.simulated.prefill_engine import SimulatedPrefillEngine
 
 
-def build_engine(options) -> SimulatedPrefillEngine | SimulatedDecodeEngine:
-    """`options` is a WorkerOptions whose backend is a SimulatedBackend."""
+def build_engine(options, runner=None) -> SimulatedPrefillEngine | SimulatedDecodeEngine:
+    """`options` is a WorkerOptions whose backend is a SimulatedBackend (there is no model: `runner` is None)."""
     sim = options.backend
     budget = options.kv_budget_tokens or sim.kv_budget_tokens
     pool = BlockPool(1 + max(1, budget // options.block_size), options.block_size, options.prefix_caching)

@@ -20,15 +20,17 @@ def paged_pool(runner: ModelRunner, tokens: int, block_size: int = 16, prefix_ca
     return runner.block_pool
 
 
-def build_engine(options) -> PrefillEngine | DecodeEngine:
-    """`options` is a WorkerOptions whose backend is a ModelBackend."""
+def build_engine(options, runner: ModelRunner | None = None) -> PrefillEngine | DecodeEngine:
+    """`options` is a WorkerOptions whose backend is a ModelBackend; `runner`, the model a role switch keeps (its
+    KV cache is allocated again), else the checkpoint is loaded."""
     if options.backend.threads:
         import torch
 
         torch.set_num_threads(options.backend.threads)
     backend = options.backend
-    runner = ModelRunner(backend.model_dir, backend.dtype, backend.device, backend.encoder_cache_images,
-                         backend.max_loras, backend.max_lora_rank, backend.attention)
+    if runner is None:
+        runner = ModelRunner(backend.model_dir, backend.dtype, backend.device, backend.encoder_cache_images,
+                             backend.max_loras, backend.max_lora_rank, backend.attention)
     tokens = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token(), runner.device.type)
     pool = paged_pool(runner, tokens, options.block_size, options.prefix_caching)
     attach_tier(pool, options.kv_tier_dir, options.kv_tier_gb, runner.cache.block_bytes, runner.cache)

@@ -1,0 +1,153 @@
+"""Runs the online planner (planner/online.py) beside the coordinator: every finished request is recorded, and
+every `planner_config.interval_s` a decision is made in a separate process (the simulation is CPU-bound and
+must not hold the event loop), damped, logged, exported as metrics and shown by `GET /v1/plan`.
+
+On etcd only the active coordinator (the leader key's holder) decides; a standby reports that it is one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import time
+from collections import deque
+
+from coordinator.requests.attempt import Progress
+from coordinator.requests.request import GenerationRequest
+from coordinator.requests.trace import GenerationTrace
+from coordinator.workers.instances import InstanceRegistry
+from planner.live import LiveRequest, LiveWorkload
+from planner.online import REASONS, Damper, Decision, decide
+from planner.settings import PlannerConfig
+from planner.simulation import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+HISTORY = 20  # changes of the desired counts kept for GET /v1/plan
+
+
+class PlannerLoop:
+    """The planner's state in one coordinator: live requests in, decisions out."""
+
+    def __init__(self, config: PlannerConfig, registry: InstanceRegistry, policy: str, cluster=None):
+        self.config = config
+        self.registry = registry
+        self.cluster = cluster
+        # The simulation models load_balance and round_robin; cache_affinity balances load like the first.
+        self.policy = "round_robin" if policy == "round_robin" else "load_balance"
+        self.live = LiveWorkload(config)
+        self.damper = Damper(config)
+        self.last: Decision | None = None
+        self.decided_at = 0.0
+        self.decisions = {reason: 0 for reason in (*REASONS, "held")}
+        self.history: deque[dict] = deque(maxlen=HISTORY)
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._task: asyncio.Task | None = None
+
+    # the pipeline's side ------------------------------------------------------------------------------------
+    def arrived(self, request: GenerationRequest, max_tokens: int, progress: Progress) -> LiveRequest:
+        """A request left the queue for the workers: it counts in the workload from its arrival."""
+        sampling = request.sampling
+        least = max_tokens if sampling.ignore_eos else sampling.min_tokens
+        return self.live.arrive(request.arrived_at, len(request.prompt_token_ids), least, progress)
+
+    def finished(self, live: LiveRequest, trace: GenerationTrace) -> None:
+        """It finished: its latencies as its client saw them, and its workers' timings."""
+        progress = live.progress
+        if progress.count == 0:
+            self.live.abandon(live)
+            return
+        tpot = (progress.last_at - progress.first_at) * 1000 / (progress.count - 1) if progress.count > 1 else 0.0
+        durations = trace.durations
+        self.live.record(live, (progress.first_at - live.arrived_s) * 1000, tpot,
+                         forward_ms=durations.get("prefill_forward", 0.0) * 1000,
+                         handoff_ms=durations.get("kv_transfer", 0.0) * 1000, kv_bytes=trace.kv_bytes,
+                         step_ms=progress.decode_times, batch_size=round(progress.batch_sum / progress.count))
+
+    def abandoned(self, live: LiveRequest) -> None:
+        self.live.abandon(live)
+
+    # the decisions --------------------------------------------------------------------------------------------
+    @property
+    def deciding(self) -> bool:
+        """Whether this coordinator decides: alone, or the active one on etcd."""
+        return self.cluster is None or self.cluster.role.value == "active"
+
+    def current(self) -> tuple[int, int]:
+        return len(self.registry.available("prefill")), len(self.registry.available("decode"))
+
+    def _kv_capacity(self) -> int:
+        capacities = [i.reported.kv_capacity_tokens for i in self.registry.instances("decode")
+                      if i.reported.kv_capacity_tokens]
+        return min(capacities, default=0)
+
+    async def step(self) -> Decision | None:
+        """One decision (None on a standby)."""
+        if not self.deciding:
+            return None
+        now = time.monotonic()
+        decision = await asyncio.get_running_loop().run_in_executor(
+            self._pool, decide, self.config, self.live.snapshot(now), WorkerSettings(), self._kv_capacity(),
+            self.current(), self.policy)
+        self.last, self.decided_at = decision, time.time()
+        changed = self.damper.offer(decision, now)
+        held = not changed and self.damper.held(decision)
+        self.decisions["held" if held else decision.reason] += 1
+        if changed:
+            prefill, decode = self.damper.desired
+            entry = {"at": round(self.decided_at, 3), "prefill": prefill, "decode": decode,
+                     "current": dict(zip(("prefill", "decode"), self.current())), "reason": decision.reason,
+                     "message": decision.message}
+            self.history.append(entry)
+            logger.info("planner: desired %d prefill + %d decode (now %d + %d): %s", prefill, decode,
+                        *self.current(), decision.message)
+        return decision
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                await self.step()
+            except Exception:  # a decision that fails is logged; the next one is tried
+                logger.exception("planner: the decision failed")
+
+    def start(self) -> None:
+        # spawn: a fork of a process running gRPC's threads is not safe
+        self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def describe(self) -> dict:
+        """GET /v1/plan."""
+        decision = self.last
+        desired = self.damper.desired
+        answer = {
+            "enabled": True, "deciding": self.deciding,
+            "slo": self.live.slo.model_dump(),
+            "current": dict(zip(("prefill", "decode"), self.current())),
+            "desired": None if desired is None else {"prefill": desired[0], "decode": desired[1]},
+            "decisions": dict(self.decisions), "history": list(self.history),
+            "profile_points": {"prefill": len(self.live.prefill_points), "decode": len(self.live.decode_points)},
+        }
+        if decision is not None:
+            answer["last"] = {
+                "at": round(self.decided_at, 3), "reason": decision.reason, "message": decision.message,
+                "held": self.damper.held(decision),
+                "counts": None if decision.counts is None else dict(zip(("prefill", "decode"), decision.counts)),
+                "attainment": decision.attainment.as_dict() if decision.attainment else None,
+                "workload": decision.workload,
+                "prediction": None if decision.prediction is None else {
+                    "prefill_utilisation": round(decision.prediction.prefill_utilisation, 3),
+                    "decode_utilisation": round(decision.prediction.decode_utilisation, 3),
+                    **decision.prediction.report.as_dict()},
+            }
+        return answer
+
