@@ -162,7 +162,8 @@ def start_cluster(args, autoscale: bool, log_dir: Path, tag: str, profiles: dict
     prefill, decode = (int(x) for x in args.initial.split(":"))
     config = {"planner_config": {"prefill_profile": profiles["prefill"], "decode_profile": profiles["decode"],"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "percentile": args.percentile,
                                  "interval_s": args.interval_s, "window_s": args.window_s,
-                                 "min_requests": 10, "confirmations": 2, "cooldown_s": args.cooldown_s},
+                                 "min_requests": 10, "confirmations": 2, "cooldown_s": args.cooldown_s,
+                                 "min_per_role": args.min_per_role},
               "model_config": {"maxSeqLen": 2048, "maxInputTokenLen": 2048, "maxIterTimes": 2047},
               "request_limit": {"max_running": 1000},
               "digs_scheduler_config": {"algorithm_type": "load_balance"},
@@ -176,7 +177,7 @@ def start_cluster(args, autoscale: bool, log_dir: Path, tag: str, profiles: dict
         argv += ["--model", args.model]
     if autoscale:
         argv += ["--autoscale", "--max-workers", str(args.workers)]
-    log = open(log_dir / f"{tag}.log", "w")
+    log = open(log_dir / f"{tag}.log", "w", buffering=1)
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
     management = ""
     for line in proc.stdout:
@@ -241,7 +242,8 @@ def recommendation(args, phase: Phase) -> tuple[int, int] | None:
     from planner.workload import TraceRequest, Workload
 
     config = PlannerConfig(enabled=True, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms, percentile=args.percentile,
-                           window_s=max(5.0, args.phase_s), min_requests=1, max_instances=args.workers)
+                           window_s=max(5.0, args.phase_s), min_requests=1, max_instances=args.workers,
+                           min_per_role=args.min_per_role)
     rng = random.Random(args.seed)
     t, requests = 0.0, []
     for _ in range(max(1, int(args.phase_s * args.rate))):
@@ -317,6 +319,7 @@ def main() -> int:
     p.add_argument("--interval-s", type=float, default=2)
     p.add_argument("--window-s", type=float, default=20)
     p.add_argument("--cooldown-s", type=float, default=8)
+    p.add_argument("--min-per-role", type=int, default=2, help="planner_config.min_per_role")
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--model", default=None, help="a checkpoint folder: real workers (default: simulated)")
     p.add_argument("--setups", default="autoscale,static")

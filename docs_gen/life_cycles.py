@@ -26,6 +26,9 @@ LIFE_CYCLES = (
     ("A coordinator's subscription to one vLLM instance's KV events", "coordinator/workers/vllm/kv_events.py"),
     ("A coordinator's leadership on etcd", "coordinator/cluster/leadership.py"),
     ("A worker's registration on etcd", "coordinator/cluster/registry_sync.py"),
+    ("An online planner decision", "planner/online.py"),
+    ("A role switch in place", "worker/service/role_switch.py"),
+    ("A tick of the local autoscaler", "launcher/autoscaler.py"),
 )
 
 INTRO = """# Life cycles

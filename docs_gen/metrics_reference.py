@@ -10,9 +10,11 @@ from prometheus_client import CollectorRegistry
 from coordinator.workers.instances import InstanceRegistry
 from coordinator.scheduling.kv_index import KvIndex
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.planning.planner_loop import PlannerLoop
+from planner.settings import PlannerConfig
 from docs_gen.markdown import banner, cell, table
 from worker.engine.block_pool import BlockPool
-from worker.metrics import WorkerMetrics
+from worker.metrics import ProcessMetrics, WorkerMetrics
 
 INTRO = """# Metrics
 
@@ -50,6 +52,7 @@ def metric_rows(registry: CollectorRegistry) -> dict[str, list[str]]:
 def coordinator_rows() -> list[list[str]]:
     metrics = CoordinatorMetrics()
     metrics.watch(SimpleNamespace(num_waiting=0), InstanceRegistry(), KvIndex())  # cache_affinity's too
+    metrics.watch_planner(PlannerLoop(PlannerConfig(enabled=True), InstanceRegistry(), "round_robin"))
     return sorted(metric_rows(metrics.registry).values())
 
 
@@ -59,6 +62,8 @@ def worker_rows() -> list[list[str]]:
     engine = SimpleNamespace(admission=SimpleNamespace(budget=None), pool=BlockPool(2, 16),
                              runner=SimpleNamespace(vision=SimpleNamespace(cache=SimpleNamespace(hits=0, misses=0))))
     by_role = {role: metric_rows(WorkerMetrics(role, engine).registry) for role in ("prefill", "decode")}
+    for role in by_role:  # what outlives a role switch: the process's own counters
+        by_role[role].update(metric_rows(ProcessMetrics().registry))
     rows = []
     for name in sorted(by_role["prefill"].keys() | by_role["decode"].keys()):
         roles = [role for role in by_role if name in by_role[role]]

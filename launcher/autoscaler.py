@@ -43,6 +43,35 @@ def _role_flag(argv: list[str], role: str) -> list[str]:
     return argv[:i + 1] + [role] + argv[i + 2:]
 
 
+def next_actions(desired: dict, workers: dict[Child, str], listed: dict, max_workers: int) -> list[tuple]:
+    """The actions of one tick (the module docstring's rules): (kind, child or None, role), where role is the role
+    a switched or started worker ends in, or the one a stopped worker leaves. `listed`: role -> address -> the
+    coordinator's entry (GET /v1/instances)."""
+    by_role = {role: [c for c, r in workers.items() if r == role and c.ready_at is not None
+                      and c.address in listed[role]] for role in ROLES}
+    have = {role: sum(1 for r in workers.values() if r == role) for role in ROLES}
+    short = {role: desired[role] - have[role] for role in ROLES}
+    over = [role for role in ROLES if short[role] < 0 and have[role] > 1]
+    under = [role for role in ROLES if short[role] > 0]
+
+    def least_busy(role: str) -> list[Child]:
+        return sorted(by_role[role], key=lambda c: listed[role][c.address].get("outstanding_requests", 0))
+
+    if over and under and by_role[over[0]]:
+        source, target = over[0], under[0]
+        count = min(-short[source], short[target], have[source] - 1)
+        return [("switch", child, target) for child in least_busy(source)[:count]]
+    if under and len(workers) < max_workers:
+        room, actions = max_workers - len(workers), []
+        for role in sorted(under, key=lambda r: -short[r]):
+            take = min(short[role], room - len(actions))
+            actions += [("start", None, role)] * take
+        return actions
+    if over and by_role[over[0]]:
+        return [("stop", least_busy(over[0])[0], over[0])]
+    return []
+
+
 class LocalAutoscaler:
     """Starts, stops and switches `pdserve up`'s workers under its supervisor, as the planner asks."""
 
@@ -95,27 +124,13 @@ class LocalAutoscaler:
         return done
 
     def _act(self, desired: dict, listed: dict) -> None:
-        by_role = {role: [c for c, r in self.workers.items() if r == role and c.ready_at is not None
-                          and c.address in listed[role]] for role in ROLES}
-        have = {role: sum(1 for r in self.workers.values() if r == role) for role in ROLES}
-        short = {role: desired[role] - have[role] for role in ROLES}
-        over = [role for role in ROLES if short[role] < 0 and have[role] > 1]
-        under = [role for role in ROLES if short[role] > 0]
-        if over and under and by_role[over[0]]:
-            source, target = over[0], under[0]
-            count = min(-short[source], short[target], have[source] - 1)
-            for child in sorted(by_role[source], key=lambda c: self._busy(c, listed[source]))[:count]:
-                self._switch(child, source, target)
-        elif under and len(self.workers) < self.max_workers:
-            for role in sorted(under, key=lambda r: -short[r]):
-                for _ in range(min(short[role], self.max_workers - len(self.workers))):
-                    self._start(role)
-        elif over and by_role[over[0]]:
-            self._stop(min(by_role[over[0]], key=lambda c: self._busy(c, listed[over[0]])), over[0])
-
-    @staticmethod
-    def _busy(child: Child, listed: dict) -> int:
-        return listed[child.address].get("outstanding_requests", 0)
+        for kind, child, role in next_actions(desired, self.workers, listed, self.max_workers):
+            if kind == "switch":
+                self._switch(child, self.workers[child], role)
+            elif kind == "start":
+                self._start(role)
+            else:
+                self._stop(child, role)
 
     def _switch(self, child: Child, old: str, new: str) -> None:
         try:

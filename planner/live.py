@@ -63,6 +63,7 @@ class Snapshot:
     finished: int
     prefill_points: tuple[PrefillPoint, ...]
     decode_points: tuple[DecodePoint, ...]
+    decode_profiled: bool = False  # the decode points include a profile's
 
 
 class LiveWorkload:
@@ -132,7 +133,7 @@ class LiveWorkload:
         attainment = Attainment(ttft_ok / n, tpot_ok / n, both_ok / n, n) if n else Attainment(1.0, 1.0, 1.0, 0)
         workload = Workload(requests=trace, span_s=self.config.window_s) if trace else None
         return Snapshot(workload, attainment, len(done), self.seeds["prefill"] + tuple(self.prefill_points),
-                        self.seeds["decode"] + tuple(self.decode_points))
+                        self.seeds["decode"] + tuple(self.decode_points), bool(self.seeds["decode"]))
 
 
 
@@ -148,4 +149,7 @@ def costs(snapshot: Snapshot) -> tuple[PrefillCosts, DecodeCosts] | None:
     """The cost fits of the timings kept; None until both roles have some."""
     if not snapshot.prefill_points or not snapshot.decode_points:
         return None
-    return PrefillCosts.fit(list(snapshot.prefill_points)), DecodeCosts.fit(list(snapshot.decode_points))
+    # A live point's context is its batch times a typical length, so only a profile's points (batches at several
+    # context lengths) can price context apart from the batch.
+    return PrefillCosts.fit(list(snapshot.prefill_points)), DecodeCosts.fit(list(snapshot.decode_points),
+                                                                            with_context=snapshot.decode_profiled)

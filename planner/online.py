@@ -5,8 +5,8 @@ One decision:
   1. The requests that arrived in the last `window_s` seconds, those in flight included (planner/live.py; fewer
      than `min_requests`, or no timings of a role yet: warming_up).
   2. Each cluster shape of at most `max_instances` (at least `min_per_role` of each role) is simulated, smallest
-     first; the first size with a shape meeting both SLOs wins, of its shapes the one with the most goodput
-     (`meets_slo`). A shape smaller than the cluster now must meet them with room to spare (each predicted
+     first; the first size with a shape meeting both SLOs wins, of its shapes the one running now if it is one,
+     else the one with the most goodput (`meets_slo`). A shape smaller than the cluster now must meet them with room to spare (each predicted
      percentile at most `scale_down_headroom` of its target). When none does, the shape of `max_instances`
      with the most goodput (`best_effort`). The newest half of the window is searched too, and each role gets
      the larger of the two counts: a load that grew is answered before it fills the whole window.
@@ -123,6 +123,9 @@ def _search(workload: Workload, profiles, slo: Slo, config: PlannerConfig, curre
 
     for size in shapes(config):
         meeting = [planner.predict(p, d) for p, d in size if acceptable(planner.predict(p, d))]
+        kept = [m for m in meeting if (m.num_prefill, m.num_decode) == current]
+        if kept:  # the split running meets them: no switch for a little more goodput (no flapping on noise)
+            return "meets_slo", kept[0]
         if meeting:
             return "meets_slo", best(meeting)
     return "best_effort", best([planner.predict(p, d) for p, d in shapes(config)[-1]])

@@ -79,9 +79,11 @@ class DecodeCosts(BaseModel):
         return self.base_ms + self.ms_per_seq * batch_size + self.ms_per_context_token * context_tokens
 
     @classmethod
-    def fit(cls, points: list[DecodePoint]) -> DecodeCosts:
-        base, per_seq, per_context = fit_nonnegative([[1.0, p.batch_size, p.context_tokens] for p in points],
-                                                     [p.step_ms for p in points])
+    def fit(cls, points: list[DecodePoint], with_context: bool = True) -> DecodeCosts:
+        """`with_context` False: step_ms = base + per-sequence cost only, for points whose context tokens move
+        with their batch size (live timings), which cannot tell the two costs apart."""
+        rows = [[1.0, p.batch_size, p.context_tokens if with_context else 0.0] for p in points]
+        base, per_seq, per_context = fit_nonnegative(rows, [p.step_ms for p in points])
         return cls(base_ms=base, ms_per_seq=per_seq, ms_per_context_token=per_context, points=points)
 
 

@@ -88,9 +88,11 @@ class PlannerLoop:
         if not self.deciding:
             return None
         now = time.monotonic()
+        # What the cluster is, or is becoming: the counts last asked for, else those routable now.
+        shape = self.damper.desired or self.current()
         decision = await asyncio.get_running_loop().run_in_executor(
-            self._pool, decide, self.config, self.live.snapshot(now), WorkerSettings(), self._kv_capacity(),
-            self.current(), self.policy)
+            self._pool, decide, self.config, self.live.snapshot(now), WorkerSettings(), self._kv_capacity(), shape,
+            self.policy)
         self.last, self.decided_at = decision, time.time()
         changed = self.damper.offer(decision, now)
         held = not changed and self.damper.held(decision)

@@ -41,3 +41,28 @@ def test_manifest_object_is_valid_for_the_pinned_kubernetes_version(path: Path, 
     except kubernetes_validate.ValidationError as exc:
         # The default message prints the whole schema; the field and the reason are what matter.
         pytest.fail(f"{object_id(path, doc)} at {exc.json_path}: {exc.message} (Kubernetes {KUBERNETES_VERSION})")
+
+
+def test_each_autoscaler_scales_a_worker_statefulset_on_the_planners_metric_for_its_role():
+    from coordinator.metrics import PlannerCollector
+
+    class Planner:  # what the collector reads, with desired counts
+        decisions, last, deciding = {}, None, True
+        damper = type("Damper", (), {"desired": (2, 3)})()
+
+        @staticmethod
+        def current():
+            return 1, 1
+
+    exported = {family.name: family for family in PlannerCollector(Planner()).collect()}
+    statefulsets = {doc["metadata"]["name"]: doc for _, doc in OBJECTS if doc["kind"] == "StatefulSet"}
+    autoscalers = [doc for _, doc in OBJECTS if doc["kind"] == "HorizontalPodAutoscaler"]
+    assert {a["spec"]["scaleTargetRef"]["name"] for a in autoscalers} == {"pdserve-prefill", "pdserve-decode"}
+    for autoscaler in autoscalers:
+        target = statefulsets[autoscaler["spec"]["scaleTargetRef"]["name"]]
+        role = target["spec"]["template"]["metadata"]["labels"]["role"]
+        (metric,) = autoscaler["spec"]["metrics"]
+        assert metric["external"]["metric"]["selector"]["matchLabels"] == {"role": role}
+        family = exported[metric["external"]["metric"]["name"]]
+        assert [sample.labels for sample in family.samples] == [{"role": "prefill"}, {"role": "decode"}]
+        assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}

@@ -1,0 +1,60 @@
+"""The local connector's choice of actions: switch when one role is over and the other under, start what is short,
+stop one at a time, never the last worker of a role."""
+
+from __future__ import annotations
+
+from launcher.autoscaler import next_actions
+from launcher.supervisor import Child
+
+
+def fleet(*roles_and_load: tuple[str, int]) -> tuple[dict, dict]:
+    """Workers (ready and registered) of these roles with these outstanding requests, and the coordinator's list."""
+    workers, listed = {}, {"prefill": {}, "decode": {}}
+    for i, (role, load) in enumerate(roles_and_load):
+        child = Child(f"{role} worker {i}", ["pdserve", "worker", "--role", role], "ready", address=f"127.0.0.1:{i}",
+                      ready_at=1.0)
+        workers[child] = role
+        listed[role][child.address] = {"outstanding_requests": load}
+    return workers, listed
+
+
+def kinds(actions) -> list[tuple[str, str | None, str]]:
+    return [(kind, child.address if child else None, role) for kind, child, role in actions]
+
+
+def test_a_role_over_and_the_other_under_switches_the_least_busy_workers():
+    workers, listed = fleet(("prefill", 5), ("prefill", 0), ("prefill", 2), ("decode", 1))
+    actions = next_actions({"prefill": 1, "decode": 3}, workers, listed, max_workers=4)
+    assert kinds(actions) == [("switch", "127.0.0.1:1", "decode"), ("switch", "127.0.0.1:2", "decode")]
+
+
+def test_a_switch_never_takes_the_last_worker_of_a_role():
+    workers, listed = fleet(("prefill", 0), ("decode", 0))
+    assert next_actions({"prefill": 0, "decode": 2}, workers, listed, max_workers=2) == []
+
+
+def test_what_is_short_is_started_up_to_the_most_workers_the_role_most_short_first():
+    workers, listed = fleet(("prefill", 0), ("decode", 0))
+    actions = next_actions({"prefill": 2, "decode": 3}, workers, listed, max_workers=5)
+    assert kinds(actions) == [("start", None, "decode"), ("start", None, "decode"), ("start", None, "prefill")]
+    actions = next_actions({"prefill": 2, "decode": 4}, workers, listed, max_workers=4)
+    assert kinds(actions) == [("start", None, "decode"), ("start", None, "decode")]
+    full, full_listed = fleet(("prefill", 0), ("decode", 0))
+    assert next_actions({"prefill": 2, "decode": 2}, full, full_listed, max_workers=2) == []
+
+
+def test_a_role_over_with_none_under_stops_its_least_busy_worker_alone():
+    workers, listed = fleet(("prefill", 3), ("prefill", 1), ("prefill", 2), ("decode", 0))
+    actions = next_actions({"prefill": 1, "decode": 1}, workers, listed, max_workers=4)
+    assert kinds(actions) == [("stop", "127.0.0.1:1", "prefill")]
+
+
+def test_a_worker_not_yet_listed_by_the_coordinator_is_not_switched_or_stopped():
+    workers, listed = fleet(("prefill", 0), ("prefill", 0), ("decode", 0))
+    del listed["prefill"]["127.0.0.1:0"], listed["prefill"]["127.0.0.1:1"]
+    assert next_actions({"prefill": 1, "decode": 2}, workers, listed, max_workers=3) == []
+
+
+def test_the_desired_split_already_running_needs_nothing():
+    workers, listed = fleet(("prefill", 0), ("decode", 0), ("decode", 0))
+    assert next_actions({"prefill": 1, "decode": 2}, workers, listed, max_workers=6) == []
