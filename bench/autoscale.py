@@ -142,16 +142,19 @@ def worker_flags(args) -> str:
 def profile_workers(args, log_dir: Path) -> dict[str, str]:
     """`pdserve profile` of one worker per role, started with the clusters' worker flags: the planner's seed."""
     files = {}
+    if not args.profile:
+        return files
     for role in ("prefill", "decode"):
         argv = [sys.executable, "-m", "launcher.cli", "worker", "--role", role, "--port", "0",
                 *(["--model", args.model] if args.model else []), *worker_flags(args).split()]
         worker = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:
             address = next(line for line in worker.stdout if line.startswith("pdserve worker ready:")).split("=")[-1]
-            files[role] = str(log_dir / f"{role}-profile.json")
+            files[f"{role}_profile"] = str(log_dir / f"{role}-profile.json")
             subprocess.run([sys.executable, "-m", "launcher.cli", "profile", "--worker", address.strip(), "--role",
-                            role, "--out", files[role], "--batch-sizes", "1,4,16,32", "--context-tokens", "64,256", "--prompt-tokens",
-                            "64,256,1024"], cwd=REPO, check=True, capture_output=True)
+                            role, "--out", files[f"{role}_profile"], "--batch-sizes", "1,4,16,32",
+                            "--context-tokens", "64,256", "--prompt-tokens", "64,256,1024"],
+                           cwd=REPO, check=True, capture_output=True)
         finally:
             worker.terminate()
             worker.wait()
@@ -160,7 +163,8 @@ def profile_workers(args, log_dir: Path) -> dict[str, str]:
 
 def start_cluster(args, autoscale: bool, log_dir: Path, tag: str, profiles: dict) -> tuple[subprocess.Popen, str, str]:
     prefill, decode = (int(x) for x in args.initial.split(":"))
-    config = {"planner_config": {"prefill_profile": profiles["prefill"], "decode_profile": profiles["decode"],"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "percentile": args.percentile,
+    config = {"planner_config": {**profiles, "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms,
+                                 "percentile": args.percentile,
                                  "interval_s": args.interval_s, "window_s": args.window_s,
                                  "min_requests": 10, "confirmations": 2, "cooldown_s": args.cooldown_s,
                                  "min_per_role": args.min_per_role},
@@ -322,6 +326,9 @@ def main() -> int:
     p.add_argument("--min-per-role", type=int, default=2, help="planner_config.min_per_role")
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--model", default=None, help="a checkpoint folder: real workers (default: simulated)")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="seed the planner with `pdserve profile` of a worker of each role (--no-profile: live "
+                        "timings only)")
     p.add_argument("--setups", default="autoscale,static")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -333,7 +340,8 @@ def main() -> int:
           f"{'model ' + args.model if args.model else 'simulated workers ' + json.dumps(SIM)}")
     print(f"# {len(requests)} requests at {args.rate}/s; phase 1 {phases[0]}, phase 2 {phases[1]}, {args.phase_s:g} s "
           f"each; SLOs p{args.percentile:g} TTFT <= {args.ttft_ms:g} ms, TPOT <= {args.tpot_ms:g} ms; logs {log_dir}")
-    print(f"[{time.strftime('%H:%M:%S')}] pdserve profile of a worker of each role", file=sys.stderr, flush=True)
+    if args.profile:
+        print(f"[{time.strftime('%H:%M:%S')}] pdserve profile of a worker of each role", file=sys.stderr, flush=True)
     profiles = profile_workers(args, log_dir)
     rows, timelines = {}, {}
     for setup in args.setups.split(","):

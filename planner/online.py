@@ -17,6 +17,7 @@ One decision:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from planner.live import Attainment, Snapshot, costs
@@ -27,7 +28,7 @@ from planner.simulation import SimulationError, SimulationStalled, WorkerSetting
 from planner.slo import Slo
 from planner.workload import Workload
 
-WARMUP_COPIES = 2
+MIN_WARMUP_COPIES, MAX_WARMUP_COPIES = 2, 8
 REASONS = ("warming_up", "meets_slo", "best_effort", "cannot_simulate")
 
 
@@ -96,13 +97,17 @@ def _newest_half(workload: Workload, window_s: float) -> Workload | None:
 
 
 def _planner(workload, profiles, slo, config, settings, policy) -> Planner:
-    """The window is replayed WARMUP_COPIES times before the copy judged: a cluster simulated from empty over one
-    window never reaches the batch sizes requests longer than a fraction of the window build up."""
+    """The window is replayed before the copy judged, for at least twice the time a long answer takes at the TPOT
+    target (2 to 8 copies): a cluster simulated from empty never reaches the batches that answers longer than the
+    window build up, and would look fine under a load it cannot hold."""
     requests = workload.requests
+    long_answer = sorted(r.output_tokens for r in requests)[int(0.9 * (len(requests) - 1))]
+    warm_s = 2 * long_answer * slo.tpot_ms / 1000
+    copies = min(MAX_WARMUP_COPIES, max(MIN_WARMUP_COPIES, math.ceil(warm_s / workload.span_s)))
     tiled = [r.model_copy(update={"arrival_s": r.arrival_s + copy * workload.span_s})
-             for copy in range(WARMUP_COPIES + 1) for r in requests]
+             for copy in range(copies + 1) for r in requests]
     return Planner(Workload(requests=tiled, span_s=workload.span_s), *profiles, slo, settings, policy,
-                   config.max_instances, warmup=WARMUP_COPIES * len(requests))
+                   config.max_instances, warmup=copies * len(requests))
 
 
 def _predict(workload, profiles, slo, config, settings, policy, counts) -> Prediction:

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import ssl
+import threading
 import time
 from pathlib import Path
 
@@ -195,3 +196,46 @@ def test_up_exits_1_naming_a_process_that_keeps_failing_to_start(model_dir):
     assert "address already in use" in message
     assert "restart 2 in 0.2s" in log  # backoff doubles
     assert_no_survivors(kids)
+
+
+def test_up_autoscale_adds_the_decode_worker_the_planner_asks_for_and_fails_no_request(model_dir, tmp_path):
+    # Decode steps of 5 ms + 10 ms per sequence (at most 100 tokens/s a worker): one decode worker cannot keep up
+    # with 3 requests a second of 48 tokens each; two can, within a TPOT of 100 ms.
+    config = tmp_path / "ms_coordinator.json"
+    config.write_text(json.dumps({
+        "planner_config": {"ttft_ms": 5000, "tpot_ms": 100, "interval_s": 1, "window_s": 10, "min_requests": 5,
+                           "confirmations": 1, "cooldown_s": 0},
+        "model_config": {"maxIterTimes": 64}}))
+    up = ServerProcess(pdserve_argv("up", "--config", str(config), "--predict-port", str(free_port()),
+                                    "--model", str(model_dir), "--autoscale", "--max-workers", "3",
+                                    "--worker-args=--simulate --sim-decode-ms-per-seq 10"),
+                       "pdserve ready:", timeout_s=180)
+    management = next(line.split()[-1] for line in up.output if line.startswith("pdserve coordinator management:"))
+    headers = registration_headers(up)
+
+    def decode_count() -> int:
+        return len(httpx.get(f"{management}/v1/instances", headers=headers, timeout=10).json()["decode"])
+
+    statuses: list[int] = []
+
+    def one(i: int) -> None:
+        time.sleep(i / 3)
+        resp = httpx.post(f"{up.address}/v1/completions", timeout=120, json={
+            "model": "pdserve-tiny", "prompt": f"request {i}", "max_tokens": 48, "ignore_eos": True})
+        statuses.append(resp.status_code)
+
+    try:
+        assert decode_count() == 1
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(100)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: decode_count() == 2, timeout_s=90, what="a second decode worker started and registered")
+        plan = httpx.get(f"{management}/v1/plan", headers=headers, timeout=10).json()
+        assert plan["desired"]["decode"] == 2 and plan["history"][-1]["reason"] in ("meets_slo", "best_effort")
+        assert httpx.get(f"{management}/v1/plan", timeout=10).status_code == 401  # registration proof
+        for thread in threads:
+            thread.join(180)
+        assert statuses and set(statuses) == {200}, statuses
+    finally:
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=60) == 0
