@@ -17,6 +17,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from planner.profile import DecodeCosts, DecodePoint, PrefillCosts, PrefillPoint, WorkerProfile
 from planner.settings import PlannerConfig
 from planner.slo import Slo
@@ -54,6 +56,15 @@ class Attainment:
 
 
 @dataclass(frozen=True)
+class RequestTimingSummary:
+    """The p-th percentile TTFT and TPOT of the window's finished requests."""
+
+    ttft_ms: float
+    tpot_ms: float
+    requests: int
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """What one decision needs, small enough to hand to another process: the window's requests as (prompt, output
     so far or expected) at their arrivals, the attainment, and the timings kept."""
@@ -64,6 +75,7 @@ class Snapshot:
     prefill_points: tuple[PrefillPoint, ...]
     decode_points: tuple[DecodePoint, ...]
     decode_profiled: bool = False  # the decode points include a profile's
+    observed: RequestTimingSummary | None = None  # the finished requests' percentiles, as their clients saw them
 
 
 class LiveWorkload:
@@ -132,9 +144,13 @@ class LiveWorkload:
         n = len(trace)
         attainment = Attainment(ttft_ok / n, tpot_ok / n, both_ok / n, n) if n else Attainment(1.0, 1.0, 1.0, 0)
         workload = Workload(requests=trace, span_s=self.config.window_s) if trace else None
+        observed = None
+        if done:
+            observed = RequestTimingSummary(float(np.percentile([r.ttft_ms for r in done], self.slo.percentile)),
+                                            float(np.percentile([r.tpot_ms for r in done], self.slo.percentile)),
+                                            len(done))
         return Snapshot(workload, attainment, len(done), self.seeds["prefill"] + tuple(self.prefill_points),
-                        self.seeds["decode"] + tuple(self.decode_points), bool(self.seeds["decode"]))
-
+                        self.seeds["decode"] + tuple(self.decode_points), bool(self.seeds["decode"]), observed)
 
 
 def _profile_points(path: str, role: str) -> tuple:

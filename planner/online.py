@@ -29,6 +29,7 @@ from planner.slo import Slo
 from planner.workload import Workload
 
 MIN_WARMUP_COPIES, MAX_WARMUP_COPIES = 2, 8
+MIN_CORRECTION, MAX_CORRECTION = 0.5, 3.0
 REASONS = ("warming_up", "meets_slo", "best_effort", "cannot_simulate")
 
 
@@ -60,8 +61,9 @@ def shapes(config: PlannerConfig) -> list[list[tuple[int, int]]]:
 
 
 def decide(config: PlannerConfig, snapshot: Snapshot, settings: WorkerSettings, kv_capacity_tokens: int,
-           current: tuple[int, int], policy: str = "load_balance") -> Decision:
-    """Steps 1 and 2 of the module docstring (CPU-bound: the caller runs it off the event loop)."""
+           current: tuple[int, int], policy: str = "load_balance", calibrate: bool = False) -> Decision:
+    """Steps 1 and 2 of the module docstring (CPU-bound: the caller runs it off the event loop). `calibrate`:
+    the window's requests ran on `current`, so what their clients saw corrects the model (`_corrected`)."""
     slo = Slo(ttft_ms=config.ttft_ms, tpot_ms=config.tpot_ms, percentile=config.percentile)
     workload, attainment = snapshot.workload, snapshot.attainment
     fits = costs(snapshot)
@@ -71,19 +73,41 @@ def decide(config: PlannerConfig, snapshot: Snapshot, settings: WorkerSettings, 
                         "roles", attainment=attainment)
     profiles = _profile("prefill", fits[0], 0), _profile("decode", fits[1], kv_capacity_tokens)
     try:
-        reason, chosen = _search(workload, profiles, slo, config, current, settings, policy)
+        target, factors = slo, {"ttft": 1.0, "tpot": 1.0}
+        if calibrate:
+            target, factors = _corrected(slo, snapshot, workload, profiles, config, current, settings, policy)
+        reason, chosen = _search(workload, profiles, target, config, current, settings, policy)
         # Scale up fast: a load that grew shows in the newest half of the window before it fills the whole.
         newest = _newest_half(workload, config.window_s)
         if newest is not None and len(newest.requests) >= config.min_requests:
-            reason_now, now = _search(newest, profiles, slo, config, current, settings, policy)
+            reason_now, now = _search(newest, profiles, target, config, current, settings, policy)
             counts = max(chosen.num_prefill, now.num_prefill), max(chosen.num_decode, now.num_decode)
             if counts != (chosen.num_prefill, chosen.num_decode):  # the newest half asks for more
                 reason, workload = reason_now, newest
                 chosen = now if sum(counts) > config.max_instances else \
-                    _predict(newest, profiles, slo, config, settings, policy, counts)
+                    _predict(newest, profiles, target, config, settings, policy, counts)
     except (SimulationError, SimulationStalled) as exc:
         return Decision("cannot_simulate", str(exc), attainment=attainment, workload=_summary(workload, fits, snapshot))
-    return _decision(reason, chosen, slo, attainment, _summary(workload, fits, snapshot))
+    return _decision(reason, chosen, slo, attainment, {**_summary(workload, fits, snapshot), "correction": factors})
+
+
+def _corrected(slo: Slo, snapshot: Snapshot, workload: Workload, profiles, config: PlannerConfig,
+               current: tuple[int, int], settings: WorkerSettings, policy: str) -> tuple[Slo, dict]:
+    """The targets the search holds shapes to, corrected as Dynamo's planner does: each divided by what the clients
+    saw over what the model predicts for the cluster running (the model leaves out the coordinator's relay and
+    the machine's other work), within [MIN_CORRECTION, MAX_CORRECTION]."""
+    observed, (prefill, decode) = snapshot.observed, current
+    if observed is None or observed.requests < config.min_requests or min(prefill, decode) < 1:
+        return slo, {"ttft": 1.0, "tpot": 1.0}
+    predicted = _predict(workload, profiles, slo, config, settings, policy, current).report
+
+    def factor(seen: float, modelled: float) -> float:
+        return 1.0 if modelled <= 0 or seen <= 0 else min(MAX_CORRECTION, max(MIN_CORRECTION, seen / modelled))
+
+    factors = {"ttft": round(factor(observed.ttft_ms, predicted.ttft_ms), 3),
+               "tpot": round(factor(observed.tpot_ms, predicted.tpot_ms), 3)}
+    return Slo(ttft_ms=slo.ttft_ms / factors["ttft"], tpot_ms=slo.tpot_ms / factors["tpot"],
+               percentile=slo.percentile), factors
 
 
 def _newest_half(workload: Workload, window_s: float) -> Workload | None:

@@ -88,11 +88,13 @@ class PlannerLoop:
         if not self.deciding:
             return None
         now = time.monotonic()
-        # What the cluster is, or is becoming: the counts last asked for, else those routable now.
-        shape = self.damper.desired or self.current()
+        # What the cluster is, or is becoming: the counts last asked for, else those routable now; what the clients
+        # saw corrects the model only once the cluster is what was asked for.
+        routable = self.current()
+        shape = self.damper.desired or routable
         decision = await asyncio.get_running_loop().run_in_executor(
             self._pool, decide, self.config, self.live.snapshot(now), WorkerSettings(), self._kv_capacity(), shape,
-            self.policy)
+            self.policy, shape == routable)
         self.last, self.decided_at = decision, time.time()
         changed = self.damper.offer(decision, now)
         held = not changed and self.damper.held(decision)

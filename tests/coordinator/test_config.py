@@ -201,3 +201,33 @@ def test_a_fleet_with_a_cpu_vllm_instance_does_not_sample_from_seeds():
 def test_vllm_instance_mistakes_fail_start_up_naming_the_key(instances, message):
     with pytest.raises(ConfigError, match=message):
         parse_config({"instances": instances})
+
+
+@pytest.mark.parametrize("section,needle", [
+    ({"tpot_ms": 0}, "planner_config.tpot_ms"),
+    ({"percentile": 101}, "planner_config.percentile"),
+    ({"max_instances": 3, "min_per_role": 2}, "min_per_role"),
+    ({"window": 30}, "planner_config.window: unknown key"),
+])
+def test_invalid_planner_config_names_the_key(section, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_config({"planner_config": section})
+
+
+def test_the_planner_is_refused_beside_replica_coordinators_and_reads_profiles_beside_its_config(tmp_path):
+    replicas = {"backup_config": {"etcd_endpoints": ["http://127.0.0.1:2379"], "mode": "replicas"},
+                "planner_config": {"enabled": True}}
+    with pytest.raises(ConfigError, match="planner_config.enabled needs backup_config.mode active_standby"):
+        parse_config(replicas)
+    path = tmp_path / "ms_coordinator.json"
+    path.write_text(json.dumps({"planner_config": {"enabled": True, "decode_profile": "profiles/decode.json"}}))
+    assert load_config(path).planner_config.decode_profile == str(tmp_path / "profiles" / "decode.json")
+
+
+@pytest.mark.system
+def test_a_missing_planner_profile_fails_coordinator_start_up_naming_it(tmp_path):
+    path = tmp_path / "ms_coordinator.json"
+    path.write_text(json.dumps({"planner_config": {"enabled": True, "prefill_profile": "nowhere.json"}}))
+    done = subprocess.run(pdserve_argv("coordinator", "--config", str(path)), cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "planner_config" in done.stderr and "nowhere.json" in done.stderr, done.stderr

@@ -9,15 +9,16 @@ import os
 import signal
 import socket
 import ssl
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from tests.helpers import (BackgroundStream, ServerProcess, alive, cmdline, coordinator_pid, descendants, free_port,
-                           management_url, pdserve_argv, registration_headers, scrape, sse_events, wait_for,
-                           write_api_keys)
+from tests.helpers import (REPO, BackgroundStream, ServerProcess, alive, cmdline, coordinator_pid, descendants,
+                           free_port, management_url, pdserve_argv, registration_headers, scrape, sse_events,
+                           wait_for, write_api_keys)
 
 pytestmark = pytest.mark.system
 
@@ -239,3 +240,13 @@ def test_up_autoscale_adds_the_decode_worker_the_planner_asks_for_and_fails_no_r
     finally:
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--max-workers", "4"], "--max-workers goes with --autoscale"),
+    (["--autoscale", "--engine", "vllm"], "vLLM instances neither register"),
+    (["--autoscale", "--prefill", "2", "--decode", "2", "--max-workers", "3"], "--max-workers >= their sum"),
+])
+def test_up_refuses_autoscale_flags_it_cannot_honour_naming_them(flags, message):
+    done = subprocess.run(pdserve_argv("up", *flags), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -58,8 +58,11 @@ def test_attainment_counts_requests_in_flight_that_already_missed_a_target():
     finish(workload, 1.0, 100, 10, ttft_ms=1500, tpot_ms=20)  # TTFT missed
     workload.arrive(2.0, 100, 1, Progress())  # no token after 2 s: TTFT missed already
     workload.arrive(3.5, 100, 1, Progress(count=11, first_at=3.6, last_at=4.6))  # 100 ms per token: TPOT missed
-    attainment = workload.snapshot(now=4.0).attainment
+    snapshot = workload.snapshot(now=4.0)
+    attainment = snapshot.attainment
     assert (attainment.ttft, attainment.tpot, attainment.both, attainment.requests) == (0.5, 0.75, 0.25, 4)
+    # What clients saw, for the model's correction: the finished requests' p90 (linear, as the SLO report's).
+    assert (snapshot.observed.ttft_ms, snapshot.observed.tpot_ms, snapshot.observed.requests) == (1400.0, 20.0, 2)
 
 
 def test_an_abandoned_request_leaves_the_workload():

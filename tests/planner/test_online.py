@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 from pydantic import ValidationError
 
-from planner.live import Attainment, Snapshot
+from planner.live import Attainment, RequestTimingSummary, Snapshot
 from planner.online import Damper, Decision, decide, shapes
 from planner.profile import DecodePoint, PrefillPoint
 from planner.settings import PlannerConfig
@@ -129,3 +130,13 @@ def test_the_split_running_is_kept_while_it_meets_the_slos_among_shapes_of_its_s
     strict = config(scale_down_headroom=0.01)
     for running in ((2, 4), (4, 2)):
         assert decide(strict, load, WorkerSettings(), 0, running).counts == running
+
+
+def test_what_the_clients_saw_of_the_running_cluster_corrects_the_targets():
+    load = snapshot(1.0, 48, 300)
+    plain = decide(config(), load, WorkerSettings(max_running=256), 0, (2, 3))
+    seen = RequestTimingSummary(ttft_ms=200, tpot_ms=240, requests=len(load.workload.requests))
+    slower = dataclasses.replace(load, observed=seen)  # the clients saw far slower tokens than modelled
+    corrected = decide(config(), slower, WorkerSettings(max_running=256), 0, (2, 3), calibrate=True)
+    assert corrected.workload["correction"]["tpot"] > 1.5 and corrected.decode > plain.decode
+    assert decide(config(), slower, WorkerSettings(max_running=256), 0, (2, 3)).counts == plain.counts
