@@ -6,7 +6,8 @@ address (launcher/supervisor.py): a worker on the gRPC port it first bound (the 
 stays valid; it routes around the worker meanwhile), the coordinator on the same predict and management ports
 (pinned in its config file after its first start). `pdserve up` exits 0 on SIGTERM/SIGINT after stopping every
 child, and 1 when something cannot start: at once on the first start, or after `max_start_failures` failed
-restarts in a row.
+restarts in a row. With `--autoscale` the coordinator starts first, the workers register with it, and
+launcher/autoscaler.py starts, stops and switches them to the online planner's counts.
 """
 
 from __future__ import annotations

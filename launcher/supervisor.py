@@ -6,6 +6,8 @@
    (`RestartPolicy`). A start that exits before its ready line (or is not ready within `start_timeout_s`)
    is a failed start; `max_start_failures` of them in a row and the supervisor gives up (`GaveUp`).
 3. SIGTERM / SIGINT raise `Stopped` in either phase; `stop_all()` then stops every child, last started first.
+4. With `pdserve up --autoscale`: `launch(child)` adds a child while supervising, `retire(child)` stops one for
+   good (SIGTERM, not restarted), and `every(seconds, callback)` runs the autoscaler's tick on the main thread.
 
 The main thread does everything that starts, restarts or stops a child: the parent-death signal the children
 get fires when the *thread* that forked them ends. Helper threads only relay a child's output and wait for its
