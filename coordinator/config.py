@@ -363,6 +363,9 @@ class CoordinatorConfig(_Section):
         if self.planner_config.enabled and self.backup_config.etcd_endpoints and self.backup_config.mode == "replicas":
             raise ValueError("planner_config.enabled needs backup_config.mode active_standby: replicas each see a "
                              "share of the traffic, and the planner decides on the active coordinator's")
+        if self.planner_config.enabled and self.instances.engine == "vllm":
+            raise ValueError("planner_config.enabled: the online planner fits pdserve workers' own step timings, "
+                             "which vLLM instances do not report, and vLLM instances cannot switch roles")
         return self
 
     @model_validator(mode="after")

@@ -224,10 +224,15 @@ def test_the_planner_is_refused_beside_replica_coordinators_and_reads_profiles_b
     assert load_config(path).planner_config.decode_profile == str(tmp_path / "profiles" / "decode.json")
 
 
-@pytest.mark.system
-def test_a_missing_planner_profile_fails_coordinator_start_up_naming_it(tmp_path):
+def test_a_missing_planner_profile_fails_start_up_naming_it(tmp_path):
+    from coordinator.http.app import create_app
+
     path = tmp_path / "ms_coordinator.json"
     path.write_text(json.dumps({"planner_config": {"enabled": True, "prefill_profile": "nowhere.json"}}))
-    done = subprocess.run(pdserve_argv("coordinator", "--config", str(path)), cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 2 and "planner_config" in done.stderr and "nowhere.json" in done.stderr, done.stderr
+    with pytest.raises(ConfigError, match="planner_config: .*nowhere.json: cannot read"):
+        create_app(load_config(path))
+
+
+def test_the_planner_is_refused_on_a_vllm_fleet_naming_why():
+    with pytest.raises(ConfigError, match="vLLM instances do not report"):
+        parse_config({**VLLM, "planner_config": {"enabled": True}})
