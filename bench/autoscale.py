@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -197,7 +198,6 @@ def start_cluster(args, autoscale: bool, log_dir: Path, tag: str, profiles: dict
     def drain():
         for line in proc.stdout:
             log.write(line)
-    import threading
     threading.Thread(target=drain, daemon=True).start()
     return proc, url, management
 

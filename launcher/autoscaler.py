@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from launcher.supervisor import Child, Supervisor
+from worker.service.options import ROLES
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
 ACTION_TIMEOUT_S = 180.0
 SWITCH_DRAIN_S = 30.0  # a switched worker's longest drain; decode streams left then migrate
 
@@ -87,7 +87,6 @@ class LocalAutoscaler:
         self.max_workers = max_workers
         self.say = say
         self.pending: list[Action] = []
-        self.actions = {"start": 0, "switch": 0, "stop": 0}
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         request = urllib.request.Request(self.url + path, method=method, headers=self.headers,
@@ -159,7 +158,6 @@ class LocalAutoscaler:
         self._begin("stop", child, role, f"stopping {child.name} ({child.address}): it drains first")
 
     def _begin(self, kind: str, child: Child, role: str, what: str) -> None:
-        self.actions[kind] += 1
         self.pending.append(Action(kind, child, role, time.monotonic()))
         counts = {r: sum(1 for x in self.workers.values() if x == r) for r in ROLES}
         self.say(f"autoscale: {what} (workers: {counts['prefill']} prefill + {counts['decode']} decode)")

@@ -12,6 +12,7 @@ launcher/autoscaler.py starts, stops and switches them to the online planner's c
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -231,7 +232,7 @@ def _run_autoscaled(options: ClusterOptions, supervisor: Supervisor, base: list[
 
     coordinator = _start_coordinator(supervisor, base, _cluster_config(options, [], [], model_dir, security), files)
     management = coordinator.announced[COORDINATOR_MANAGEMENT]
-    numbers = iter(range(1_000_000))
+    numbers = itertools.count()
 
     def new_worker(role: str) -> Child:
         argv = _worker_argv(options, base, role, model_dir, security) + ["--coordinator", management]

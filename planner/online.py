@@ -76,16 +76,16 @@ def decide(config: PlannerConfig, snapshot: Snapshot, settings: WorkerSettings, 
         target, factors = slo, {"ttft": 1.0, "tpot": 1.0}
         if calibrate:
             target, factors = _corrected(slo, snapshot, workload, profiles, config, current, settings, policy)
-        reason, chosen = _search(workload, profiles, target, config, current, settings, policy)
+        reason, chosen = _search(_planner(workload, profiles, target, config, settings, policy), config, current)
         # Scale up fast: a load that grew shows in the newest half of the window before it fills the whole.
         newest = _newest_half(workload, config.window_s)
         if newest is not None and len(newest.requests) >= config.min_requests:
-            reason_now, now = _search(newest, profiles, target, config, current, settings, policy)
+            recent = _planner(newest, profiles, target, config, settings, policy)
+            reason_now, now = _search(recent, config, current)
             counts = max(chosen.num_prefill, now.num_prefill), max(chosen.num_decode, now.num_decode)
             if counts != (chosen.num_prefill, chosen.num_decode):  # the newest half asks for more
                 reason, workload = reason_now, newest
-                chosen = now if sum(counts) > config.max_instances else \
-                    _predict(newest, profiles, target, config, settings, policy, counts)
+                chosen = now if sum(counts) > config.max_instances else recent.predict(*counts)
     except (SimulationError, SimulationStalled) as exc:
         return Decision("cannot_simulate", str(exc), attainment=attainment, workload=_summary(workload, fits, snapshot))
     return _decision(reason, chosen, slo, attainment, {**_summary(workload, fits, snapshot), "correction": factors})
@@ -99,7 +99,7 @@ def _corrected(slo: Slo, snapshot: Snapshot, workload: Workload, profiles, confi
     observed, (prefill, decode) = snapshot.observed, current
     if observed is None or observed.requests < config.min_requests or min(prefill, decode) < 1:
         return slo, {"ttft": 1.0, "tpot": 1.0}
-    predicted = _predict(workload, profiles, slo, config, settings, policy, current).report
+    predicted = _planner(workload, profiles, slo, config, settings, policy).predict(*current).report
 
     def factor(seen: float, modelled: float) -> float:
         return 1.0 if modelled <= 0 or seen <= 0 else min(MAX_CORRECTION, max(MIN_CORRECTION, seen / modelled))
@@ -134,13 +134,9 @@ def _planner(workload, profiles, slo, config, settings, policy) -> Planner:
                    config.max_instances, warmup=copies * len(requests))
 
 
-def _predict(workload, profiles, slo, config, settings, policy, counts) -> Prediction:
-    return _planner(workload, profiles, slo, config, settings, policy).predict(*counts)
-
-
-def _search(workload: Workload, profiles, slo: Slo, config: PlannerConfig, current: tuple[int, int],
-            settings: WorkerSettings, policy: str) -> tuple[str, Prediction]:
-    planner = _planner(workload, profiles, slo, config, settings, policy)
+def _search(planner: Planner, config: PlannerConfig, current: tuple[int, int]) -> tuple[str, Prediction]:
+    """Step 2's shape search over one workload, on the planner that simulates it (its predictions cached)."""
+    slo = planner.slo
 
     def acceptable(m: Prediction) -> bool:
         # Fewer instances than run now only with room to spare: noise in the window must not shrink the cluster.

@@ -123,10 +123,10 @@ class TokenRelay:
             progress.prefill_ms, progress.first_at = time_ms, now
         else:
             progress.decode_times.append(time_ms)
-        progress.last_at = now
         self.metrics.token(index, now - self.arrived_at, now - self.last)  # TTFT counts from arrival
         decode = self.decode
-        self.last = decode.last_heard = now  # the silence watch's sign of life, and its step cadence below
+        # The silence watch's sign of life, its step cadence below, and the planner's TPOT.
+        self.last = decode.last_heard = progress.last_at = now
         if own_index:
             decode.step_ms += (time_ms - decode.step_ms) * 0.1
         progress.token_ids.append(token_id)
