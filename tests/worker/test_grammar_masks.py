@@ -138,3 +138,14 @@ def test_the_mask_buffers_grow_for_a_larger_step_and_are_reused(guidance):
     buffer = guidance.masks._banned
     choose_batch(logits(20, seed=1), [guided_row(guidance, COLOR) for _ in range(3)], [EOS], guidance.masks)
     assert guidance.masks._banned is buffer and all(p is not None for p in picks)
+
+
+def test_a_guided_requests_check_loads_the_mask_kernel_and_an_unguided_ones_does_not(guidance, monkeypatch):
+    # Loading compiles a kernel; a prefill paying it between its last KV layer and its first token stalled the
+    # decode worker's receiver under load, so the check (before any transfer) must pay it.
+    loads = []
+    monkeypatch.setattr(type(guidance.masks), "load_kernel", staticmethod(lambda: loads.append(1)))
+    guidance.check(SamplingParams())
+    assert loads == []
+    guidance.check(SamplingParams(grammar=DIGITS))
+    assert loads == [1]

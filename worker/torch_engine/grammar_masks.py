@@ -42,9 +42,7 @@ class GrammarMasks:
             self._bytes = torch.empty(rows, self._words * 4, dtype=torch.int32)
             self._banned = torch.empty(rows, self._words * 32, dtype=torch.bool)
         bitmask = self._bitmask[:n]
-        # Imported at the first guided step: llguidance.torch compiles a kernel at import (torch._dynamo, ~1.5 s of
-        # CPU), which would otherwise be paid by every worker start, guided requests or not.
-        import llguidance.torch
+        import llguidance.torch  # loaded already by `load_kernel`, at the request's check
 
         if n == 1:  # nothing to share out: skip the hand-off to the pool's threads
             llguidance.torch.fill_next_token_bitmask(matchers[0], bitmask)
@@ -54,6 +52,13 @@ class GrammarMasks:
         self._bytes[:n].copy_(bitmask.view(torch.uint8))
         torch.index_select(self._byte_table, 0, self._bytes[:n].view(-1), out=self._banned[:n].view(-1, 8))
         return self._banned[:n, : self.vocab_size]
+
+    @staticmethod
+    def load_kernel() -> None:
+        """Import llguidance's torch kernel: the import compiles it (torch._dynamo, ~1.5 s of CPU, far more on a
+        loaded machine), so it is paid by the first guided request's check, not by every worker start, and never
+        between a prefill's last KV layer and its first token, where the decode worker's stall timer runs."""
+        import llguidance.torch  # noqa: F401
 
     @staticmethod
     def consume(matchers: list[llguidance.LLMatcher], tokens: list[int]) -> list[bool]:
@@ -90,6 +95,7 @@ class Guidance:
             return None
         if self.compiler is None:
             raise InvalidRequest(self._unavailable)
+        self.masks.load_kernel()
         try:
             return self.compiler.matcher(sampling.grammar, sampling.grammar_generated)
         except GrammarError as exc:
