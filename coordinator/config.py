@@ -11,6 +11,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
                       model_validator)
 
 from embedded_model.builder import ModelSpec
+from coordinator.tenancy.settings import TenancyConfig
 from planner.settings import PlannerConfig
 from security.settings import AuthConfig, TlsConfig
 
@@ -355,6 +356,7 @@ class CoordinatorConfig(_Section):
     auth_config: AuthConfig = AuthConfig()
     backup_config: BackupConfig = BackupConfig()
     planner_config: PlannerConfig = PlannerConfig()
+    tenancy_config: TenancyConfig = TenancyConfig()
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
 

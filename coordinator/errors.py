@@ -16,6 +16,8 @@ class ApiError(Exception):
         self.error_type = error_type or _DEFAULT_TYPES.get(status, "server_error")
 
 
+OVERLOADED = "overloaded"  # error_type of a request refused because it cannot start before its deadline
+
 _DEFAULT_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

@@ -205,6 +205,39 @@ class PlannerCollector:
         return [desired, current, decisions, attainment]
 
 
+class TenantCollector:
+    """Per tenant: client requests admitted and refused (by reason), tokens charged, time waited in the line."""
+
+    def __init__(self, book):
+        self.book = book
+
+    def collect(self):
+        admitted = CounterMetricFamily("pdserve_tenant_requests_admitted", "Client requests admitted, by tenant.",
+                                       labels=["tenant"])
+        refused = CounterMetricFamily("pdserve_tenant_requests_refused", "Client requests refused, by tenant and "
+                                      "reason: concurrency, rpm, tpm (429), deadline (could not start in time).",
+                                      labels=["tenant", "reason"])
+        tokens = CounterMetricFamily("pdserve_tenant_tokens", "Tokens charged to the tenant: prompt, output.",
+                                     labels=["tenant", "kind"])
+        queued = CounterMetricFamily("pdserve_tenant_queue_seconds", "Seconds the tenant's generations waited in "
+                                     "the coordinator's line, summed.", labels=["tenant"])
+        queued_count = CounterMetricFamily("pdserve_tenant_queued", "Generations of the tenant that left the line.",
+                                           labels=["tenant"])
+        in_flight = GaugeMetricFamily("pdserve_tenant_requests_in_flight", "Client requests of the tenant in "
+                                      "flight on this coordinator.", labels=["tenant"])
+        for name, tenant in list(self.book.tenants.items()):
+            tenant.settle()
+            admitted.add_metric([name], tenant.admitted)
+            for reason, count in tenant.refused.items():
+                refused.add_metric([name, reason], count)
+            tokens.add_metric([name, "prompt"], tenant.prompt_tokens)
+            tokens.add_metric([name, "output"], tenant.output_tokens)
+            queued.add_metric([name], tenant.queue_seconds)
+            queued_count.add_metric([name], tenant.queued)
+            in_flight.add_metric([name], tenant.in_flight)
+        return [admitted, refused, tokens, queued, queued_count, in_flight]
+
+
 def api_label(request: web.Request) -> str:
     """The `api` label of a request: its route's metrics label in the app's route table."""
     return request.app[ROUTE_TABLE].metrics_label(request.method, request.path) or UNROUTED_LABEL
@@ -242,6 +275,10 @@ class CoordinatorMetrics:
         self.waiting.set_function(lambda: queue.num_waiting)
         self.instances = InstanceCollector(registry, index)
         self.registry.register(self.instances)
+
+    def watch_tenants(self, book) -> None:
+        """Export each tenant's figures (tenancy/admission.py's TenantBook)."""
+        self.registry.register(TenantCollector(book))
 
     def watch_planner(self, planner) -> None:
         """Export the online planner's decisions (a PlannerLoop), read when scraped."""

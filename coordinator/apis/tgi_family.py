@@ -103,7 +103,9 @@ class QueuedParameters(TextGenParameters):
     timeout: float = Field(600, gt=0, le=3600, description="seconds until the request is ended")
 
     def generation(self, request_id: str, prompt_ids: list[int], **extra) -> GenerationRequest:
-        return super().generation(request_id, prompt_ids, timeout_s=self.timeout, priority=self.priority, **extra)
+        # A priority the body leaves out may come from the priority headers (tenancy/admission.py).
+        priority = self.priority if "priority" in self.model_fields_set else None
+        return super().generation(request_id, prompt_ids, timeout_s=self.timeout, priority=priority, **extra)
 
 
 def error_frame(error: ApiError) -> dict:

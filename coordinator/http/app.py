@@ -26,6 +26,7 @@ from coordinator.requests.pipeline import RequestPipeline
 from coordinator.planning.planner_loop import PlannerLoop
 from planner.profile import ProfileError
 from coordinator.requests.queue import RequestQueue
+from coordinator.tenancy.admission import ADMISSION, Admission
 from coordinator.http.route_table import ROUTE_TABLE
 from coordinator.http.routes import PREDICT_ROUTES
 from coordinator.scheduling.kv_index import KvIndex
@@ -93,8 +94,10 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         client.read_load = policy.reads_load
     router = Router(registry, policy, scheduling.local_prefill_max_tokens)
     metrics = CoordinatorMetrics()
-    queue = RequestQueue(config.request_limit.max_running)
+    queue = RequestQueue(config.request_limit.max_running, config.tenancy_config.refuse_early)
     metrics.watch(queue, registry, kv_watch.index if kv_watch is not None else None)
+    admission = Admission(config.tenancy_config, limits, api_keys)
+    metrics.watch_tenants(admission.book)
     exceptions = config.exception_config
     pipeline = RequestPipeline(client, router, registry, limits, queue, exceptions.first_token_timeout,
                                exceptions.infer_timeout, metrics, exceptions.max_retry, exceptions.max_migrations)
@@ -119,6 +122,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         standby=None if cluster is None else StandbyGate(cluster.leadership))
     app = web.Application(middlewares=[gate.middleware], client_max_size=config.request_limit.body_limit * 1024 * 1024)
     app[API_KEYS] = api_keys
+    app[ADMISSION] = admission
     state = app[STATE] = CoordinatorState(
         model.modelName, model.fullTextEnabled, tokenizer, limits, client, registry, router, monitor, pipeline,
         heartbeat_interval_s=health.heartbeat_interval_s, media_dir=Path(model.multimodalInputsDir),

@@ -9,6 +9,7 @@ from aiohttp import web
 from coordinator.config import ConfigError
 from coordinator.http.error_response import error_response
 from coordinator.errors import ApiError
+from coordinator.tenancy.admission import KEY_TERMS
 from security.api_keys import INVALID, MALFORMED, MISSING, ApiKeyFileError, ApiKeyStore
 from security.settings import AuthConfig
 
@@ -54,8 +55,9 @@ class ApiKeyGate:
             return None
         headers = request.headers.getall("Authorization", [])
         # Two Authorization headers are ambiguous: a proxy and the gate could each read a different one.
-        reason = MALFORMED if len(headers) > 1 else self.store.check(headers[0] if headers else None)
+        reason, tenant = (MALFORMED, None) if len(headers) > 1 else self.store.identify(headers[0] if headers else None)
         if reason is None:
+            request[KEY_TERMS] = tenant  # the key's tenant, for the admission (tenancy/admission.py)
             return None
         self.metrics.auth_failed(reason)
         return error_response(request, ApiError(401, MESSAGES[reason], error_type="authentication_error"),

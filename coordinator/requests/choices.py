@@ -21,7 +21,9 @@ from aiohttp import web
 from coordinator.errors import ApiError
 from coordinator.requests.pipeline import RequestPipeline
 from coordinator.requests.request import Failed, Finished, GenerationEvent, GenerationRequest, TokenDelta
-from coordinator.requests.serving import TokenWriter, Transcript, json_dumps, record, serve_generation, stream_events
+from coordinator.requests.serving import (TokenWriter, Transcript, admitted, json_dumps, record, serve_generation,
+                                          stream_events)
+from coordinator.tenancy.admission import close_tickets
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,16 @@ async def serve_choices(http_request: web.Request, pipeline: RequestPipeline,
     flat_formatters = [f for group in formatters for f in group]
     if len(requests) == 1:
         return await serve_generation(http_request, pipeline, requests[0], flat_formatters[0], stream)
+    requests = admitted(http_request, requests)
+    try:
+        return await _serve_many(http_request, pipeline, groups, requests, flat_formatters, n, stream)
+    finally:
+        close_tickets(requests)
+
+
+async def _serve_many(http_request: web.Request, pipeline: RequestPipeline, groups: list[list[GenerationRequest]],
+                      requests: list[GenerationRequest], flat_formatters: list, n: int,
+                      stream: bool) -> web.StreamResponse:
     if stream:
         usage = _RequestUsage([g for g, group in enumerate(groups) for _ in group])
         writers = [TokenWriter(ChoiceFormatter(f, i, usage), Transcript()) for i, f in enumerate(flat_formatters)]

@@ -1,8 +1,9 @@
 """Drive one request through a prefill worker and a decode worker, as a stream of events.
 
 A request's life in the coordinator:
-  1. It waits its turn in the RequestQueue (`queue.py`: priority, then arrival), within its
-     deadline.
+  1. It waits its turn in the RequestQueue (`queue.py`: its tenant's fair share, then priority, then
+     arrival) until its latest start: its deadline less its expected service time (`ServiceTimes`). One the
+     line predicts cannot start by then is refused at once (503, Retry-After); one still waiting then leaves.
   2. An attempt (`attempt.py`): the router (`scheduling/router.py`) picks a decode and a prefill
      instance (or none, when the decode worker prefills a short prompt itself); each is leased from
      the registry (`workers/instances.py`) while it works on the request; the decode stream opens and is
@@ -26,12 +27,12 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from coordinator.requests.attempt import AttemptFailed, AttemptRunner, Progress
-from coordinator.errors import WorkerError
+from coordinator.errors import OVERLOADED, ApiError, WorkerError
 from coordinator.workers.instances import InstanceRegistry
 from coordinator.requests.limits import ModelLimits
 from coordinator.metrics import CoordinatorMetrics, NullMetrics
-from coordinator.requests.request import GenerationEvent, GenerationRequest, TokenListener
-from coordinator.requests.queue import RequestQueue
+from coordinator.requests.request import DEFAULT_PRIORITY, GenerationEvent, GenerationRequest, TokenListener
+from coordinator.requests.queue import DEFAULT_LINE, CannotStartInTime, RequestQueue
 from coordinator.requests.trace import GenerationTrace
 from coordinator.scheduling.router import Placement, Router
 from coordinator.workers.client import WorkerClient
@@ -40,6 +41,37 @@ if TYPE_CHECKING:
     from coordinator.planning.planner_loop import PlannerLoop
 
 logger = logging.getLogger(__name__)
+
+SERVICE_EWMA = 0.1  # weight of a finished request in the expected service times
+
+
+class ServiceTimes:
+    """Recent requests' time from their turn to their first token, and per later token (moving averages): a
+    request's expected service time, so it leaves the line while it can still finish within its deadline."""
+
+    __slots__ = ("first_token_s", "token_s", "tokens", "seen")
+
+    def __init__(self):
+        self.first_token_s = 0.0
+        self.token_s = 0.0
+        self.tokens = 0.0  # output tokens of a request
+        self.seen = 0
+
+    def expected_s(self, max_tokens: int) -> float:
+        if not self.seen:
+            return 0.0
+        return self.first_token_s + self.token_s * max(0.0, min(max_tokens, self.tokens) - 1)
+
+    def observe(self, started: float, progress: Progress) -> None:
+        if not progress.count:
+            return
+        weight = SERVICE_EWMA if self.seen >= 10 else 1.0 / (self.seen + 1)  # a plain mean over the first ten
+        self.seen += 1
+        self.first_token_s += weight * (progress.first_at - started - self.first_token_s)
+        self.tokens += weight * (progress.count - self.tokens)
+        if progress.count > 1:
+            gap = (progress.last_at - progress.first_at) / (progress.count - 1)
+            self.token_s += weight * (gap - self.token_s)
 
 
 class RequestPipeline:
@@ -57,6 +89,7 @@ class RequestPipeline:
         self.max_migrations = max_migrations
         self.attempts = AttemptRunner(client, registry, limits, first_token_timeout, self.metrics)
         self.planner: PlannerLoop | None = None  # with planner_config.enabled: told of every finished request
+        self.service = ServiceTimes()
 
     async def generate(self, request: GenerationRequest,
                        listener: TokenListener | None = None) -> AsyncIterator[GenerationEvent]:
@@ -65,21 +98,18 @@ class RequestPipeline:
         timeout = min(self.infer_timeout, request.timeout_s or self.infer_timeout)
         deadline = request.arrived_at + timeout
         trace = GenerationTrace(self.metrics)
+        ticket = request.ticket
         try:
-            try:
-                await self.queue.acquire(request.priority, deadline - time.monotonic())
-            except TimeoutError:
-                raise WorkerError(f"request waited {timeout}s in the coordinator's queue (timeout) and was dropped",
-                                  status=504) from None
-            finally:  # a request dropped from the line (or whose client left) waited too
-                queued_until = time.monotonic()
-                trace.phase("queue", request.arrived_at, queued_until)
-            self.metrics.queued(queued_until - request.arrived_at)
+            await self._wait_turn(request, max_tokens, deadline, timeout, trace)
             progress = Progress()
+            if ticket is not None:
+                ticket.streams.append(progress)  # its tokens are charged to the tenant as they stream
             live = self.planner.arrived(request, max_tokens, progress) if self.planner is not None else None
+            started = time.monotonic()
             try:
                 async for event in self._attempts(request, max_tokens, deadline, timeout, trace, listener, progress):
                     yield event
+                self.service.observe(started, progress)
                 if live is not None:
                     self.planner.finished(live, trace)
             finally:
@@ -88,6 +118,42 @@ class RequestPipeline:
                     self.planner.abandoned(live)
         finally:
             trace.finish()
+
+    async def _wait_turn(self, request: GenerationRequest, max_tokens: int, deadline: float, timeout: float,
+                         trace: GenerationTrace) -> None:
+        """Wait in the line until the request's turn, at most until its latest start; refused (503, Retry-After)
+        when it cannot start by then, 504 when the deadline itself passed."""
+        ticket = request.ticket
+        latest_start = deadline - self.service.expected_s(max_tokens)
+        try:
+            await self.queue.acquire(request.priority or DEFAULT_PRIORITY, latest_start - time.monotonic(),
+                                     ticket.tenant.line if ticket is not None else DEFAULT_LINE)
+        except CannotStartInTime as refused:
+            self._refused_for_deadline(request)
+            wait = max(1, round(refused.wait_s))
+            raise ApiError(503, f"the coordinator's queue is full: this request would start in about {wait}s, too "
+                                f"late for its {timeout:g}s timeout", headers={"Retry-After": str(wait)},
+                           error_type=OVERLOADED) from None
+        except TimeoutError:
+            if time.monotonic() < deadline:
+                self._refused_for_deadline(request)
+                raise ApiError(503, f"request left the coordinator's queue: it could no longer finish within its "
+                                    f"{timeout:g}s timeout", headers={"Retry-After": "1"},
+                               error_type=OVERLOADED) from None
+            raise WorkerError(f"request waited {timeout}s in the coordinator's queue (timeout) and was dropped",
+                              status=504) from None
+        finally:  # a request dropped from the line (or whose client left) waited too
+            queued_until = time.monotonic()
+            trace.phase("queue", request.arrived_at, queued_until)
+            if ticket is not None:
+                ticket.tenant.queued += 1
+                ticket.tenant.queue_seconds += queued_until - request.arrived_at
+        self.metrics.queued(queued_until - request.arrived_at)
+
+    @staticmethod
+    def _refused_for_deadline(request: GenerationRequest) -> None:
+        if request.ticket is not None:
+            request.ticket.tenant.refused["deadline"] += 1
 
     def _routed(self, placement: Placement, prompt_tokens: int, trace: GenerationTrace) -> None:
         prefill = placement.prefill.address if placement.prefill is not None else None

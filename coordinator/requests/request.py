@@ -7,12 +7,17 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from coordinator.errors import ApiError
 from adapters.peft_folder import AdapterRef
 from kv_events.block_hash import lora_cache_tokens, media_cache_tokens
 from proto.sampling import SamplingRules
+
+if TYPE_CHECKING:
+    from coordinator.tenancy.tenants import TenantTicket
+
+DEFAULT_PRIORITY = 5  # the waiting line's levels: 1 first ... 5 last
 
 
 @dataclass(frozen=True)
@@ -56,11 +61,12 @@ class GenerationRequest:
     sampling: SamplingOptions
     max_tokens: int | None = None
     timeout_s: float | None = None  # the client's own deadline, on top of the configured ones
-    priority: int = 5  # 1 highest ... 5 lowest: the order in the coordinator's waiting line
+    priority: int | None = None  # 1 highest ... 5 lowest in the waiting line; None: the headers', else 5
     created: int = field(default_factory=lambda: int(time.time()))
     arrived_at: float = field(default_factory=time.monotonic)
     media: tuple[MediaInput, ...] = ()  # the prompt's images, in prompt order
     lora: AdapterRef | None = None  # the LoRA adapter it runs under; None: the base model
+    ticket: TenantTicket | None = None  # its client request's hold on its tenant (tenancy/tenants.py)
 
     def cache_token_ids(self, generated: list[int] = ()) -> list[int]:
         """The prompt, then the `generated` tokens, as the workers' prefix caches hash them (image placeholders

@@ -18,6 +18,7 @@ from coordinator.metrics import METRICS, api_label
 from coordinator.requests.pipeline import RequestPipeline
 from coordinator.requests.request import Failed, Finished, GenerationEvent, GenerationRequest, TokenDelta
 from coordinator.http.sse import JSON_OPTIONS, encode_event, open_stream
+from coordinator.tenancy.admission import ADMISSION, close_tickets
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +79,28 @@ async def serve_generation(
     formatter: ResponseFormatter,
     stream: bool,
 ) -> web.StreamResponse:
-    transcript = Transcript()
-    if not stream:
-        events = pipeline.generate(request)
-        try:
-            async for event in events:
-                record(transcript, event)
-        finally:
-            await events.aclose()
-        return web.json_response(formatter.response(transcript), dumps=json_dumps)
-    writer = TokenWriter(formatter, transcript)
-    return await stream_events(http_request, pipeline.generate(request, writer), [writer], request.request_id)
+    (request,) = admitted(http_request, [request])
+    try:
+        transcript = Transcript()
+        if not stream:
+            events = pipeline.generate(request)
+            try:
+                async for event in events:
+                    record(transcript, event)
+            finally:
+                await events.aclose()
+            return web.json_response(formatter.response(transcript), dumps=json_dumps)
+        writer = TokenWriter(formatter, transcript)
+        return await stream_events(http_request, pipeline.generate(request, writer), [writer], request.request_id)
+    finally:
+        close_tickets([request])
+
+
+def admitted(http_request: web.Request, requests: list[GenerationRequest]) -> list[GenerationRequest]:
+    """One client request's generations with their tenant's ticket and priority (tenancy/admission.py), when
+    the app admits by tenant; 429 past the tenant's limits. `close_tickets` when the client request ends."""
+    admission = http_request.app.get(ADMISSION)
+    return admission.admit(http_request, requests) if admission is not None else requests
 
 
 async def stream_events(http_request: web.Request, events: AsyncIterator[GenerationEvent], writers: list[TokenWriter],
