@@ -4,9 +4,11 @@
      others are routable at once, and probed), then campaign for the leader key once (active_standby).
   2. Every sync_interval_s: re-read the registry, publish this coordinator's health verdicts and adopt the
      others'. The leadership keeps its own timer (ttl/3 while active, ttl/6 while standby).
-  3. The management port reports registrations, heartbeats and deregistrations as they happen; they reach
+  3. In mode replicas, every round also counts the replicas (`replica_census.py`): each takes its share of
+     the tenants' limits.
+  4. The management port reports registrations, heartbeats and deregistrations as they happen; they reach
      etcd in the background.
-  4. SIGTERM: step down first (a standby takes over while this one drains), then stop.
+  5. SIGTERM: step down first (a standby takes over while this one drains), then stop.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from coordinator.cluster.etcd_store import EtcdStore
 from coordinator.cluster.leadership import Leadership, Role
 from coordinator.cluster.registry_sync import RegistrySync
+from coordinator.cluster.replica_census import ReplicaCensus
 from coordinator.cluster.shared_health import SharedHealth
 from coordinator.config import CoordinatorConfig
 from coordinator.workers.health_monitor import HealthMonitor
@@ -41,8 +44,9 @@ class ClusterNode:
     """The etcd store, the leadership, the registry sync and the shared health of one coordinator."""
 
     def __init__(self, store: EtcdStore, leadership: Leadership, sync: RegistrySync, health: SharedHealth,
-                 monitor: HealthMonitor, interval_s: float):
+                 monitor: HealthMonitor, interval_s: float, census: ReplicaCensus | None = None):
         self.store = store
+        self.census = census  # mode replicas: the count of replicas, for the tenants' shares
         self.leadership = leadership
         self.sync = sync
         self.health = health
@@ -60,7 +64,9 @@ class ClusterNode:
                                 replicas=backup.mode == "replicas")
         sync = RegistrySync(store, registry, backup.key_prefix, config.health_config.heartbeat_timeout_s, on_forget)
         health = SharedHealth(store, registry, backup.key_prefix, name, sync.lease_of)
-        return cls(store, leadership, sync, health, monitor, backup.sync_interval_s)
+        census = (ReplicaCensus(store, backup.key_prefix, name, backup.lease_ttl_s)
+                  if backup.mode == "replicas" else None)
+        return cls(store, leadership, sync, health, monitor, backup.sync_interval_s, census)
 
     @property
     def name(self) -> str:
@@ -99,6 +105,8 @@ class ClusterNode:
         if learned:
             await asyncio.gather(*(self.monitor.check(i) for i in learned))
         await self.health.exchange()
+        if self.census is not None:
+            await self.census.round()
 
     async def _run(self) -> None:
         while True:
@@ -128,5 +136,7 @@ class ClusterNode:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self.leadership.resign()
+        if self.census is not None:
+            await self.census.leave()
         await self.sync.stop()
         self.store.close()

@@ -130,6 +130,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         body_limit_mb=config.request_limit.body_limit,
         grammars=compiler_for(tokenizer.tokenizer, cache_size=config.request_limit.grammar_cache_size)[0])
     state.cluster = cluster
+    if cluster is not None and cluster.census is not None:
+        cluster.census.on_count = admission.book.share
     state.kv_watch = kv_watch
     if config.planner_config.enabled:
         try:

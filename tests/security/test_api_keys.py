@@ -117,3 +117,41 @@ def test_every_digest_is_compared_whichever_matches(store, monkeypatch):
         calls.clear()
         store.check(header)
         assert len(calls) == store.num_keys
+
+
+def test_a_digest_may_carry_its_tenant_and_keys_naming_one_tenant_share_its_terms(tmp_path):
+    third = "sk-pdserve-carol-5555"
+    store = ApiKeyStore.load(write_keys(tmp_path / "keys", f"{hash_key(KEY)} name=team-a weight=3 rpm=60 tpm=1000 "
+                                       "concurrency=4  # alice", f"{hash_key(OTHER_KEY)} name=team-a",
+                                       hash_key(third)))
+    alice, bob, carol = (store.identify(f"Bearer {k}")[1] for k in (KEY, OTHER_KEY, third))
+    assert alice == bob and (alice.name, alice.weight, alice.rpm, alice.tpm, alice.concurrency) == \
+        ("team-a", 3.0, 60, 1000, 4)
+    assert (carol.name, carol.weight, carol.rpm) == (f"key-{hash_key(third)[:8]}", 1.0, 0)  # a bare digest: no limits
+    assert store.identify("Bearer nope") == (INVALID, None)
+    assert set(store.tenants()) == {"team-a", carol.name}
+
+
+@pytest.mark.parametrize("tail,named", [
+    ("weight=0", "weight must be a number in (0, 1000]"),
+    ("weight=lots", "weight must be a number"),
+    ("rpm=-1", "rpm must be a whole number in [1, 1000000000]"),
+    ("tpm=1.5", "tpm must be"),
+    ("concurrency=0", "concurrency must be"),
+    ("name=bad!name", "name must be"),
+    ("colour=red", "unknown field 'colour'"),
+    ("rpm=5 rpm=6", "rpm is given twice"),
+    ("rpm", "expected field=value"),
+])
+def test_a_bad_tenant_field_is_refused_naming_the_line_and_the_field_never_the_key(tmp_path, tail, named):
+    path = write_keys(tmp_path / "keys", "# header", f"{hash_key(KEY)} {tail}")
+    with pytest.raises(ApiKeyFileError) as refused:
+        ApiKeyStore.load(path)
+    assert f"line 2: {named}" in str(refused.value)
+    assert hash_key(KEY) not in str(refused.value) and KEY not in str(refused.value)
+
+
+def test_one_tenant_stated_with_two_different_terms_is_refused(tmp_path):
+    path = write_keys(tmp_path / "keys", f"{hash_key(KEY)} name=a rpm=5", f"{hash_key(OTHER_KEY)} name=a rpm=6")
+    with pytest.raises(ApiKeyFileError, match="line 2: tenant a has other terms on line 1"):
+        ApiKeyStore.load(path)
