@@ -43,6 +43,10 @@ environment; its rows sit beside this one's and a summary line gives the ratio. 
 times, the paths taking turns, and keeps each row's median: this machine's rows move by 10-20% from run to run, so a
 change is judged only against rows from the same stretch of time.
 
+`--tenants` gives the coordinator (not the --against one) an API keys file of 4 tenants, each with a weight and every
+limit on (rpm, tpm, concurrency; none reached), and its clients' requests take turns with the 4 keys: `--tenants
+--against .` is tenancy's CPU per request against a coordinator without it (target <= 1.1x).
+
 `--algorithm` sets every coordinator's routing policy (round_robin by default) and `--against-algorithm` the --against
 coordinator's: `--against . --against-algorithm cache_affinity` puts a coordinator routing on the KV index (following
 the workers' KV events, hashing each prompt) beside a round-robin one in front of the same workers.
@@ -98,6 +102,7 @@ from coordinator.workers.client import WorkerClient, sampling_to_pb  # noqa: E40
 from bench.cpu_quota import CpuQuota, check_available  # noqa: E402
 from bench.stream_client import StreamClient  # noqa: E402
 from launcher.cli import run_event_loop  # noqa: E402
+from security.api_keys import hash_key  # noqa: E402
 from security.certificates import ensure_local_certificates  # noqa: E402
 from security.settings import TlsLink  # noqa: E402
 from security.tls import LinkTls  # noqa: E402
@@ -109,6 +114,7 @@ BASELINE = "direct gRPC"
 TLS = ", mutual TLS"
 PLAIN_KV = " (KV in plaintext)"
 AGAINST = "coordinator, --against"
+TENANT_KEYS = tuple(f"sk-bench-tenant-{i}" for i in range(4))  # --tenants
 FLEET_TOKENS, FLEET_CONCURRENCY = 64, 32  # the fleet comparison's one level
 CPU_RATIO_TARGET, TTFT_ADDED_TARGET_MS, FLEET_RATIO_TARGET = 1.5, 1.0, 1.2
 
@@ -248,14 +254,16 @@ async def open_loop(one, rate: float, seconds: float) -> tuple[list[Sample], flo
     return samples, time.perf_counter() - start
 
 
-def completions_request(client: StreamClient, max_tokens: int):
-    """One streaming /v1/completions request; raises unless it streams `max_tokens` token chunks, usage and [DONE]."""
-    request = client.request("/v1/completions", json.dumps(
-        {"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True}).encode())
+def completions_request(client: StreamClient, max_tokens: int, keys: tuple[str, ...] = ()):
+    """One streaming /v1/completions request; raises unless it streams `max_tokens` token chunks, usage and [DONE].
+    With `keys`, the requests take turns sending each as their API key (--tenants)."""
+    body = json.dumps({"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True}).encode()
+    requests = itertools.cycle([client.request("/v1/completions", body, {"Authorization": f"Bearer {key}"})
+                                for key in keys] or [client.request("/v1/completions", body)])
 
     async def one() -> Sample:
         start = time.perf_counter()
-        status, body, first_read = await client.post(request)
+        status, body, first_read = await client.post(next(requests))
         e2e = time.perf_counter() - start
         if status != 200:
             raise RuntimeError(f"{client.host}:{client.port} answered {status}: {body[:500]!r}")
@@ -317,7 +325,7 @@ def free_port() -> int:
 
 
 def write_config(path: Path, prefill: list[str], decode: list[str], cert_dir: Path | None = None,
-                 manage_port: int = 0, algorithm: str = "round_robin") -> Path:
+                 manage_port: int = 0, algorithm: str = "round_robin", tenants: bool = False) -> Path:
     config = {
         # Kept-alive client connections wait while other paths' rows run: not closed under them meanwhile.
         "http_config": {"predict_ip": "127.0.0.1", "predict_port": 0, "manage_port": manage_port,
@@ -328,6 +336,11 @@ def write_config(path: Path, prefill: list[str], decode: list[str], cert_dir: Pa
     }
     if cert_dir is not None:  # serves clients with the server certificate, dials workers with the client one
         config["tls_config"] = {"predict": tls_link(cert_dir, "server"), "worker_grpc": tls_link(cert_dir, "client")}
+    if tenants:  # every request names its tenant by its key; every limit on, none reached
+        keys = path.with_name(path.stem + "-api-keys")
+        keys.write_text("".join(f"{hash_key(key)} name=tenant-{i} weight={i + 1} rpm={10**9} tpm={10**9} "
+                                f"concurrency={10**6}\n" for i, key in enumerate(TENANT_KEYS)))
+        config["auth_config"] = {"api_keys_file": str(keys)}
     path.write_text(json.dumps(config))
     return path
 
@@ -385,7 +398,7 @@ def start_cluster(args, tmp: Path, cert_dir: Path | None, cores: Cores) -> Clust
     try:
         manage_port = free_port()  # its /metrics: the TTFT it measures itself, from arrival to the first token
         config = write_config(tmp / f"ms_coordinator{'-tls' if suffix else ''}.json", cluster.prefill, cluster.decode,
-                              cert_dir, manage_port, args.algorithm)
+                              cert_dir, manage_port, args.algorithm, tenants=args.tenants)
         cluster.coordinator = Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:",
                                       cores.pinned, share=cores.share)
         cluster.coordinator.metrics_url = f"http://127.0.0.1:{manage_port}/metrics"
@@ -467,17 +480,19 @@ async def table_rows(args, proxy: Process, clusters: list[Cluster], cores: Cores
     async with contextlib.AsyncExitStack() as stack:
         session = stream_client(stack, proxy.address)
         paths = {PASSTHROUGH: (lambda tokens, s=session: completions_request(s, tokens), cores.others, proxy)}
+        keys = TENANT_KEYS if args.tenants else ()
         for cluster in clusters:
             session = stream_client(stack, cluster.coordinator.address, cluster.client_ssl)
-            paths[THROUGH + cluster.suffix] = (lambda tokens, s=session: completions_request(s, tokens), cores.others,
-                                               cluster.coordinator)
+            paths[THROUGH + cluster.suffix] = (lambda tokens, s=session: completions_request(s, tokens, keys),
+                                               cores.others, cluster.coordinator)
             if cluster.against is not None:
                 against = stream_client(stack, cluster.against.address)
                 paths[AGAINST] = (lambda tokens, s=against: completions_request(s, tokens), cores.others,
                                   cluster.against)
             # The direct rows: at c=1 always (the TTFT the coordinator adds), at every level with --direct.
             async with http_session(cluster.coordinator.address, cluster.client_ssl) as once, once.post(
-                    "/v1/completions", json={"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": 1}) as resp:
+                    "/v1/completions", json={"model": "pdserve-tiny", "prompt": PROMPT, "max_tokens": 1},
+                    headers={"Authorization": f"Bearer {keys[0]}"} if keys else None) as resp:
                 prompt_len = (await resp.json())["usage"]["prompt_tokens"]
             client = WorkerClient(cluster.worker_tls)
             stack.push_async_callback(client.close)
@@ -597,6 +612,9 @@ def main() -> None:
     parser.add_argument("--cpu-share", type=float, metavar="F", help="hold the coordinator, the proxy and the --against "
                         "coordinator each to F of one core (a cgroup CPU quota; root): saturated, their CPU per request is "
                         "the cost at capacity, not also the idle wake-ups of a process its clients cannot keep busy")
+    parser.add_argument("--tenants", action="store_true", help="the coordinator (not --against's) serves 4 "
+                        "keys-file tenants with every limit on (none reached), the clients' requests taking turns "
+                        "with the keys: tenancy's cost, against `--against` without it")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every row; each row's median (by CPU per "
                         "request) is shown")
     args = parser.parse_args()

@@ -91,8 +91,9 @@ class StreamClient:
         self._idle: list[StreamProtocol] = []
         self.dialled = 0  # connections this client opened
 
-    def request(self, path: str, body: bytes) -> bytes:
-        return (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nAccept: */*\r\n"
+    def request(self, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        return (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nAccept: */*\r\n{extra}"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
     async def post(self, request: bytes) -> tuple[int, bytes, float]:

@@ -46,26 +46,34 @@ SERVICE_EWMA = 0.1  # weight of a finished request in the expected service times
 
 
 class ServiceTimes:
-    """Recent requests' time from their turn to their first token, and per later token (moving averages): a
-    request's expected service time, so it leaves the line while it can still finish within its deadline."""
+    """Recent requests' time from their turn to their first token, and per later token (moving averages), and how
+    far a request's service strays from that (a moving mean deviation, as TCP's round-trip estimate keeps): a
+    request's expected service time with a margin, so it leaves the line while it can still finish in time."""
 
-    __slots__ = ("first_token_s", "token_s", "tokens", "seen")
+    __slots__ = ("first_token_s", "token_s", "tokens", "deviation_s", "seen")
 
     def __init__(self):
         self.first_token_s = 0.0
         self.token_s = 0.0
         self.tokens = 0.0  # output tokens of a request
+        self.deviation_s = 0.0
         self.seen = 0
+
+    def _mean_s(self, tokens: float) -> float:
+        return self.first_token_s + self.token_s * max(0.0, tokens - 1)
 
     def expected_s(self, max_tokens: int) -> float:
         if not self.seen:
             return 0.0
-        return self.first_token_s + self.token_s * max(0.0, min(max_tokens, self.tokens) - 1)
+        return self._mean_s(min(max_tokens, self.tokens)) + 2 * self.deviation_s
 
     def observe(self, started: float, progress: Progress) -> None:
         if not progress.count:
             return
         weight = SERVICE_EWMA if self.seen >= 10 else 1.0 / (self.seen + 1)  # a plain mean over the first ten
+        if self.seen:
+            error = abs(progress.last_at - started - self._mean_s(progress.count))
+            self.deviation_s += weight * (error - self.deviation_s)
         self.seen += 1
         self.first_token_s += weight * (progress.first_at - started - self.first_token_s)
         self.tokens += weight * (progress.count - self.tokens)
@@ -124,7 +132,8 @@ class RequestPipeline:
         """Wait in the line until the request's turn, at most until its latest start; refused (503, Retry-After)
         when it cannot start by then, 504 when the deadline itself passed."""
         ticket = request.ticket
-        latest_start = deadline - self.service.expected_s(max_tokens)
+        # Without early refusal a request waits until its deadline, as it always did.
+        latest_start = deadline - self.service.expected_s(max_tokens) if self.queue.refuse_early else deadline
         try:
             await self.queue.acquire(request.priority or DEFAULT_PRIORITY, latest_start - time.monotonic(),
                                      ticket.tenant.line if ticket is not None else DEFAULT_LINE)

@@ -33,7 +33,8 @@ class TenancyConfig(BaseModel):
                                        "another name is refused with 400.")
     refuse_early: bool = Field(True, description="Refuse at once (503, or 429 on TGI-style APIs, with "
                                "Retry-After) a request the waiting line predicts cannot start before its deadline "
-                               "less its expected service time, rather than let it wait and time out.")
+                               "less its expected service time, and let one still waiting then leave; false: "
+                               "every request waits until its deadline (504).")
 
     @field_validator("objectives")
     @classmethod
