@@ -26,6 +26,8 @@ LIFE_CYCLES = (
     ("A coordinator's subscription to one vLLM instance's KV events", "coordinator/workers/vllm/kv_events.py"),
     ("A coordinator's leadership on etcd", "coordinator/cluster/leadership.py"),
     ("A worker's registration on etcd", "coordinator/cluster/registry_sync.py"),
+    ("A coordinator replica's count on etcd", "coordinator/cluster/replica_census.py"),
+    ("A client request's hold on its tenant", "coordinator/tenancy/tenants.py"),
     ("An online planner decision", "planner/online.py"),
     ("A role switch in place", "worker/service/role_switch.py"),
     ("A tick of the local autoscaler", "launcher/autoscaler.py"),

@@ -12,6 +12,8 @@ from coordinator.scheduling.kv_index import KvIndex
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planning.planner_loop import PlannerLoop
 from planner.settings import PlannerConfig
+from coordinator.tenancy.admission import TenantBook
+from coordinator.tenancy.settings import TenancyConfig
 from docs_gen.markdown import banner, cell, table
 from worker.engine.block_pool import BlockPool
 from worker.metrics import ProcessMetrics, WorkerMetrics
@@ -53,6 +55,7 @@ def coordinator_rows() -> list[list[str]]:
     metrics = CoordinatorMetrics()
     metrics.watch(SimpleNamespace(num_waiting=0), InstanceRegistry(), KvIndex())  # cache_affinity's too
     metrics.watch_planner(PlannerLoop(PlannerConfig(enabled=True), InstanceRegistry(), "round_robin"))
+    metrics.watch_tenants(TenantBook(TenancyConfig()))
     return sorted(metric_rows(metrics.registry).values())
 
 

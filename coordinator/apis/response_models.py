@@ -376,6 +376,8 @@ class Health(Exact):
     coordinator: str = Field(None, description="With etcd: this coordinator's name")
     leader: str = Field(None, description="With etcd: the active coordinator, as last seen")
     etcd: EtcdHealth = Field(None, description="With etcd: its reachability")
+    replicas: int = Field(None, description="With etcd in mode replicas: the coordinators serving, each taking "
+                          "1/replicas of every tenant's limits")
 
 
 class Liveness(Exact):

@@ -82,8 +82,11 @@ class ClusterNode:
 
     def describe(self) -> dict:
         """What /health adds: this coordinator's role and etcd's reachability."""
-        return {"role": self.role.value, "coordinator": self.name, "leader": self.leadership.leader,
-                "etcd": self.store.status()}
+        described = {"role": self.role.value, "coordinator": self.name, "leader": self.leadership.leader,
+                     "etcd": self.store.status()}
+        if self.census is not None:
+            described["replicas"] = self.census.count  # each takes 1/replicas of every tenant's limits
+        return described
 
     # The management port's news, passed on to etcd in the background.
     def registered(self, instance: Instance) -> None:
