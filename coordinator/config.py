@@ -334,6 +334,13 @@ class BackupConfig(_Section):
             check_host_port(_split_url(url, *_HTTP_URL)[1].rstrip("/"))
         return [url.rstrip("/") for url in endpoints]
 
+    @model_validator(mode="after")
+    def _census_outlives_a_round(self) -> BackupConfig:
+        if self.mode == "replicas" and self.sync_interval_s > self.lease_ttl_s / 2:
+            raise ValueError(f"mode replicas: sync_interval_s ({self.sync_interval_s:g}) must be at most half of "
+                             f"lease_ttl_s ({self.lease_ttl_s}): each round refreshes the replica's counted lease")
+        return self
+
     @field_validator("key_prefix")
     @classmethod
     def _prefix(cls, prefix: str) -> str:

@@ -25,6 +25,7 @@ FAILURE_REASONS = (MISSING, MALFORMED, INVALID)
 _DIGEST = re.compile(r"[0-9a-f]{64}\Z")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 MAX_WEIGHT = 1000.0
+RESERVED_NAMES = ("anonymous", "overflow")  # the tenants of requests without a key, and of the header's surplus
 MAX_LIMIT = 10**9
 
 
@@ -45,6 +46,9 @@ def _tenant_field(field: str, value: str, where: str):
         if not _NAME.match(value):
             raise ApiKeyFileError(f"{where}: name must be 1-64 of A-Z a-z 0-9 . _ - (starting with a letter or "
                                   "digit)")
+        if value in RESERVED_NAMES:
+            raise ApiKeyFileError(f"{where}: name {value} is reserved (requests without a key, header-named "
+                                  "tenants past tenancy_config.max_tenants)")
         return value
     if field == "weight":
         try:
@@ -58,8 +62,9 @@ def _tenant_field(field: str, value: str, where: str):
         if not value.isdigit() or not 1 <= int(value) <= MAX_LIMIT:
             raise ApiKeyFileError(f"{where}: {field} must be a whole number in [1, {MAX_LIMIT}]")
         return int(value)
-    raise ApiKeyFileError(f"{where}: unknown field {field!r}; a digest may be followed by name=, weight=, rpm=, "
-                          "tpm=, concurrency=")
+    # Not quoted: the text may be a key pasted by mistake (a base64 key ends in `=`).
+    raise ApiKeyFileError(f"{where}: an unknown field; a digest may be followed by name=, weight=, rpm=, tpm=, "
+                          "concurrency=")
 
 
 def _tenant_terms(digest: str, words: list[str], where: str) -> TenantTerms:
@@ -82,11 +87,6 @@ class ApiKeyFileError(ValueError):
 def hash_key(key: str) -> str:
     """The line the keys file holds for `key`: the lowercase hex SHA-256 of its UTF-8 bytes."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-def read_digests(path: Path | str) -> tuple[bytes, ...]:
-    """The digests in the keys file at `path`, in file order without repeats."""
-    return tuple(read_keys(path))
 
 
 def read_keys(path: Path | str) -> dict[bytes, TenantTerms]:

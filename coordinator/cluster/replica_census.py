@@ -35,8 +35,10 @@ class ReplicaCensus:
         """Keep this replica's key alive and count the replicas; etcd unreachable: keep the last count."""
         try:
             if not self._lease or not await self.store.refresh(self._lease):
-                self._lease = await self.store.grant(self.ttl_s)
-                await self.store.put(self.key, "1", self._lease)
+                self._lease = 0
+                lease = await self.store.grant(self.ttl_s)
+                await self.store.put(self.key, "1", lease)
+                self._lease = lease  # only once its key is written: a failed put is tried again next round
             count = max(1, len(await self.store.get_prefix(self.prefix)))
         except EtcdError:
             return

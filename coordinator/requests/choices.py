@@ -96,6 +96,8 @@ async def _serve_many(http_request: web.Request, pipeline: RequestPipeline, grou
     finally:
         for task in tasks:  # one failed: the others' generations must not run on for nobody
             task.cancel()
+        # ... and they end before the client request does: its tenant is charged what they streamed.
+        await asyncio.gather(*tasks, return_exceptions=True)
     bodies, prompt, start = [], 0, 0
     for group in groups:
         order = list(range(start, start + len(group)))

@@ -140,11 +140,16 @@ class RequestPipeline:
         except CannotStartInTime as refused:
             self._refused_for_deadline(request)
             wait = max(1, round(refused.wait_s))
-            raise ApiError(503, f"the coordinator's queue is full: this request would start in about {wait}s, too "
-                                f"late for its {timeout:g}s timeout", headers={"Retry-After": str(wait)},
+            if latest_start <= refused.at:
+                why = (f"its expected service time ({deadline - latest_start:.1f}s) leaves no time to wait within "
+                       f"its {timeout:g}s timeout")
+            else:
+                why = f"it would start in about {wait}s, too late for its {timeout:g}s timeout"
+            raise ApiError(503, f"the coordinator's queue is full: {why}", headers={"Retry-After": str(wait)},
                            error_type=OVERLOADED) from None
         except TimeoutError:
-            if time.monotonic() < deadline:
+            # Left at its latest start, before the deadline (the timer may fire a hair early: not compared to now).
+            if latest_start < deadline:
                 self._refused_for_deadline(request)
                 raise ApiError(503, f"request left the coordinator's queue: it could no longer finish within its "
                                     f"{timeout:g}s timeout", headers={"Retry-After": "1"},
@@ -162,7 +167,7 @@ class RequestPipeline:
     @staticmethod
     def _refused_for_deadline(request: GenerationRequest) -> None:
         if request.ticket is not None:
-            request.ticket.tenant.refused["deadline"] += 1
+            request.ticket.refused_for_deadline()
 
     def _routed(self, placement: Placement, prompt_tokens: int, trace: GenerationTrace) -> None:
         prefill = placement.prefill.address if placement.prefill is not None else None

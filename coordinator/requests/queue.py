@@ -29,11 +29,12 @@ MIN_RATE_SAMPLES = 8  # fewer: no prediction (and no early refusal)
 
 
 class CannotStartInTime(Exception):
-    """The request would start after its latest start; `wait_s` is the predicted wait."""
+    """The request would start after its latest start; `wait_s` is the predicted wait from `at` (the clock's)."""
 
-    def __init__(self, wait_s: float):
+    def __init__(self, wait_s: float, at: float):
         super().__init__(f"predicted wait {wait_s:.1f}s")
         self.wait_s = wait_s
+        self.at = at
 
 
 @dataclass
@@ -68,16 +69,15 @@ class RequestQueue:
             self.num_running += 1
             return
         name, weight = line
-        tenant = self._lines.get(name)
+        tenant = self._lines.get(name)  # a line in the dict has requests waiting (an idle one is dropped)
         if tenant is None:
             tenant = self._lines[name] = _Line(weight, self._virtual)
-        elif tenant.waiting == 0:
-            tenant.tag = max(tenant.tag, self._virtual)
+        tenant.weight = weight  # the keys file may have been reloaded
         if self.refuse_early:
             wait = self.predicted_wait(tenant, priority)
             if wait > timeout_s:
                 self._forget_if_idle(name, tenant)
-                raise CannotStartInTime(wait)
+                raise CannotStartInTime(wait, self.clock())
         fut = asyncio.get_running_loop().create_future()
         heapq.heappush(tenant.heap, (priority, next(self._arrival), fut))
         tenant.by_level[priority] += 1
@@ -100,8 +100,7 @@ class RequestQueue:
     def release(self) -> None:
         self.num_running -= 1
         while self.num_waiting and self.num_running < self.max_running:
-            name, tenant = min(((n, t) for n, t in self._lines.items() if t.waiting),
-                               key=lambda item: (item[1].tag, item[1].heap[0][1]))
+            name, tenant = min(self._lines.items(), key=lambda item: (item[1].tag, item[1].heap[0][1]))
             priority, _, fut = heapq.heappop(tenant.heap)
             if fut.done():  # cancelled: already uncounted
                 continue
@@ -133,13 +132,9 @@ class RequestQueue:
         if rate is None:
             return 0.0
         own = sum(tenant.by_level[1:priority + 1]) + 1
-        shares = sum(t.weight for t in self._lines.values() if t.waiting or t is tenant) / tenant.weight
+        shares = sum(t.weight for t in self._lines.values()) / tenant.weight  # `tenant` is in the dict
         ahead = min(math.ceil(own * shares), self.num_waiting + 1)
         return ahead / rate
-
-    def waiting_of(self, name: str) -> int:
-        tenant = self._lines.get(name)
-        return tenant.waiting if tenant is not None else 0
 
     def _forget_if_idle(self, name: str, tenant: _Line) -> None:
         # An idle tenant's tag starts again at the virtual time, as a returning tenant's would.

@@ -20,13 +20,12 @@ from coordinator.requests.limits import ModelLimits
 from coordinator.requests.request import DEFAULT_PRIORITY, GenerationRequest
 from coordinator.tenancy.settings import TenancyConfig
 from coordinator.tenancy.tenants import Tenant, TenantTicket
-from security.api_keys import ApiKeyStore, TenantTerms
+from security.api_keys import RESERVED_NAMES, ApiKeyStore, TenantTerms
 
 PRIORITY_HEADER = "x-pdserve-priority"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 KEY_TERMS = web.RequestKey("key_tenant", TenantTerms)  # the API key's tenant, set by the key gate
-ANONYMOUS = "anonymous"  # the tenant of requests without a key or a trusted fairness header
-OVERFLOW = "overflow"  # header-named tenants past tenancy_config.max_tenants
+ANONYMOUS, OVERFLOW = RESERVED_NAMES  # requests without a key or a trusted header; header names past max_tenants
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}\Z")
 
 

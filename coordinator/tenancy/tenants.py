@@ -25,13 +25,14 @@ if TYPE_CHECKING:
     from coordinator.requests.attempt import Progress
 
 OUTPUT_EWMA = 0.2  # weight of a finished request's output in the tenant's expected output
+SETTLE_EVERY_S = 0.1  # an admission charges what streamed since the last settle, at most this often
 REFUSALS = ("concurrency", "rpm", "tpm", "deadline")
 
 
 class TenantTicket:
     """One admitted client request of a tenant: its output reservation and its generations' progress."""
 
-    __slots__ = ("tenant", "reserved", "counted", "streams", "closed")
+    __slots__ = ("tenant", "reserved", "counted", "streams", "closed", "late")
 
     def __init__(self, tenant: Tenant, reserved: int):
         self.tenant = tenant
@@ -39,6 +40,7 @@ class TenantTicket:
         self.counted = 0  # output tokens charged so far
         self.streams: list[Progress] = []
         self.closed = False
+        self.late = False  # refused for its deadline (counted once, whatever its number of generations)
 
     def settle(self) -> None:
         """Charge the tokens streamed since the last settle: out of the reservation first, then the bucket."""
@@ -65,8 +67,14 @@ class TenantTicket:
         tenant.open.discard(self)
         if tenant.tokens is not None and self.reserved:
             tenant.tokens.give_back(self.reserved)
-        outputs = self.counted / max(1, len(self.streams))
-        tenant.expected_output += OUTPUT_EWMA * (outputs - tenant.expected_output)
+        if self.counted:  # one that never generated (refused, or its client left) says nothing of answers
+            outputs = self.counted / len(self.streams)
+            tenant.expected_output += OUTPUT_EWMA * (outputs - tenant.expected_output)
+
+    def refused_for_deadline(self) -> None:
+        if not self.late:
+            self.late = True
+            self.tenant.refused["deadline"] += 1
 
 
 class Tenant:
@@ -87,10 +95,12 @@ class Tenant:
         self.output_tokens = 0
         self.queue_seconds = 0.0
         self.queued = 0
+        self._settled_at = -SETTLE_EVERY_S
         self.share(replicas)
 
     def share(self, replicas: int) -> None:
-        """Take 1/`replicas` of each limit (the others take the rest); buckets keep their fill ratio."""
+        """Take 1/`replicas` of each limit (the others take the rest); buckets keep their fill ratio. Concurrency
+        rounds up: N replicas together may hold up to N - 1 requests more than the limit."""
         self.replicas = replicas
         terms = self.terms
         self.concurrency = math.ceil(terms.concurrency / replicas) if terms.concurrency else 0
@@ -112,13 +122,16 @@ class Tenant:
             self.line = (terms.name, terms.weight)
             self.share(self.replicas)
 
-    @property
-    def limited(self) -> bool:
-        return bool(self.concurrency or self.requests or self.tokens)
-
     def settle(self) -> None:
         for ticket in self.open:
             ticket.settle()
+        self._settled_at = self.clock()
+
+    def settle_if_due(self) -> None:
+        """Settle, unless done within SETTLE_EVERY_S: a flood's admissions would each walk all its open tickets,
+        for tokens that move the bucket by a tenth of a second's streaming at most."""
+        if self.clock() - self._settled_at >= SETTLE_EVERY_S:
+            self.settle()
 
     def admit(self, prompt_tokens: int, max_output: int, generations: int = 1) -> TenantTicket:
         """A ticket for a client request of `prompt_tokens` (all its prompts) whose `generations` may generate
@@ -131,7 +144,7 @@ class Tenant:
                          f"{self._per_replica}")
         reserved = 0
         if self.tokens is not None:
-            self.settle()
+            self.settle_if_due()
             reserved = min(max_output, round(self.expected_output * generations))
             need = prompt_tokens + reserved
             if not self.tokens.can_take(need):

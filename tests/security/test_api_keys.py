@@ -139,7 +139,9 @@ def test_a_digest_may_carry_its_tenant_and_keys_naming_one_tenant_share_its_term
     ("tpm=1.5", "tpm must be"),
     ("concurrency=0", "concurrency must be"),
     ("name=bad!name", "name must be"),
-    ("colour=red", "unknown field 'colour'"),
+    ("colour=red", "an unknown field"),
+    ("c2stbGl2ZS1TRUNSRVQta2V5MTIz=", "an unknown field"),  # a base64 key pasted after the digest
+    ("name=anonymous", "name anonymous is reserved"),
     ("rpm=5 rpm=6", "rpm is given twice"),
     ("rpm", "expected field=value"),
 ])
@@ -149,6 +151,7 @@ def test_a_bad_tenant_field_is_refused_naming_the_line_and_the_field_never_the_k
         ApiKeyStore.load(path)
     assert f"line 2: {named}" in str(refused.value)
     assert hash_key(KEY) not in str(refused.value) and KEY not in str(refused.value)
+    assert "c2stbGl2ZS1TRUNSRVQta2V5MTIz" not in str(refused.value)
 
 
 def test_one_tenant_stated_with_two_different_terms_is_refused(tmp_path):

@@ -33,7 +33,8 @@ def tenants(model_dir, tmp_path_factory):
     sections = {"auth_config": {"api_keys_file": "keys"}, "request_limit": {"max_running": 1},
                 "tenancy_config": {"objectives": {"critical": 1}}}
     coordinator = start_coordinator(write_config(tmp / "ms_coordinator.json", [workers[0].address],
-                                                 [workers[1].address], model_dir, sections=sections))
+                                                 [workers[1].address], model_dir, sections=sections,
+                                                 maxIterTimes=500, maxSeqLen=1024, maxInputTokenLen=512))
     yield coordinator
     assert [p.stop() for p in (coordinator, *workers)] == [0, 0, 0]
 
@@ -67,7 +68,8 @@ def test_past_its_rpm_a_tenant_gets_429_with_retry_after_in_each_apis_format_and
 def test_a_flooding_tenant_waits_behind_its_own_requests_not_in_front_of_another_tenants(tenants):
     url = tenants.address
     with concurrent.futures.ThreadPoolExecutor(24) as pool:
-        flood = [pool.submit(complete, url, FLOOD) for _ in range(20)]
+        # Long answers: the line stays deep while the test looks (it waits on the line's own count).
+        flood = [pool.submit(complete, url, FLOOD, 100) for _ in range(20)]
         wait_for(lambda: scrape(url)[("pdserve_requests_waiting", ())] >= 15, what="the flood to queue")
         queued_before = tenant_metric(url, "pdserve_tenant_queued_total", "flood")
         light = complete(url, LIGHT)
@@ -91,7 +93,7 @@ def test_priority_headers_order_the_line_and_a_bad_one_is_a_400_in_the_apis_form
                          json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
     assert unknown.status_code == 400 and "x-gateway-inference-objective" in unknown.json()["error"]
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        low = [pool.submit(complete, url, FLOOD) for _ in range(8)]
+        low = [pool.submit(complete, url, FLOOD, 100) for _ in range(8)]
         wait_for(lambda: scrape(url)[("pdserve_requests_waiting", ())] >= 6, what="the requests to queue")
         urgent = pool.submit(complete, url, FLOOD, headers={"x-gateway-inference-objective": "critical"})
         urgent_done = urgent.result()
