@@ -21,7 +21,7 @@ from aiohttp import web
 from coordinator.errors import ApiError
 from coordinator.requests.pipeline import RequestPipeline
 from coordinator.requests.request import Failed, Finished, GenerationEvent, GenerationRequest, TokenDelta
-from coordinator.requests.serving import (TokenWriter, Transcript, admitted, json_dumps, record, serve_generation,
+from coordinator.requests.serving import (TokenWriter, Transcript, admitted, collect, json_dumps, serve_generation,
                                           stream_events)
 from coordinator.tenancy.admission import close_tickets
 
@@ -45,17 +45,6 @@ def _with_index(frame, index: int):
         for choice in frame.get("choices", []):
             choice["index"] = index
     return frame
-
-
-async def _collect(pipeline: RequestPipeline, request: GenerationRequest) -> Transcript:
-    transcript = Transcript()
-    events = pipeline.generate(request)
-    try:
-        async for event in events:
-            record(transcript, event)
-    finally:
-        await events.aclose()
-    return transcript
 
 
 def _score(transcript: Transcript) -> float:
@@ -90,7 +79,7 @@ async def _serve_many(http_request: web.Request, pipeline: RequestPipeline, grou
         usage = _RequestUsage([g for g, group in enumerate(groups) for _ in group])
         writers = [TokenWriter(ChoiceFormatter(f, i, usage), Transcript()) for i, f in enumerate(flat_formatters)]
         return await stream_events(http_request, merged(pipeline, requests), writers, requests[0].request_id)
-    tasks = [asyncio.create_task(_collect(pipeline, r)) for r in requests]
+    tasks = [asyncio.create_task(collect(pipeline, r)) for r in requests]
     try:
         transcripts = await asyncio.gather(*tasks)
     finally:

@@ -81,19 +81,24 @@ async def serve_generation(
 ) -> web.StreamResponse:
     (request,) = admitted(http_request, [request])
     try:
-        transcript = Transcript()
         if not stream:
-            events = pipeline.generate(request)
-            try:
-                async for event in events:
-                    record(transcript, event)
-            finally:
-                await events.aclose()
-            return web.json_response(formatter.response(transcript), dumps=json_dumps)
-        writer = TokenWriter(formatter, transcript)
+            return web.json_response(formatter.response(await collect(pipeline, request)), dumps=json_dumps)
+        writer = TokenWriter(formatter, Transcript())
         return await stream_events(http_request, pipeline.generate(request, writer), [writer], request.request_id)
     finally:
         close_tickets([request])
+
+
+async def collect(pipeline: RequestPipeline, request: GenerationRequest) -> Transcript:
+    """A whole generation's events, recorded in one transcript."""
+    transcript = Transcript()
+    events = pipeline.generate(request)
+    try:
+        async for event in events:
+            record(transcript, event)
+    finally:
+        await events.aclose()
+    return transcript
 
 
 def admitted(http_request: web.Request, requests: list[GenerationRequest]) -> list[GenerationRequest]:

@@ -72,6 +72,13 @@ async def queued(queue: RequestQueue, count: int, line, priority: int = 5, order
     return tasks
 
 
+async def full_line() -> RequestQueue:
+    """A line of one place, taken: every next request waits."""
+    queue = RequestQueue(max_running=1)
+    await queue.acquire(5, 1)
+    return queue
+
+
 async def grant(queue: RequestQueue, turns: int, clock: FakeClock | None = None, step_s: float = 0.1) -> None:
     for _ in range(turns):
         if clock is not None:
@@ -81,9 +88,7 @@ async def grant(queue: RequestQueue, turns: int, clock: FakeClock | None = None,
 
 
 async def test_a_tenant_sending_a_little_is_served_within_two_turns_of_a_flooding_tenants_line():
-    queue = RequestQueue(max_running=1)
-    await queue.acquire(5, 1)
-    order: list = []
+    queue, order = await full_line(), []
     tasks = await queued(queue, 30, ("flood", 1.0), order=order)
     tasks += await queued(queue, 2, ("light", 1.0), order=order)
     await grant(queue, 32)
@@ -94,9 +99,7 @@ async def test_a_tenant_sending_a_little_is_served_within_two_turns_of_a_floodin
 
 
 async def test_weights_share_the_turns_of_a_full_line():
-    queue = RequestQueue(max_running=1)
-    await queue.acquire(5, 1)
-    order: list = []
+    queue, order = await full_line(), []
     tasks = await queued(queue, 60, ("heavy", 3.0), order=order)
     tasks += await queued(queue, 60, ("single", 1.0), order=order)
     await grant(queue, 40)
@@ -106,9 +109,7 @@ async def test_weights_share_the_turns_of_a_full_line():
 
 
 async def test_within_a_tenant_priority_comes_before_arrival_and_other_tenants_keep_their_share():
-    queue = RequestQueue(max_running=1)
-    await queue.acquire(5, 1)
-    order: list = []
+    queue, order = await full_line(), []
     tasks = await queued(queue, 4, ("a", 1.0), priority=5, order=order)
     tasks += await queued(queue, 2, ("a", 1.0), priority=1, order=order)
     tasks += await queued(queue, 3, ("b", 1.0), priority=5, order=order)
