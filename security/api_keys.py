@@ -149,13 +149,9 @@ class ApiKeyStore:
         self.__init__(self.path, read_keys(self.path))
         return len(self._digests)
 
-    def check(self, authorization: str | None) -> str | None:
-        """None if the header carries an accepted key (`Bearer <key>` or a bare `<key>`), else why not:
-        MISSING, MALFORMED or INVALID."""
-        return self.identify(authorization)[0]
-
     def identify(self, authorization: str | None) -> tuple[str | None, TenantTerms | None]:
-        """(None, the key's tenant) if the header carries an accepted key, else (why not, None)."""
+        """(None, the key's tenant) if the header carries an accepted key (`Bearer <key>` or a bare `<key>`), else
+        (why not: MISSING, MALFORMED or INVALID, None)."""
         if not (authorization or "").strip():
             return MISSING, None
         value = bearer_value(authorization)

@@ -44,8 +44,11 @@ class _Line:
     weight: float
     tag: float = 0.0
     heap: list = field(default_factory=list)
-    by_level: list[int] = field(default_factory=lambda: [0] * (LEVELS + 1))
-    waiting: int = 0
+    by_level: list[int] = field(default_factory=lambda: [0] * (LEVELS + 1))  # requests waiting, by priority
+
+    @property
+    def waiting(self) -> int:
+        return sum(self.by_level)
 
 
 class RequestQueue:
@@ -81,7 +84,6 @@ class RequestQueue:
         fut = asyncio.get_running_loop().create_future()
         heapq.heappush(tenant.heap, (priority, next(self._arrival), fut))
         tenant.by_level[priority] += 1
-        tenant.waiting += 1
         self.num_waiting += 1
         try:
             await asyncio.wait_for(fut, max(timeout_s, 0.0))
@@ -90,11 +92,8 @@ class RequestQueue:
             if fut.done() and not fut.cancelled():
                 self.release()
             else:
-                tenant.by_level[priority] -= 1
-                tenant.waiting -= 1
-                self.num_waiting -= 1  # its cancelled future stays in the heap until popped
-                fut.cancel()
-                self._forget_if_idle(name, tenant)
+                fut.cancel()  # it stays in the heap until popped
+                self._left(name, tenant, priority)
             raise
 
     def release(self) -> None:
@@ -104,15 +103,12 @@ class RequestQueue:
             priority, _, fut = heapq.heappop(tenant.heap)
             if fut.done():  # cancelled: already uncounted
                 continue
-            tenant.by_level[priority] -= 1
-            tenant.waiting -= 1
-            self.num_waiting -= 1
             self._virtual = tenant.tag
             tenant.tag += 1.0 / tenant.weight
             self.num_running += 1
             self._turns.append(self.clock())
             fut.set_result(None)
-            self._forget_if_idle(name, tenant)
+            self._left(name, tenant, priority)
 
     def drain_rate(self) -> float | None:
         """Turns per second granted while full, over the recent ones; None: too few to say."""
@@ -135,6 +131,12 @@ class RequestQueue:
         shares = sum(t.weight for t in self._lines.values()) / tenant.weight  # `tenant` is in the dict
         ahead = min(math.ceil(own * shares), self.num_waiting + 1)
         return ahead / rate
+
+    def _left(self, name: str, tenant: _Line, priority: int) -> None:
+        """A request of `tenant` at `priority` left the waiting (its turn came, or it gave up)."""
+        tenant.by_level[priority] -= 1
+        self.num_waiting -= 1
+        self._forget_if_idle(name, tenant)
 
     def _forget_if_idle(self, name: str, tenant: _Line) -> None:
         # An idle tenant's tag starts again at the virtual time, as a returning tenant's would.

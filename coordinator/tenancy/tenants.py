@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from coordinator.errors import ApiError
 from coordinator.tenancy.token_bucket import TokenBucket
@@ -63,7 +63,6 @@ class TenantTicket:
         self.closed = True
         self.settle()
         tenant = self.tenant
-        tenant.in_flight -= 1
         tenant.open.discard(self)
         if tenant.tokens is not None and self.reserved:
             tenant.tokens.give_back(self.reserved)
@@ -86,8 +85,7 @@ class Tenant:
         self.terms = terms
         self.burst_s = burst_s
         self.clock = clock
-        self.in_flight = 0
-        self.open: set[TenantTicket] = set()
+        self.open: set[TenantTicket] = set()  # its client requests in flight
         self.expected_output = 0.0
         self.admitted = 0
         self.refused = dict.fromkeys(REFUSALS, 0)
@@ -122,6 +120,10 @@ class Tenant:
             self.line = (terms.name, terms.weight)
             self.share(self.replicas)
 
+    @property
+    def in_flight(self) -> int:
+        return len(self.open)
+
     def settle(self) -> None:
         for ticket in self.open:
             ticket.settle()
@@ -153,7 +155,6 @@ class Tenant:
             self.tokens.take(need)
         if self.requests is not None:
             self.requests.take(1)
-        self.in_flight += 1
         self.admitted += 1
         self.prompt_tokens += prompt_tokens
         ticket = TenantTicket(self, reserved)
@@ -164,7 +165,7 @@ class Tenant:
     def _per_replica(self) -> str:
         return f" (this coordinator's 1/{self.replicas} share)" if self.replicas > 1 else ""
 
-    def _refuse(self, reason: str, retry_after_s: int, why: str) -> None:
+    def _refuse(self, reason: str, retry_after_s: int, why: str) -> NoReturn:
         self.refused[reason] += 1
         raise ApiError(429, f"tenant {self.name}: {why}; retry after {retry_after_s}s",
                        headers={"Retry-After": str(retry_after_s)})

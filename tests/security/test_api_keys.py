@@ -35,7 +35,7 @@ def test_comments_and_blank_lines_are_skipped(store):
 @pytest.mark.parametrize("header", [f"Bearer {KEY}", f"bearer {KEY}", f"BEARER  {KEY} ", KEY, f" {OTHER_KEY}",
                                     f"Bearer\t{OTHER_KEY}"])
 def test_bearer_and_bare_keys_are_accepted(store, header):
-    assert store.check(header) is None
+    assert store.identify(header)[0] is None
 
 
 @pytest.mark.parametrize("header,reason", [
@@ -44,13 +44,13 @@ def test_bearer_and_bare_keys_are_accepted(store, header):
     ("Bearer wrong-key", INVALID), ("wrong-key", INVALID), (f"Bearer {KEY}x", INVALID), (hash_key(KEY), INVALID),
 ])
 def test_refusals_say_why(store, header, reason):
-    assert store.check(header) == reason
+    assert store.identify(header)[0] == reason
 
 
 def test_a_store_with_no_keys_refuses_everything(tmp_path):
     store = ApiKeyStore.load(write_keys(tmp_path / "keys", "# nobody yet"))
     assert store.num_keys == 0
-    assert store.check(f"Bearer {KEY}") == INVALID
+    assert store.identify(f"Bearer {KEY}")[0] == INVALID
 
 
 @pytest.mark.parametrize("bad_line", [KEY, hash_key(KEY).upper(), hash_key(KEY)[:-1], hash_key(KEY) + "0",
@@ -76,7 +76,7 @@ def test_an_unreadable_file_is_an_error_naming_it(tmp_path):
 def test_crlf_line_endings_are_accepted(tmp_path):
     path = tmp_path / "keys"
     path.write_bytes(f"# windows\r\n{hash_key(KEY)}\r\n".encode())
-    assert ApiKeyStore.load(path).check(KEY) is None
+    assert ApiKeyStore.load(path).identify(KEY)[0] is None
 
 
 def test_reload_picks_up_added_and_removed_keys(tmp_path):
@@ -84,8 +84,8 @@ def test_reload_picks_up_added_and_removed_keys(tmp_path):
     store = ApiKeyStore.load(path)
     write_keys(path, hash_key(OTHER_KEY))
     assert store.reload() == 1
-    assert store.check(KEY) == INVALID
-    assert store.check(OTHER_KEY) is None
+    assert store.identify(KEY)[0] == INVALID
+    assert store.identify(OTHER_KEY)[0] is None
 
 
 def test_a_broken_file_on_reload_keeps_the_keys_in_use(tmp_path):
@@ -94,12 +94,12 @@ def test_a_broken_file_on_reload_keeps_the_keys_in_use(tmp_path):
     write_keys(path, hash_key(OTHER_KEY), OTHER_KEY)  # a plaintext key pasted by mistake
     with pytest.raises(ApiKeyFileError, match="line 2"):
         store.reload()
-    assert store.check(KEY) is None
-    assert store.check(OTHER_KEY) == INVALID
+    assert store.identify(KEY)[0] is None
+    assert store.identify(OTHER_KEY)[0] == INVALID
     path.unlink()
     with pytest.raises(ApiKeyFileError, match="cannot read"):
         store.reload()
-    assert store.check(KEY) is None
+    assert store.identify(KEY)[0] is None
 
 
 def test_every_digest_is_compared_whichever_matches(store, monkeypatch):
@@ -115,7 +115,7 @@ def test_every_digest_is_compared_whichever_matches(store, monkeypatch):
     monkeypatch.setattr(api_keys.hmac, "compare_digest", counting)
     for header in (KEY, OTHER_KEY, "wrong"):
         calls.clear()
-        store.check(header)
+        store.identify(header)[0]
         assert len(calls) == store.num_keys
 
 
