@@ -11,6 +11,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
                       model_validator)
 
 from embedded_model.builder import ModelSpec
+from coordinator.scheduling.decode_rebalance import RebalanceConfig
 from coordinator.tenancy.settings import TenancyConfig
 from planner.settings import PlannerConfig
 from security.settings import AuthConfig, TlsConfig
@@ -363,6 +364,7 @@ class CoordinatorConfig(_Section):
     auth_config: AuthConfig = AuthConfig()
     backup_config: BackupConfig = BackupConfig()
     planner_config: PlannerConfig = PlannerConfig()
+    rebalance_config: RebalanceConfig = RebalanceConfig()
     tenancy_config: TenancyConfig = TenancyConfig()
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)

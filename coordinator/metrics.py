@@ -257,6 +257,8 @@ class CoordinatorMetrics:
                                "Requests restarted on other instances before their first token.", registry=r)
         self.migrations = Counter("pdserve_request_migrations_total",
                                   "Streams moved to another decode instance after theirs was lost.", registry=r)
+        self.rebalances = Counter("pdserve_request_rebalances_total", "Running streams moved off a crowded decode "
+                                  "instance to even out the decode load (rebalance_config).", registry=r)
         self.failed = Counter("pdserve_requests_failed_total", "Generation requests that failed, by reason.",
                               ["api", "reason"], registry=r)
         self.waiting = Gauge("pdserve_requests_waiting", "Generation requests waiting in the coordinator's queue.",
@@ -320,6 +322,9 @@ class CoordinatorMetrics:
     def migrated(self) -> None:
         self.migrations.inc()
 
+    def rebalanced(self) -> None:
+        self.rebalances.inc()
+
     def auth_failed(self, reason: str) -> None:
         self.auth_failures.labels(reason).inc()
 
@@ -371,6 +376,9 @@ class NullMetrics:
         pass
 
     def migrated(self) -> None:
+        pass
+
+    def rebalanced(self) -> None:
         pass
 
     def auth_failed(self, reason: str) -> None:

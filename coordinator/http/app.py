@@ -24,6 +24,7 @@ from coordinator.requests.media import MediaFetcher
 from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.requests.pipeline import RequestPipeline
 from coordinator.planning.planner_loop import PlannerLoop
+from coordinator.scheduling.decode_rebalance import DecodeRebalancer
 from planner.profile import ProfileError
 from coordinator.requests.queue import RequestQueue
 from coordinator.tenancy.admission import ADMISSION, Admission
@@ -140,6 +141,9 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         except ProfileError as exc:  # the message names the file
             raise ConfigError(f"planner_config: {exc}") from None
         metrics.watch_planner(state.planner)
+    rebalancer = None
+    if config.rebalance_config.enabled:
+        rebalancer = pipeline.attempts.rebalancer = DecodeRebalancer(config.rebalance_config, registry)
     state.engine = engine
     state.loras = loras
 
@@ -152,7 +156,11 @@ def create_app(config: CoordinatorConfig) -> web.Application:
             await cluster.start()
         if state.planner is not None:
             state.planner.start()
+        if rebalancer is not None:
+            rebalancer.start()
         yield
+        if rebalancer is not None:
+            await rebalancer.stop()
         if state.planner is not None:
             await state.planner.stop()
         if cluster is not None:

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from opentelemetry.trace import Status, StatusCode
 
@@ -26,19 +27,25 @@ from coordinator.workers.client import (FINISH_FROM_PB, DecodeAccepted, DecodeCa
 from proto import worker_pb2 as pb
 from telemetry import tracing
 
+if TYPE_CHECKING:
+    from coordinator.scheduling.decode_rebalance import DecodeRebalancer, MovableStream
+
 
 # How long a failed decode stream waits for its prefill call's own verdict before reporting itself.
 PREFILL_VERDICT_WAIT_S = 2.0
 
 
 class AttemptFailed(Exception):
-    """One attempt failed; `blame` is the instance at fault when another one could do better."""
+    """One attempt failed; `blame` is the instance at fault when another one could do better (or, `rebalanced`,
+    the decode instance the stream was moved off)."""
 
-    def __init__(self, error: WorkerError, blame: Instance | None = None, retryable: bool = False):
+    def __init__(self, error: WorkerError, blame: Instance | None = None, retryable: bool = False,
+                 rebalanced: bool = False):
         super().__init__(error.message)
         self.error = error
         self.blame = blame
         self.retryable = retryable and blame is not None
+        self.rebalanced = rebalanced
 
 
 @dataclasses.dataclass
@@ -154,12 +161,14 @@ class AttemptRunner:
         self.limits = limits
         self.first_token_timeout = first_token_timeout
         self.metrics = metrics
+        self.rebalancer: DecodeRebalancer | None = None  # with rebalance_config.enabled
 
     async def run(self, request: GenerationRequest, placement: Placement, max_tokens: int, deadline: float,
                   timeout: float, progress: Progress, original_prompt_len: int, trace: GenerationTrace,
-                  listener: TokenListener | None = None) -> AsyncIterator[GenerationEvent]:
+                  listener: TokenListener | None = None, movable: bool = False) -> AsyncIterator[GenerationEvent]:
         """Yield the attempt's events, continuing `progress`, timing its phases on `trace`; raises AttemptFailed.
-        With a `listener`, tokens it accepts go to it instead, as they arrive."""
+        With a `listener`, tokens it accepts go to it instead, as they arrive. `movable`: the rebalancer may move
+        the stream once it relays (AttemptFailed with `rebalanced`)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise AttemptFailed(deadline_error(timeout))
@@ -168,6 +177,7 @@ class AttemptRunner:
         late = deadline_error(timeout) if first_deadline == deadline else self._first_token_late(placement)
         clocks = _Deadlines(timeout, first_deadline, late)
         prefill_task: asyncio.Task | None = None
+        moving: MovableStream | None = None
         try:
             with self.registry.lease(placement.decode):
                 # The Decode call's deadline ends the request everywhere: the decode worker cancels and frees it.
@@ -197,8 +207,11 @@ class AttemptRunner:
                     phase, since = "decode", first_at
                     relay = TokenRelay(self.metrics, placement.decode, progress, request.sampling.logprobs is not None,
                                        (accepted_at - started) * 1000, request.arrived_at)
+                    if movable and self.rebalancer is not None:
+                        moving = self.rebalancer.relaying(progress, progress.count + max_tokens,
+                                                          placement.decode.address)
                     async for event in self._relay(stream, first, placement, original_prompt_len, relay, clocks,
-                                                   listener):
+                                                   listener, moving):
                         if event.__class__ is Finished:
                             trace.phase(phase, since, time.monotonic())
                             phase = None
@@ -208,6 +221,8 @@ class AttemptRunner:
                     if phase is not None:
                         trace.phase(phase, since, time.monotonic())
         finally:
+            if moving is not None:
+                self.rebalancer.done(moving)
             if prefill_task is not None:
                 if not prefill_task.done():
                     prefill_task.cancel()
@@ -288,7 +303,8 @@ class AttemptRunner:
             interrupt.disarm()
 
     async def _relay(self, stream: DecodeCall, token: pb.TokenEvent | None, placement: Placement, prompt_len: int,
-                     relay: TokenRelay, clocks: _Deadlines, listener: TokenListener | None):
+                     relay: TokenRelay, clocks: _Deadlines, listener: TokenListener | None,
+                     moving: MovableStream | None):
         if listener is not None:
             # From here on the tokens but the last may go straight from their frames to the client (the
             # task sees only what the listener leaves: the last token, a failure, a token of a slow client).
@@ -312,10 +328,30 @@ class AttemptRunner:
                     decode_time_ms=tuple(progress.decode_times),
                 )
                 return
+            if moving is None:
+                try:
+                    token = await stream.read()
+                except WorkerCallError as exc:
+                    raise self._failed(placement, exc.failure, clocks) from None
+                continue
+            if moving.wanted:
+                raise self._moved(placement)
+            moving.reading()
             try:
                 token = await stream.read()
             except WorkerCallError as exc:
+                moving.read_done()
                 raise self._failed(placement, exc.failure, clocks) from None
+            except asyncio.CancelledError:
+                if moving.interrupted():
+                    raise self._moved(placement) from None
+                raise
+            moving.read_done()
+
+    @staticmethod
+    def _moved(placement: Placement) -> AttemptFailed:
+        return AttemptFailed(WorkerError(f"moved off decode worker {placement.decode.address} to even out the decode "
+                                         "load"), placement.decode, retryable=True, rebalanced=True)
 
     def _first_token_late(self, placement: Placement) -> WorkerError:
         where = f"prefill {placement.prefill.address} / " if placement.prefill is not None else ""

@@ -21,6 +21,7 @@ A request's life in the coordinator:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -181,22 +182,31 @@ class RequestPipeline:
     async def _attempts(self, request: GenerationRequest, max_tokens: int, deadline: float, timeout: float,
                         trace: GenerationTrace, listener: TokenListener | None, progress: Progress):
         excluded = {"prefill": set(), "decode": set()}
-        retries = migrations = 0
+        retries = migrations = moves = 0
         migrating = False
+        moved_off: str | None = None  # the decode instance a rebalance just moved it off
+        # A guided or multimodal stream stays where it is (a vLLM instance cannot continue one); one move at most.
+        movable = self.attempts.rebalancer is not None and request.sampling.guided is None and not request.media
         last: AttemptFailed | None = None
         while True:
-            trace.start_attempt(retries + migrations, migrating)
+            trace.start_attempt(retries + migrations + moves, migrating)
             try:
                 started = time.monotonic()
                 # As the prefix caches hash it: a repeated image goes where its blocks are.
                 prompt = request.cache_token_ids(progress.token_ids)
-                placement = self.router.route(prompt, exclude_decode=excluded["decode"],
-                                              exclude_prefill=excluded["prefill"],
-                                              lora=request.lora.name if request.lora is not None else None,
-                                              # prompt logprobs are a prefill worker's
-                                              local_prefill=request.sampling.prompt_logprobs is None,
-                                              # a worker pulls only blocks whose cache ids are the prompt's ids
-                                              pullable=request.lora is None and not request.media)
+                route = functools.partial(self.router.route, prompt,
+                                          exclude_prefill=excluded["prefill"],
+                                          lora=request.lora.name if request.lora is not None else None,
+                                          # prompt logprobs are a prefill worker's
+                                          local_prefill=request.sampling.prompt_logprobs is None,
+                                          # a worker pulls only blocks whose cache ids are the prompt's ids
+                                          pullable=request.lora is None and not request.media)
+                try:
+                    placement = route(exclude_decode=excluded["decode"] | ({moved_off} if moved_off else set()))
+                except WorkerError:
+                    if moved_off is None:
+                        raise
+                    placement = route(exclude_decode=excluded["decode"])  # nowhere else now: back where it was
                 trace.phase("route", started, time.monotonic())
                 self._routed(placement, len(prompt), trace)
             except WorkerError as exc:
@@ -207,11 +217,12 @@ class RequestPipeline:
             except BaseException:
                 trace.end_attempt("routing failed")
                 raise
-            attempt = request.continued(progress.token_ids, retries + migrations)
+            attempt = request.continued(progress.token_ids, retries + migrations + moves)
+            moved_off = None
             try:
                 async for event in self.attempts.run(attempt, placement, max_tokens - progress.count, deadline,
                                                      timeout, progress, len(request.prompt_token_ids), trace,
-                                                     listener):
+                                                     listener, movable and moves == 0):
                     yield event
                 return
             except AttemptFailed as failed:
@@ -219,6 +230,12 @@ class RequestPipeline:
                 last = failed
                 if not failed.retryable:
                     raise failed.error from None
+                if failed.rebalanced:  # not a failure: its own count, and the instance stays a candidate
+                    moves, moved_off = moves + 1, failed.blame.address
+                    self.metrics.rebalanced()
+                    logger.info("request %s: %s after %d tokens", request.request_id, failed.error.message,
+                                progress.count)
+                    continue
                 migrating = failed.blame.role == "decode" and progress.count > 0
                 if migrating and migrations < self.max_migrations:
                     migrations += 1

@@ -1,0 +1,150 @@
+"""Decode rebalancing: streams already running on a crowded decode instance move to one with room, as a stream
+whose decode worker was lost does (the prompt and the tokens sent so far are prefilled again, and another decode
+worker continues the stream). Routing places only new requests, so without it a decode worker that joins (a
+scale-up, a role switch) takes none of the streams that crowd the others, and their TPOT stays high to the end.
+
+One round, every `rebalance_config.interval_s`:
+  1. The routable decode instances and the requests this coordinator has on each (`outstanding_requests`).
+  2. While the busiest has at least `min_imbalance` more than the least busy, one of the busiest's relaying
+     streams moves: the one with the most tokens still to make, at least `min_tokens_left` (a move costs a
+     prefill of its prompt and tokens so far, which a short rest does not repay). Guided and multimodal streams
+     stay (a vLLM instance cannot continue them); a stream moves once at most. Up to `max_moves` per round.
+  3. A stream told to move leaves at its next read (`MovableStream`), and the pipeline routes its continuation
+     away from the instance it left: load_balance and cache_affinity send it to the least busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from coordinator.requests.attempt import Progress
+    from coordinator.workers.instances import InstanceRegistry
+
+logger = logging.getLogger(__name__)
+
+
+class RebalanceConfig(BaseModel):
+    """`rebalance_config` in ms_coordinator.json: moving running streams between decode instances."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Move running streams off a decode instance with `min_imbalance` more "
+                          "requests than another (prefilled again, continued there); `pdserve up --autoscale` turns "
+                          "it on. Off: a stream stays where it started unless its worker is lost or drains.")
+    interval_s: float = Field(1.0, ge=0.1, le=60, description="Seconds between rebalancing rounds.")
+    min_imbalance: int = Field(4, ge=2, le=100_000, description="Least difference in requests between the busiest "
+                               "and the least busy decode instance before a stream moves.")
+    min_tokens_left: int = Field(64, ge=1, le=1_000_000, description="A stream moves only with at least this many "
+                                 "tokens still to make (of its max_tokens): a move costs a prefill of its prompt "
+                                 "and the tokens so far.")
+    max_moves: int = Field(8, ge=1, le=10_000, description="Most streams moved in one round.")
+
+
+class MovableStream:
+    """A stream relaying from a decode instance. `move()` makes it leave at its next read: at once when its task
+    waits on the stream (the task is cancelled, as `_PrefillInterrupt` does, and takes the cancellation back),
+    else when it comes back to read (never while it writes to its client)."""
+
+    __slots__ = ("progress", "end", "address", "wanted", "_task", "_reading", "_cancelling", "_fired")
+
+    def __init__(self, progress: Progress, end: int, address: str):
+        self.progress = progress
+        self.end = end  # the request's token count when this attempt ends by length
+        self.address = address
+        self.wanted = False  # told to move
+        self._task = asyncio.current_task()
+        self._reading = self._fired = False
+        self._cancelling = 0
+
+    @property
+    def tokens_left(self) -> int:
+        return self.end - self.progress.count
+
+    def move(self) -> None:
+        if self.wanted:
+            return
+        self.wanted = True
+        if self._reading:
+            self._fired = True
+            self._task.cancel()
+
+    def reading(self) -> None:
+        """The task is about to wait on the stream."""
+        self._reading, self._cancelling = True, self._task.cancelling()
+
+    def read_done(self) -> None:
+        self._reading = False
+
+    def interrupted(self) -> bool:
+        """In the task's CancelledError handler: whether the cancellation was this move's (then taken back, unless
+        another one is pending, which must go on)."""
+        self._reading = False
+        return self._fired and self._task.uncancel() <= self._cancelling
+
+
+def pick_moves(loads: dict[str, int], streams: dict[str, list[MovableStream]], config: RebalanceConfig) -> list:
+    """Step 2 of the module docstring, on a copy of the loads: the streams to move, in order."""
+    loads, moves = dict(loads), []
+    candidates = {address: sorted((s for s in streams.get(address, ()) if s.tokens_left >= config.min_tokens_left
+                                   and not s.wanted), key=lambda s: s.tokens_left)
+                  for address in loads}
+    while len(moves) < config.max_moves and len(loads) > 1:
+        busiest = max(loads, key=loads.get)
+        quietest = min(loads, key=loads.get)
+        if loads[busiest] - loads[quietest] < config.min_imbalance or not candidates[busiest]:
+            break
+        moves.append(candidates[busiest].pop())  # the most tokens left
+        loads[busiest] -= 1
+        loads[quietest] += 1
+    return moves
+
+
+class DecodeRebalancer:
+    """Keeps the movable streams per decode instance and runs the rounds of the module docstring."""
+
+    def __init__(self, config: RebalanceConfig, registry: InstanceRegistry):
+        self.config = config
+        self.registry = registry
+        self.streams: dict[str, set[MovableStream]] = {}
+        self._task: asyncio.Task | None = None
+
+    def relaying(self, progress: Progress, end: int, address: str) -> MovableStream:
+        stream = MovableStream(progress, end, address)
+        self.streams.setdefault(address, set()).add(stream)
+        return stream
+
+    def done(self, stream: MovableStream) -> None:
+        held = self.streams.get(stream.address)
+        if held is not None:
+            held.discard(stream)
+            if not held:
+                del self.streams[stream.address]
+
+    def round(self) -> int:
+        """Step 1 and 2; the number of streams told to move."""
+        loads = {i.address: i.outstanding_requests for i in self.registry.available("decode")}
+        moves = pick_moves(loads, {a: list(s) for a, s in self.streams.items() if a in loads}, self.config)
+        for stream in moves:
+            stream.move()
+        if moves:
+            logger.info("rebalance: moving %d streams off the busiest decode instances (requests per instance: %s)",
+                        len(moves), dict(sorted(loads.items())))
+        return len(moves)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            self.round()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

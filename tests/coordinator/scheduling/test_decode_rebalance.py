@@ -1,0 +1,180 @@
+"""Decode rebalancing's choices (which streams move, how many), its interruption of a relaying task, and streams
+moving to a decode worker that joins (real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import httpx
+import pytest
+
+from coordinator.requests.attempt import Progress
+from coordinator.scheduling.decode_rebalance import DecodeRebalancer, MovableStream, RebalanceConfig, pick_moves
+from coordinator.workers.instances import InstanceRegistry
+from tests.helpers import (instance_states, management_url, scrape, start_coordinator, start_worker, wait_for,
+                           write_config)
+
+CONFIG = RebalanceConfig(enabled=True, min_imbalance=4, min_tokens_left=64, max_moves=8)
+
+
+def stream(address: str, sent: int, end: int) -> MovableStream:
+    return MovableStream(Progress(token_ids=[0] * sent), end, address)
+
+
+async def test_streams_move_off_the_busiest_until_the_gap_is_under_min_imbalance():
+    crowded = [stream("a", 10, 300 + i) for i in range(8)]
+    moves = pick_moves({"a": 8, "b": 0}, {"a": crowded}, CONFIG)
+    # 8/0 -> 7/1 -> 6/2 -> 5/3: a gap of 2 is under 4.
+    assert len(moves) == 3
+    assert [m.tokens_left for m in moves] == [297, 296, 295]  # the most tokens still to make first
+
+
+async def test_a_gap_under_min_imbalance_moves_nothing():
+    assert pick_moves({"a": 5, "b": 2}, {"a": [stream("a", 0, 300) for _ in range(5)]}, CONFIG) == []
+
+
+async def test_streams_near_their_end_told_already_or_on_another_instance_stay():
+    short = stream("a", 250, 300)  # 50 left, under min_tokens_left
+    told = stream("a", 0, 300)
+    told.wanted = True
+    assert pick_moves({"a": 9, "b": 0}, {"a": [short, told]}, CONFIG) == []
+
+
+async def test_moves_in_one_round_stop_at_max_moves_and_spread_over_the_quiet_instances():
+    crowded = [stream("a", 0, 500) for _ in range(30)]
+    config = CONFIG.model_copy(update={"max_moves": 5})
+    assert len(pick_moves({"a": 30, "b": 0, "c": 0}, {"a": crowded}, config)) == 5
+    loads = {"a": 12, "b": 0, "c": 0}
+    moves = pick_moves(loads, {"a": [stream("a", 0, 500) for _ in range(12)]}, CONFIG)
+    assert len(moves) == 6 and loads == {"a": 12, "b": 0, "c": 0}  # 12/0/0 -> 6/3/3; the caller's loads kept
+
+
+async def test_a_rebalancer_round_tells_the_chosen_streams_of_routable_decode_instances_only():
+    registry = InstanceRegistry([], ["a:1", "b:1", "gone:1"])
+    by_address = {i.address: i for i in registry.instances("decode")}
+    by_address["a:1"].outstanding_requests = 6
+    by_address["gone:1"].outstanding_requests = 9
+    registry.record_failure(by_address["gone:1"], "test", gone=True)
+    rebalancer = DecodeRebalancer(CONFIG, registry)
+    streams = [rebalancer.relaying(Progress(), 300, "a:1") for _ in range(6)]
+    stranded = [rebalancer.relaying(Progress(), 300, "gone:1") for _ in range(9)]
+    assert rebalancer.round() == 2  # 6/0 -> 5/1 -> 4/2
+    assert sum(s.wanted for s in streams) == 2 and not any(s.wanted for s in stranded)
+    for s in streams + stranded:
+        rebalancer.done(s)
+    assert rebalancer.streams == {}
+
+
+async def test_a_move_interrupts_a_task_waiting_on_its_stream_and_the_cancellation_is_taken_back():
+    read = asyncio.get_running_loop().create_future()
+    outcome = []
+
+    async def relay():
+        moving = MovableStream(Progress(), 300, "a")
+        handles.append(moving)
+        moving.reading()
+        try:
+            await read
+        except asyncio.CancelledError:
+            outcome.append(moving.interrupted())
+            outcome.append(asyncio.current_task().cancelling())
+            return
+        moving.read_done()
+
+    handles: list[MovableStream] = []
+    task = asyncio.create_task(relay())
+    await asyncio.sleep(0)
+    handles[0].move()
+    await task
+    assert outcome == [True, 0] and not task.cancelled()
+
+
+async def test_a_move_told_while_the_task_writes_to_its_client_waits_for_its_next_read():
+    writing = asyncio.Event()
+    handles: list[MovableStream] = []
+
+    async def relay():
+        moving = MovableStream(Progress(), 300, "a")
+        handles.append(moving)
+        await writing.wait()  # not reading: a move must not cancel this
+        return moving.wanted
+
+    task = asyncio.create_task(relay())
+    await asyncio.sleep(0)
+    handles[0].move()
+    writing.set()
+    assert await task is True
+
+
+async def test_a_cancellation_of_its_own_during_a_move_still_cancels_the_task():
+    read = asyncio.get_running_loop().create_future()
+    handles: list[MovableStream] = []
+
+    async def relay():
+        moving = MovableStream(Progress(), 300, "a")
+        handles.append(moving)
+        moving.reading()
+        try:
+            await read
+        except asyncio.CancelledError:
+            if moving.interrupted():
+                return "moved"
+            raise
+
+    task = asyncio.create_task(relay())
+    await asyncio.sleep(0)
+    handles[0].move()
+    task.cancel()  # the client left at the same moment
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+MAX_TOKENS = 800  # long enough that the streams still run when the second decode worker joins
+LONG = {"maxIterTimes": MAX_TOKENS, "maxSeqLen": 2048, "maxInputTokenLen": 2048}
+
+
+@pytest.mark.system
+def test_streams_crowding_one_decode_worker_move_to_one_that_joins_and_finish_unchanged(model_dir, tmp_path):
+    sections = {"health_config": {"check_interval_s": 0.3, "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 60},
+                "digs_scheduler_config": {"algorithm_type": "load_balance"},
+                "rebalance_config": {"enabled": True, "interval_s": 0.2, "min_imbalance": 4}}
+    coordinator = start_coordinator(write_config(tmp_path / "c.json", [], [], model_dir, sections, **LONG))
+    manage = management_url(coordinator)
+    prefill = start_worker("prefill", model_dir, "--coordinator", manage)
+    crowded = start_worker("decode", model_dir, "--coordinator", manage)
+    spare = start_worker("decode", model_dir)  # joins once the streams run on the other
+    prompts = [f"Story {i}: once upon a time" for i in range(8)]
+
+    def decode_load() -> dict[str, int]:
+        listed = httpx.get(f"{manage}/v1/instances", timeout=10).json()["decode"]
+        return {i["address"]: i["outstanding_requests"] for i in listed}
+
+    def generate(prompt: str) -> list[int]:
+        reply = httpx.post(f"{coordinator.address}/v1/completions", timeout=180, json={
+            "model": "pdserve-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["token_ids"]
+
+    try:
+        wait_for(lambda: instance_states(coordinator)["decode"] and instance_states(coordinator)["prefill"],
+                 what="both workers registered")
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            uninterrupted = list(pool.map(generate, prompts))
+            streams = [pool.submit(generate, prompt) for prompt in prompts]
+            wait_for(lambda: decode_load() == {crowded.address: 8}, timeout_s=60, what="8 streams on one worker")
+            assert scrape(coordinator.address)[("pdserve_request_rebalances_total", ())] == 0  # nowhere to go yet
+            joined = httpx.post(f"{manage}/v1/instances/register", timeout=10,
+                                json={"role": "decode", "address": spare.address})
+            assert joined.status_code == 200, joined.text
+            # 8/0 -> 5/3 (a gap under min_imbalance): the new worker takes streams it was never routed.
+            wait_for(lambda: decode_load().get(spare.address, 0) >= 3, timeout_s=60, what="streams moved")
+            outputs = [stream.result(timeout=180) for stream in streams]
+        assert outputs == uninterrupted  # greedy, resumed from the prompt and the tokens sent: unchanged
+        counters = scrape(coordinator.address)
+        assert 3 <= counters[("pdserve_request_rebalances_total", ())] <= 4
+        assert counters[("pdserve_request_migrations_total", ())] == 0  # a move is not a migration
+    finally:
+        for process in (prefill, crowded, spare, coordinator):
+            process.stop()
