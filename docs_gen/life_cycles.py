@@ -30,6 +30,7 @@ LIFE_CYCLES = (
     ("A client request's hold on its tenant", "coordinator/tenancy/tenants.py"),
     ("An online planner decision", "planner/online.py"),
     ("A role switch in place", "worker/service/role_switch.py"),
+    ("A decode rebalancing round", "coordinator/scheduling/decode_rebalance.py"),
     ("A tick of the local autoscaler", "launcher/autoscaler.py"),
 )
 

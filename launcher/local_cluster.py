@@ -117,7 +117,7 @@ def _cluster_config(options: ClusterOptions, prefill: list[dict], decode: list[d
         base["planner_config"] = {**base.get("planner_config", {}), "enabled": True,
                                   "max_instances": options.most_workers()}
         # Streams started before a scale-up or a switch move to the new decode workers.
-        base["rebalance_config"] = {"enabled": True, **base.get("rebalance_config", {})}
+        base["rebalance_config"] = {**base.get("rebalance_config", {}), "enabled": True}
     for section, values in security.coordinator_sections().items():
         base.setdefault(section, {}).update(values)
     return base

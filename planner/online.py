@@ -29,7 +29,9 @@ from planner.slo import Slo
 from planner.workload import Workload
 
 MIN_WARMUP_COPIES, MAX_WARMUP_COPIES = 2, 8
-MIN_CORRECTION, MAX_CORRECTION = 0.5, 3.0
+# A correction only tightens: the finished requests it is taken from are the short ones while a shift to long
+# answers is under way (those are still running), and a loosened TPOT target would hide the shift.
+MIN_CORRECTION, MAX_CORRECTION = 1.0, 3.0
 REASONS = ("warming_up", "meets_slo", "best_effort", "cannot_simulate")
 
 

@@ -5,8 +5,9 @@ scale-up, a role switch) takes none of the streams that crowd the others, and th
 
 One round, every `rebalance_config.interval_s`:
   1. The routable decode instances and the requests this coordinator has on each (`outstanding_requests`).
-  2. While the busiest has at least `min_imbalance` more than the least busy, one of the busiest's relaying
-     streams moves: the one with the most tokens still to make, at least `min_tokens_left` (a move costs a
+  2. While the busiest has at least `min_imbalance` more than the least busy, and at least twice as many (a
+     smaller gap evens out by itself: routing sends each new request to the least busy), one of the busiest's
+     relaying streams moves: the one with the most tokens still to make, at least `min_tokens_left` (a move costs a
      prefill of its prompt and tokens so far, which a short rest does not repay). Guided and multimodal streams
      stay (a vLLM instance cannot continue them); a stream moves once at most. Up to `max_moves` per round.
   3. A stream told to move leaves at its next read (`MovableStream`), and the pipeline routes its continuation
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from coordinator.workers.instances import InstanceRegistry
 
 logger = logging.getLogger(__name__)
+
+CROWDED = 2.0  # the busiest instance holds at least this many times the least busy one's requests
 
 
 class RebalanceConfig(BaseModel):
@@ -96,7 +99,8 @@ def pick_moves(loads: dict[str, int], streams: dict[str, list[MovableStream]], c
     while len(moves) < config.max_moves and len(loads) > 1:
         busiest = max(loads, key=loads.get)
         quietest = min(loads, key=loads.get)
-        if loads[busiest] - loads[quietest] < config.min_imbalance or not candidates[busiest]:
+        gap = loads[busiest] - loads[quietest]
+        if gap < config.min_imbalance or loads[busiest] < CROWDED * loads[quietest] or not candidates[busiest]:
             break
         moves.append(candidates[busiest].pop())  # the most tokens left
         loads[busiest] -= 1

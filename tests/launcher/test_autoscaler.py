@@ -3,7 +3,10 @@ stop one at a time, never the last worker of a role."""
 
 from __future__ import annotations
 
+import json
+
 from launcher.autoscaler import next_actions
+from launcher.local_cluster import ClusterOptions, _cluster_config
 from launcher.supervisor import Child
 
 
@@ -58,3 +61,20 @@ def test_a_worker_not_yet_listed_by_the_coordinator_is_not_switched_or_stopped()
 def test_the_desired_split_already_running_needs_nothing():
     workers, listed = fleet(("prefill", 0), ("decode", 0), ("decode", 0))
     assert next_actions({"prefill": 1, "decode": 2}, workers, listed, max_workers=6) == []
+
+
+class _NoSecurity:
+    def coordinator_sections(self) -> dict:
+        return {}
+
+
+def test_autoscale_turns_the_planner_and_decode_rebalancing_on_even_over_a_config_that_has_them_off(tmp_path):
+    config = tmp_path / "ms_coordinator.json"
+    config.write_text(json.dumps({"rebalance_config": {"enabled": False, "min_imbalance": 6},
+                                  "planner_config": {"enabled": False}}))
+    scaled = _cluster_config(ClusterOptions(config=str(config), autoscale=True, max_workers=5), [], [], "",
+                             _NoSecurity())
+    assert scaled["planner_config"]["enabled"] and scaled["planner_config"]["max_instances"] == 5
+    assert scaled["rebalance_config"]["enabled"] and scaled["rebalance_config"]["min_imbalance"] == 6
+    plain = _cluster_config(ClusterOptions(config=str(config)), [], [], "", _NoSecurity())
+    assert not plain["planner_config"]["enabled"] and not plain["rebalance_config"]["enabled"]

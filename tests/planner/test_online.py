@@ -140,3 +140,15 @@ def test_what_the_clients_saw_of_the_running_cluster_corrects_the_targets():
     corrected = decide(config(), slower, WorkerSettings(max_running=256), 0, (2, 3), calibrate=True)
     assert corrected.workload["correction"]["tpot"] > 1.5 and corrected.decode > plain.decode
     assert decide(config(), slower, WorkerSettings(max_running=256), 0, (2, 3)).counts == plain.counts
+
+
+def test_clients_that_saw_better_than_modelled_never_loosen_the_targets():
+    # During a shift to long answers the finished requests are the short ones before it: fast tokens, while the
+    # window's running long answers make the model predict slow ones. The targets must stay.
+    load = snapshot(1.25, 48, 300)
+    seen = RequestTimingSummary(ttft_ms=50, tpot_ms=30, requests=len(load.workload.requests))
+    corrected = decide(config(), dataclasses.replace(load, observed=seen), WorkerSettings(max_running=256), 0,
+                       (5, 1), calibrate=True)
+    assert corrected.workload["correction"] == {"ttft": 1.0, "tpot": 1.0}
+    assert corrected.counts == decide(config(), load, WorkerSettings(max_running=256), 0, (5, 1)).counts
+    assert corrected.decode >= 3

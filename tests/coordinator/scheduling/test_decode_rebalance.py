@@ -34,6 +34,12 @@ async def test_a_gap_under_min_imbalance_moves_nothing():
     assert pick_moves({"a": 5, "b": 2}, {"a": [stream("a", 0, 300) for _ in range(5)]}, CONFIG) == []
 
 
+async def test_a_busiest_instance_with_less_than_twice_the_least_busy_ones_requests_keeps_its_streams():
+    # New requests go to the least busy: a gap this small evens out without a move's prefill.
+    assert pick_moves({"a": 11, "b": 6}, {"a": [stream("a", 0, 300) for _ in range(11)]}, CONFIG) == []
+    assert len(pick_moves({"a": 12, "b": 5}, {"a": [stream("a", 0, 300) for _ in range(12)]}, CONFIG)) == 1
+
+
 async def test_streams_near_their_end_told_already_or_on_another_instance_stay():
     short = stream("a", 250, 300)  # 50 left, under min_tokens_left
     told = stream("a", 0, 300)
