@@ -116,6 +116,9 @@ def scrape(url: str) -> dict:
         if m:
             labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
             values[(m.group(1), labels.get("role"), labels.get("address"))] = float(m.group(3))
+        m = re.match(r'(pdserve_request_rebalances_total|pdserve_request_migrations_total) ([0-9.e+-]+)', line)
+        if m:
+            values[(m.group(1), None, None)] = float(m.group(2))
     return values
 
 
@@ -126,7 +129,9 @@ async def watch(management: str, t0: float, timeline: list, stop: asyncio.Event)
             split = (int(values.get(("pdserve_planner_current_instances", "prefill", None), 0)),
                      int(values.get(("pdserve_planner_current_instances", "decode", None), 0)))
             roles = {addr: role for (name, role, addr), v in values.items() if name == "pdserve_instance_healthy"}
-            timeline.append((time.monotonic() - t0, split, roles))
+            moved = tuple(int(values.get((f"pdserve_request_{kind}_total", None, None), 0))
+                          for kind in ("rebalances", "migrations"))
+            timeline.append((time.monotonic() - t0, split, roles, moved))
         except OSError:
             pass
         try:
@@ -278,25 +283,28 @@ def summarise(results: list[Result], phase: int, args) -> dict:
 
 
 def moves(timeline, args, phases_rec) -> list[str]:
-    """Per phase: seconds from its start to the first split change toward its recommendation; switches per worker."""
+    """Per phase: seconds from its start to the first split change toward its recommendation; switches per worker;
+    streams moved by rebalancing and by migration."""
     out = []
     for number, rec in enumerate(phases_rec, 1):
         start, end = (number - 1) * args.phase_s, number * args.phase_s
-        inside = [(t, split, roles) for t, split, roles in timeline if start <= t < end]
+        inside = [entry for entry in timeline if start <= entry[0] < end]
         if not inside:
             continue
-        before = [split for t, split, _ in timeline if t < start]
+        before = [split for t, split, _, _ in timeline if t < start]
+        moved_before = [moved for t, _, _, moved in timeline if t < start]
+        moved = [after - earlier for after, earlier in zip(inside[-1][3], moved_before[-1] if moved_before else (0, 0))]
         first_split = before[-1] if before else tuple(int(x) for x in args.initial.split(":"))
         toward = None
         if rec is not None:
             distance = abs(first_split[0] - rec[0]) + abs(first_split[1] - rec[1])
-            for t, split, _ in inside:
+            for t, split, _, _ in inside:
                 if abs(split[0] - rec[0]) + abs(split[1] - rec[1]) < distance:
                     toward = t - start
                     break
         switches: dict[str, int] = {}
         previous = (timeline[timeline.index(inside[0]) - 1][2] if timeline.index(inside[0]) else inside[0][2])
-        for _, _, roles in inside:
+        for _, _, roles, _ in inside:
             for address, role in roles.items():
                 if address in previous and previous[address] != role:
                     switches[address] = switches.get(address, 0) + 1
@@ -305,7 +313,8 @@ def moves(timeline, args, phases_rec) -> list[str]:
                    f"{inside[-1][1][1]}D at its end; recommendation {rec[0]}P+{rec[1]}D" if rec else
                    f"phase {number}: split {first_split} -> {inside[-1][1]}")
         out.append(f"  first change toward it: {'%.0f s after the shift' % toward if toward is not None else 'none'}; "
-                   f"most switches of one worker: {max(switches.values(), default=0)}")
+                   f"most switches of one worker: {max(switches.values(), default=0)}; streams moved by rebalancing: "
+                   f"{moved[0]}, by migration: {moved[1]}")
     return out
 
 

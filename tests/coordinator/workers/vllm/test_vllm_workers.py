@@ -48,6 +48,9 @@ def fleet(model_dir, tls_dir, tmp_path_factory, lora_adapters):
         "health_config": {"check_interval_s": 2},
         "digs_scheduler_config": {"algorithm_type": "cache_affinity"},
         "exception_config": {"first_token_timeout": 120, "infer_timeout": 300},
+        # Moves only where one decode instance holds 4 more streams, and twice as many, as the other: the
+        # rebalancing test's, not the spread of the other tests' bursts.
+        "rebalance_config": {"enabled": True, "interval_s": 0.5, "min_imbalance": 4, "min_tokens_left": 32},
     }))
     up = ServerProcess(pdserve_argv("up", "--engine", "vllm", "--prefill", "2", "--decode", "2", "--model",
                                     str(model_dir), "--config", str(base), "--predict-port", "0",
@@ -346,6 +349,42 @@ def test_a_frozen_decode_instance_is_declared_lost_and_its_stream_goes_on_unchan
     # The silence watch took it out; resumed, it passes a health check and is routed to again.
     wait_for(lambda: all(i["state"] == "healthy" for i in instances(fleet, https)["decode"]), timeout_s=30,
              what="the resumed decode instance healthy again")
+
+
+def test_streams_crowding_one_decode_instance_move_to_another_that_comes_back_and_finish_unchanged(fleet, https):
+    moves = counter(fleet, https, "pdserve_request_rebalances_total")
+    bodies = [{"model": "pdserve-tiny", "prompt": f"{PROMPT} {city}", "max_tokens": MAX_ITER_TIMES, "temperature": 0,
+               "ignore_eos": True} for city in ("Paris", "Rome", "Oslo", "Bern", "Riga", "Kyiv", "Lima", "Baku")]
+    expected = [direct(fleet, https, "/v1/completions", body)["choices"][0]["text"] for body in bodies]
+    crowded, away = (i["address"] for i in instances(fleet, https)["decode"])
+    gone = vllm_instance_at(fleet, "decode", away)
+    frozen = [gone["pid"], *descendants(gone["pid"])]
+
+    def states() -> dict[str, str]:
+        return {i["address"]: i["state"] for i in instances(fleet, https)["decode"]}
+
+    def load() -> dict[str, int]:
+        return {i["address"]: i["outstanding_requests"] for i in instances(fleet, https)["decode"]}
+
+    for pid in frozen:  # out of rotation: its health checks time out
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: states()[away] == "unhealthy", timeout_s=60, what="the frozen decode instance out")
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            replies = [pool.submit(https.post, f"{fleet.address}/v1/completions", json=body) for body in bodies]
+            wait_for(lambda: load()[crowded] == len(bodies), timeout_s=60, what="every stream on the other")
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+            frozen = []
+            # Back in rotation, it takes streams it was never routed: 8/0 -> 5/3.
+            wait_for(lambda: counter(fleet, https, "pdserve_request_rebalances_total") >= moves + 3, timeout_s=60,
+                     what="streams moved to the instance that came back")
+            texts = [reply.result(timeout=300) for reply in replies]
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    assert [t.status_code for t in texts] == [200] * len(bodies)
+    assert [t.json()["choices"][0]["text"] for t in texts] == expected
 
 
 def test_a_decode_instance_killed_mid_stream_hands_the_stream_on_unchanged(fleet, https):
