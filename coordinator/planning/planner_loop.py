@@ -61,8 +61,10 @@ class PlannerLoop:
             return
         tpot = (progress.last_at - progress.first_at) * 1000 / (progress.count - 1) if progress.count > 1 else 0.0
         durations = trace.durations
+        # Another attempt's prefill (a retry, a migration, a move) adds its forward to the first's: no timing then.
+        forward_s = durations.get("prefill_forward", 0.0) if progress.attempts == 1 else 0.0
         self.live.record(live, (progress.first_at - live.arrived_s) * 1000, tpot,
-                         forward_ms=durations.get("prefill_forward", 0.0) * 1000,
+                         forward_ms=forward_s * 1000,
                          handoff_ms=durations.get("kv_transfer", 0.0) * 1000, kv_bytes=trace.kv_bytes,
                          step_ms=progress.decode_times, batch_size=round(progress.batch_sum / progress.count))
 

@@ -58,6 +58,10 @@ class Progress:
     first_at: float = 0.0  # time.monotonic of the first token and of the latest one
     last_at: float = 0.0
     batch_sum: int = 0  # the decode batch sizes its tokens were made in, summed (the planner's decode timings)
+    attempts: int = 0  # attempts begun (retries, migrations and rebalancing moves make more than one)
+    # The last token came with no text: its worker may hold bytes of an unfinished character, which a worker
+    # continuing the stream could not complete (decode_rebalance.py moves a stream only when this is False).
+    text_held: bool = False
 
     @property
     def count(self) -> int:
@@ -137,13 +141,15 @@ class TokenRelay:
         if own_index:
             decode.step_ms += (time_ms - decode.step_ms) * 0.1
         progress.token_ids.append(token_id)
+        text = token.text
+        progress.text_held = not text
         logprob, top = None, ()
         if self.wants_logprobs:  # a protobuf field read costs (a repeated one makes an object): read when asked for
             logprob, top = token.logprob, tuple([(t.token_id, t.logprob) for t in token.top_logprobs])
         batch = token.batch_size or 1
         progress.batch_sum += batch
         # Positional, in TokenDelta's field order: keywords cost five times as much, once per token.
-        delta = TokenDelta(token_id, token.text, index, time_ms, logprob, top, token.finish_reason != 0,
+        delta = TokenDelta(token_id, text, index, time_ms, logprob, top, token.finish_reason != 0,
                            batch, token.queue_wait_ms if own_index else self.admission_ms)
         if index == 0 and token.prompt_logprobs:
             delta.prompt_logprobs = tuple((p.logprob, p.rank, tuple((t.token_id, t.logprob) for t in p.top))
@@ -334,18 +340,21 @@ class AttemptRunner:
                 except WorkerCallError as exc:
                     raise self._failed(placement, exc.failure, clocks) from None
                 continue
-            if moving.wanted:
-                raise self._moved(placement)
-            moving.reading()
-            try:
-                token = await stream.read()
-            except WorkerCallError as exc:
-                moving.read_done()
-                raise self._failed(placement, exc.failure, clocks) from None
-            except asyncio.CancelledError:
-                if moving.interrupted():
-                    raise self._moved(placement) from None
-                raise
+            while True:
+                if moving.wanted:
+                    if not progress.text_held:
+                        raise self._moved(placement)
+                    moving.wanted = False  # mid-character: a later round may pick it again
+                moving.reading()
+                try:
+                    token = await stream.read()
+                    break
+                except WorkerCallError as exc:
+                    moving.read_done()
+                    raise self._failed(placement, exc.failure, clocks) from None
+                except asyncio.CancelledError:
+                    if not moving.interrupted():
+                        raise
             moving.read_done()
 
     @staticmethod

@@ -35,6 +35,7 @@ from coordinator.metrics import CoordinatorMetrics, NullMetrics
 from coordinator.requests.request import DEFAULT_PRIORITY, GenerationEvent, GenerationRequest, TokenListener
 from coordinator.requests.queue import DEFAULT_LINE, CannotStartInTime, RequestQueue
 from coordinator.requests.trace import GenerationTrace
+from coordinator.scheduling.decode_rebalance import can_move
 from coordinator.scheduling.router import Placement, Router
 from coordinator.workers.client import WorkerClient
 
@@ -185,10 +186,10 @@ class RequestPipeline:
         retries = migrations = moves = 0
         migrating = False
         moved_off: str | None = None  # the decode instance a rebalance just moved it off
-        # A guided or multimodal stream stays where it is (a vLLM instance cannot continue one); one move at most.
-        movable = self.attempts.rebalancer is not None and request.sampling.guided is None and not request.media
+        movable = self.attempts.rebalancer is not None and can_move(request)  # and one move at most
         last: AttemptFailed | None = None
         while True:
+            progress.attempts += 1
             trace.start_attempt(retries + migrations + moves, migrating)
             try:
                 started = time.monotonic()
@@ -211,7 +212,7 @@ class RequestPipeline:
                 self._routed(placement, len(prompt), trace)
             except WorkerError as exc:
                 trace.end_attempt(exc.message)
-                if last is not None:  # no instance left to retry on: the failure itself says more
+                if last is not None and not last.rebalanced:  # no instance left to retry on: the failure says more
                     raise last.error from None
                 raise
             except BaseException:
@@ -231,7 +232,7 @@ class RequestPipeline:
                 if not failed.retryable:
                     raise failed.error from None
                 if failed.rebalanced:  # not a failure: its own count, and the instance stays a candidate
-                    moves, moved_off = moves + 1, failed.blame.address
+                    moves, moved_off, migrating = moves + 1, failed.blame.address, True
                     self.metrics.rebalanced()
                     logger.info("request %s: %s after %d tokens", request.request_id, failed.error.message,
                                 progress.count)

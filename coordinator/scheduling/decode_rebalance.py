@@ -8,10 +8,14 @@ One round, every `rebalance_config.interval_s`:
   2. While the busiest has at least `min_imbalance` more than the least busy, and at least twice as many (a
      smaller gap evens out by itself: routing sends each new request to the least busy), one of the busiest's
      relaying streams moves: the one with the most tokens still to make, at least `min_tokens_left` (a move costs a
-     prefill of its prompt and tokens so far, which a short rest does not repay). Guided and multimodal streams
-     stay (a vLLM instance cannot continue them); a stream moves once at most. Up to `max_moves` per round.
-  3. A stream told to move leaves at its next read (`MovableStream`), and the pipeline routes its continuation
-     away from the instance it left: load_balance and cache_affinity send it to the least busy.
+     prefill of its prompt and tokens so far, which a short rest does not repay). Up to `max_moves` per round.
+     What a continuation could not give the client unchanged stays: guided and multimodal streams (a vLLM
+     instance cannot continue them), stop strings and presence/frequency penalties (the new worker would see only
+     the tokens after the move), a client's seed (the sampled sequence would change); a stream moves once at most.
+  3. A stream told to move leaves at its next read (`MovableStream`), when its last token's text went out whole
+     (else the next round may pick it again): a worker holds back the bytes of an unfinished character, which the
+     new worker could not complete. The pipeline routes its continuation away from the instance it left, as any
+     request by the policy (load_balance: the least busy); a stream told to move and not gone yet counts as gone.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from coordinator.requests.attempt import Progress
+    from coordinator.requests.request import GenerationRequest
     from coordinator.workers.instances import InstanceRegistry
 
 logger = logging.getLogger(__name__)
@@ -90,6 +95,13 @@ class MovableStream:
         return self._fired and self._task.uncancel() <= self._cancelling
 
 
+def can_move(request: GenerationRequest) -> bool:
+    """Whether a continuation on another decode worker gives the client what staying would (step 2)."""
+    sampling = request.sampling
+    return (sampling.guided is None and not request.media and not sampling.stop and not sampling.presence_penalty
+            and not sampling.frequency_penalty and (sampling.seed is None or sampling.seed_drawn))
+
+
 def pick_moves(loads: dict[str, int], streams: dict[str, list[MovableStream]], config: RebalanceConfig) -> list:
     """Step 2 of the module docstring, on a copy of the loads: the streams to move, in order."""
     loads, moves = dict(loads), []
@@ -97,10 +109,13 @@ def pick_moves(loads: dict[str, int], streams: dict[str, list[MovableStream]], c
                                    and not s.wanted), key=lambda s: s.tokens_left)
                   for address in loads}
     while len(moves) < config.max_moves and len(loads) > 1:
-        busiest = max(loads, key=loads.get)
         quietest = min(loads, key=loads.get)
+        movable = [address for address in loads if candidates[address]]
+        if not movable:
+            break
+        busiest = max(movable, key=loads.get)  # of those with a stream that may move
         gap = loads[busiest] - loads[quietest]
-        if gap < config.min_imbalance or loads[busiest] < CROWDED * loads[quietest] or not candidates[busiest]:
+        if gap < config.min_imbalance or loads[busiest] < CROWDED * loads[quietest]:
             break
         moves.append(candidates[busiest].pop())  # the most tokens left
         loads[busiest] -= 1
@@ -132,6 +147,9 @@ class DecodeRebalancer:
     def round(self) -> int:
         """Step 1 and 2; the number of streams told to move."""
         loads = {i.address: i.outstanding_requests for i in self.registry.available("decode")}
+        for address, held in self.streams.items():  # told to move and not gone yet (writing to a slow client)
+            if address in loads:
+                loads[address] -= sum(1 for stream in held if stream.wanted)
         moves = pick_moves(loads, {a: list(s) for a, s in self.streams.items() if a in loads}, self.config)
         for stream in moves:
             stream.move()
@@ -143,7 +161,10 @@ class DecodeRebalancer:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.config.interval_s)
-            self.round()
+            try:
+                self.round()
+            except Exception:  # a round that fails is logged; the next one is tried
+                logger.exception("rebalance: the round failed")
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())

@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import json
+import time
 
 import httpx
 import pytest
 
-from coordinator.requests.attempt import Progress
-from coordinator.scheduling.decode_rebalance import DecodeRebalancer, MovableStream, RebalanceConfig, pick_moves
+from coordinator.errors import WorkerError
+from coordinator.metrics import NullMetrics
+from coordinator.requests.attempt import AttemptFailed, AttemptRunner, Progress, TokenRelay, _Deadlines
+from coordinator.requests.request import GenerationRequest, GuidedGrammar, SamplingOptions
+from coordinator.scheduling.decode_rebalance import (DecodeRebalancer, MovableStream, RebalanceConfig, can_move,
+                                                     pick_moves)
+from coordinator.scheduling.router import Placement
 from coordinator.workers.instances import InstanceRegistry
+from proto import worker_pb2 as pb
 from tests.helpers import (instance_states, management_url, scrape, start_coordinator, start_worker, wait_for,
                            write_config)
 
@@ -28,6 +37,12 @@ async def test_streams_move_off_the_busiest_until_the_gap_is_under_min_imbalance
     # 8/0 -> 7/1 -> 6/2 -> 5/3: a gap of 2 is under 4.
     assert len(moves) == 3
     assert [m.tokens_left for m in moves] == [297, 296, 295]  # the most tokens still to make first
+
+
+async def test_an_instance_whose_streams_may_not_move_leaves_the_moves_to_the_next_busiest():
+    pinned = [stream("a", 290, 300) for _ in range(9)]  # all near their end
+    moves = pick_moves({"a": 9, "b": 9, "c": 0}, {"a": pinned, "b": [stream("b", 0, 300) for _ in range(9)]}, CONFIG)
+    assert len(moves) == 3 and {m.address for m in moves} == {"b"}  # 9/9/0 -> 9/6/3
 
 
 async def test_a_gap_under_min_imbalance_moves_nothing():
@@ -70,6 +85,16 @@ async def test_a_rebalancer_round_tells_the_chosen_streams_of_routable_decode_in
     for s in streams + stranded:
         rebalancer.done(s)
     assert rebalancer.streams == {}
+
+
+def test_only_streams_a_continuation_gives_unchanged_are_movable():
+    plain = GenerationRequest("r", [1, 2, 3], SamplingOptions())
+    assert can_move(plain)
+    assert can_move(dataclasses.replace(plain, sampling=SamplingOptions(seed=7, seed_drawn=True)))
+    for sampling in (SamplingOptions(stop=("END",)), SamplingOptions(presence_penalty=0.5),
+                     SamplingOptions(frequency_penalty=0.5), SamplingOptions(seed=7),
+                     SamplingOptions(guided=GuidedGrammar("start: /a+/"))):
+        assert not can_move(dataclasses.replace(plain, sampling=sampling)), sampling
 
 
 async def test_a_move_interrupts_a_task_waiting_on_its_stream_and_the_cancellation_is_taken_back():
@@ -156,19 +181,29 @@ def test_streams_crowding_one_decode_worker_move_to_one_that_joins_and_finish_un
         listed = httpx.get(f"{manage}/v1/instances", timeout=10).json()["decode"]
         return {i["address"]: i["outstanding_requests"] for i in listed}
 
-    def generate(prompt: str) -> list[int]:
-        reply = httpx.post(f"{coordinator.address}/v1/completions", timeout=180, json={
-            "model": "pdserve-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True})
-        assert reply.status_code == 200, reply.text
-        return reply.json()["choices"][0]["token_ids"]
+    def generate(prompt: str, stream: bool = False) -> tuple[list[int], str]:
+        """Its token ids and text; streamed, as the chunks brought them (tokens from the frames to the client)."""
+        body = {"model": "pdserve-tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "stream": stream}
+        if not stream:
+            reply = httpx.post(f"{coordinator.address}/v1/completions", timeout=180, json=body)
+            assert reply.status_code == 200, reply.text
+            choice = reply.json()["choices"][0]
+            return choice["token_ids"], choice["text"]
+        with httpx.stream("POST", f"{coordinator.address}/v1/completions", timeout=180, json=body) as reply:
+            assert reply.status_code == 200
+            chunks = [json.loads(line[6:]) for line in reply.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert not any("error" in chunk for chunk in chunks), chunks[-1]
+        choices = [chunk["choices"][0] for chunk in chunks if chunk["choices"]]
+        return [t for c in choices for t in c.get("token_ids") or ()], "".join(c["text"] for c in choices)
 
     try:
         wait_for(lambda: instance_states(coordinator)["decode"] and instance_states(coordinator)["prefill"],
                  what="both workers registered")
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             uninterrupted = list(pool.map(generate, prompts))
-            streams = [pool.submit(generate, prompt) for prompt in prompts]
+            streams = [pool.submit(generate, prompt, i % 2 == 0) for i, prompt in enumerate(prompts)]
             wait_for(lambda: decode_load() == {crowded.address: 8}, timeout_s=60, what="8 streams on one worker")
             assert scrape(coordinator.address)[("pdserve_request_rebalances_total", ())] == 0  # nowhere to go yet
             joined = httpx.post(f"{manage}/v1/instances/register", timeout=10,
@@ -177,10 +212,58 @@ def test_streams_crowding_one_decode_worker_move_to_one_that_joins_and_finish_un
             # 8/0 -> 5/3 (a gap under min_imbalance): the new worker takes streams it was never routed.
             wait_for(lambda: decode_load().get(spare.address, 0) >= 3, timeout_s=60, what="streams moved")
             outputs = [stream.result(timeout=180) for stream in streams]
-        assert outputs == uninterrupted  # greedy, resumed from the prompt and the tokens sent: unchanged
+        # Greedy, resumed from the prompt and the tokens sent: the same tokens and text, streamed or not.
+        assert outputs == uninterrupted
         counters = scrape(coordinator.address)
         assert 3 <= counters[("pdserve_request_rebalances_total", ())] <= 4
         assert counters[("pdserve_request_migrations_total", ())] == 0  # a move is not a migration
     finally:
         for process in (prefill, crowded, spare, coordinator):
             process.stop()
+
+
+class QueueStream:
+    """A decode stream's reads, fed by the test: the relay under test, not a worker."""
+
+    def __init__(self):
+        self.events: asyncio.Queue = asyncio.Queue()
+
+    async def read(self):
+        return await self.events.get()
+
+
+async def test_a_stream_told_to_move_mid_character_stays_until_its_text_is_whole():
+    registry = InstanceRegistry([], ["d:1"])
+    decode = registry.get("decode", "d:1")
+    runner = AttemptRunner(None, registry, None, 60.0, NullMetrics())
+    progress, stream = Progress(), QueueStream()
+    relay = TokenRelay(NullMetrics(), decode, progress, False, 0.0, time.monotonic())
+    clocks = _Deadlines(60.0, time.monotonic() + 60, WorkerError("late"))
+    relayed, handles = [], []
+
+    async def run():
+        moving = MovableStream(progress, 100, "d:1")
+        handles.append(moving)
+        first = pb.TokenEvent(token_id=1, text="a", index=0)
+        async for delta in runner._relay(stream, first, Placement(None, decode), 3, relay, clocks, None, moving):
+            relayed.append(delta.text)
+
+    task = asyncio.create_task(run())
+    # The first byte of a two-byte character: its worker sends no text for it yet.
+    await stream.events.put(pb.TokenEvent(token_id=2, text="", index=1))
+    await wait_until(lambda: len(relayed) == 2 and handles[0]._reading)
+    handles[0].move()
+    await wait_until(lambda: handles[0]._reading and not handles[0].wanted)  # declined: reading again
+    await stream.events.put(pb.TokenEvent(token_id=3, text="é", index=2))
+    await wait_until(lambda: len(relayed) == 3 and handles[0]._reading)
+    handles[0].move()
+    with pytest.raises(AttemptFailed) as moved:
+        await task
+    assert moved.value.rebalanced and moved.value.blame is decode
+    assert relayed == ["a", "", "é"] and progress.token_ids == [1, 2, 3]
+
+
+async def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0)
