@@ -60,7 +60,7 @@ class Progress:
     batch_sum: int = 0  # the decode batch sizes its tokens were made in, summed (the planner's decode timings)
     attempts: int = 0  # attempts begun (retries, migrations and rebalancing moves make more than one)
     # The last token came with no text: its worker may hold bytes of an unfinished character, which a worker
-    # continuing the stream could not complete (decode_rebalance.py moves a stream only when this is False).
+    # continuing the stream could not complete (decode_rebalance.py moves no stream while this is True).
     text_held: bool = False
 
     @property
@@ -314,7 +314,8 @@ class AttemptRunner:
         if listener is not None:
             # From here on the tokens but the last may go straight from their frames to the client (the
             # task sees only what the listener leaves: the last token, a failure, a token of a slow client).
-            stream.deliver_directly(functools.partial(listener.take, to_delta=relay.delta), listener.flush)
+            take = functools.partial(listener.take, to_delta=relay.delta)
+            stream.deliver_directly(take if moving is None else moving.guard(take), listener.flush)
         progress = relay.progress
         while True:
             if token is None:
@@ -340,21 +341,18 @@ class AttemptRunner:
                 except WorkerCallError as exc:
                     raise self._failed(placement, exc.failure, clocks) from None
                 continue
-            while True:
-                if moving.wanted:
-                    if not progress.text_held:
-                        raise self._moved(placement)
-                    moving.wanted = False  # mid-character: a later round may pick it again
-                moving.reading()
-                try:
-                    token = await stream.read()
-                    break
-                except WorkerCallError as exc:
-                    moving.read_done()
-                    raise self._failed(placement, exc.failure, clocks) from None
-                except asyncio.CancelledError:
-                    if not moving.interrupted():
-                        raise
+            if moving.wanted:
+                raise self._moved(placement)
+            moving.reading()
+            try:
+                token = await stream.read()
+            except WorkerCallError as exc:
+                moving.read_done()
+                raise self._failed(placement, exc.failure, clocks) from None
+            except asyncio.CancelledError:
+                if moving.interrupted():
+                    raise self._moved(placement) from None
+                raise
             moving.read_done()
 
     @staticmethod

@@ -12,16 +12,19 @@ One round, every `rebalance_config.interval_s`:
      What a continuation could not give the client unchanged stays: guided and multimodal streams (a vLLM
      instance cannot continue them), stop strings and presence/frequency penalties (the new worker would see only
      the tokens after the move), a client's seed (the sampled sequence would change); a stream moves once at most.
-  3. A stream told to move leaves at its next read (`MovableStream`), when its last token's text went out whole
-     (else the next round may pick it again): a worker holds back the bytes of an unfinished character, which the
-     new worker could not complete. The pipeline routes its continuation away from the instance it left, as any
-     request by the policy (load_balance: the least busy); a stream told to move and not gone yet counts as gone.
+     Nor one whose last token's text did not go out whole: its worker holds back the bytes of an unfinished
+     character, which the new worker could not complete (a later round may pick it).
+  3. A stream told to move leaves at its next read (`MovableStream`); tokens that reach it after it was told go
+     nowhere, so it continues from what the client had then. The pipeline routes its continuation away from the
+     instance it left, by the policy as any request (load_balance: the least busy). A stream told to move and not
+     gone yet counts as gone in the next round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -56,7 +59,8 @@ class RebalanceConfig(BaseModel):
 class MovableStream:
     """A stream relaying from a decode instance. `move()` makes it leave at its next read: at once when its task
     waits on the stream (the task is cancelled, as `_PrefillInterrupt` does, and takes the cancellation back),
-    else when it comes back to read (never while it writes to its client)."""
+    else when it comes back to read (never while it writes to its client). From `move()` on, the tokens it still
+    gets go nowhere (`guard`): the stream continues elsewhere from the tokens the client had then."""
 
     __slots__ = ("progress", "end", "address", "wanted", "_task", "_reading", "_cancelling", "_fired")
 
@@ -73,26 +77,39 @@ class MovableStream:
     def tokens_left(self) -> int:
         return self.end - self.progress.count
 
-    def move(self) -> None:
-        if self.wanted:
-            return
+    def move(self) -> bool:
+        """Tell it to leave; False (nothing done) when it was told already, or when its last token's text did not
+        go out whole: its worker holds bytes of an unfinished character, which another worker could not complete."""
+        if self.wanted or self.progress.text_held:
+            return False
         self.wanted = True
         if self._reading:
             self._fired = True
             self._task.cancel()
+        return True
+
+    def guard(self, take: Callable[[object], bool]) -> Callable[[object], bool]:
+        """`take` (a listener's, for tokens delivered from their frames) refusing every token once told to move:
+        a refused token is left to the task, which leaves without it."""
+        return lambda token: not self.wanted and take(token)
 
     def reading(self) -> None:
         """The task is about to wait on the stream."""
         self._reading, self._cancelling = True, self._task.cancelling()
 
     def read_done(self) -> None:
+        """The read ended without a CancelledError: one this move asked for was swallowed below; take it back."""
         self._reading = False
+        if self._fired:
+            self._fired = False
+            self._task.uncancel()
 
     def interrupted(self) -> bool:
         """In the task's CancelledError handler: whether the cancellation was this move's (then taken back, unless
-        another one is pending, which must go on)."""
+        another one is pending, which must go on). Once: a later cancellation is someone else's."""
         self._reading = False
-        return self._fired and self._task.uncancel() <= self._cancelling
+        fired, self._fired = self._fired, False
+        return fired and self._task.uncancel() <= self._cancelling
 
 
 def can_move(request: GenerationRequest) -> bool:
@@ -106,7 +123,7 @@ def pick_moves(loads: dict[str, int], streams: dict[str, list[MovableStream]], c
     """Step 2 of the module docstring, on a copy of the loads: the streams to move, in order."""
     loads, moves = dict(loads), []
     candidates = {address: sorted((s for s in streams.get(address, ()) if s.tokens_left >= config.min_tokens_left
-                                   and not s.wanted), key=lambda s: s.tokens_left)
+                                   and not s.wanted and not s.progress.text_held), key=lambda s: s.tokens_left)
                   for address in loads}
     while len(moves) < config.max_moves and len(loads) > 1:
         quietest = min(loads, key=loads.get)

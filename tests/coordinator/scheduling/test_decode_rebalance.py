@@ -222,6 +222,15 @@ def test_streams_crowding_one_decode_worker_move_to_one_that_joins_and_finish_un
             process.stop()
 
 
+async def test_tokens_reaching_a_stream_told_to_move_are_left_to_its_task():
+    taken = []
+    moving = MovableStream(Progress(), 300, "a")
+    take = moving.guard(lambda token: taken.append(token) or True)
+    assert take("t1") is True
+    assert moving.move()
+    assert take("t2") is False and taken == ["t1"]  # the task leaves without it: the continuation makes it again
+
+
 class QueueStream:
     """A decode stream's reads, fed by the test: the relay under test, not a worker."""
 
@@ -252,15 +261,16 @@ async def test_a_stream_told_to_move_mid_character_stays_until_its_text_is_whole
     # The first byte of a two-byte character: its worker sends no text for it yet.
     await stream.events.put(pb.TokenEvent(token_id=2, text="", index=1))
     await wait_until(lambda: len(relayed) == 2 and handles[0]._reading)
-    handles[0].move()
-    await wait_until(lambda: handles[0]._reading and not handles[0].wanted)  # declined: reading again
+    assert not handles[0].move() and not handles[0].wanted  # declined: the task reads on
     await stream.events.put(pb.TokenEvent(token_id=3, text="é", index=2))
     await wait_until(lambda: len(relayed) == 3 and handles[0]._reading)
-    handles[0].move()
+    assert handles[0].move()
     with pytest.raises(AttemptFailed) as moved:
         await task
     assert moved.value.rebalanced and moved.value.blame is decode
     assert relayed == ["a", "", "é"] and progress.token_ids == [1, 2, 3]
+    held = MovableStream(Progress(token_ids=[1], text_held=True), 300, "b")
+    assert pick_moves({"a": 0, "b": 9}, {"b": [held]}, CONFIG) == []  # no candidate while mid-character
 
 
 async def wait_until(predicate, timeout_s: float = 10.0) -> None:
