@@ -45,8 +45,9 @@ class RebalanceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(False, description="Move running streams off a decode instance with `min_imbalance` more "
-                          "requests than another (prefilled again, continued there); `pdserve up --autoscale` turns "
-                          "it on. Off: a stream stays where it started unless its worker is lost or drains.")
+                          "requests than another, and twice as many (prefilled again, continued there); `pdserve up "
+                          "--autoscale` turns it on. Off: a stream stays where it started unless its worker is lost "
+                          "or drains.")
     interval_s: float = Field(1.0, ge=0.1, le=60, description="Seconds between rebalancing rounds.")
     min_imbalance: int = Field(4, ge=2, le=100_000, description="Least difference in requests between the busiest "
                                "and the least busy decode instance before a stream moves.")
