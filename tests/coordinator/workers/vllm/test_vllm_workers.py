@@ -355,7 +355,9 @@ def test_streams_crowding_one_decode_instance_move_to_another_that_comes_back_an
     moves = counter(fleet, https, "pdserve_request_rebalances_total")
     bodies = [{"model": "pdserve-tiny", "prompt": f"{PROMPT} {city}", "max_tokens": MAX_ITER_TIMES, "temperature": 0,
                "ignore_eos": True} for city in ("Paris", "Rome", "Oslo", "Bern", "Riga", "Kyiv", "Lima", "Baku")]
-    expected = [direct(fleet, https, "/v1/completions", body)["choices"][0]["text"] for body in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        expected = list(pool.map(lambda body: direct(fleet, https, "/v1/completions", body)["choices"][0]["text"],
+                                 bodies))
     crowded, away = (i["address"] for i in instances(fleet, https)["decode"])
     gone = vllm_instance_at(fleet, "decode", away)
     frozen = [gone["pid"], *descendants(gone["pid"])]
