@@ -97,9 +97,10 @@ def test_only_streams_a_continuation_gives_unchanged_are_movable():
         assert not can_move(dataclasses.replace(plain, sampling=sampling)), sampling
 
 
-async def test_a_move_interrupts_a_task_waiting_on_its_stream_and_the_cancellation_is_taken_back():
+async def reading_task() -> tuple[asyncio.Task, MovableStream]:
+    """A task waiting on a read as a relay does: a move's cancellation is its "moved", any other goes on."""
     read = asyncio.get_running_loop().create_future()
-    outcome = []
+    handles: list[MovableStream] = []
 
     async def relay():
         moving = MovableStream(Progress(), 300, "a")
@@ -108,17 +109,19 @@ async def test_a_move_interrupts_a_task_waiting_on_its_stream_and_the_cancellati
         try:
             await read
         except asyncio.CancelledError:
-            outcome.append(moving.interrupted())
-            outcome.append(asyncio.current_task().cancelling())
-            return
-        moving.read_done()
+            if moving.interrupted():
+                return "moved", asyncio.current_task().cancelling()
+            raise
 
-    handles: list[MovableStream] = []
     task = asyncio.create_task(relay())
-    await asyncio.sleep(0)
-    handles[0].move()
-    await task
-    assert outcome == [True, 0] and not task.cancelled()
+    await wait_until(lambda: handles)
+    return task, handles[0]
+
+
+async def test_a_move_interrupts_a_task_waiting_on_its_stream_and_the_cancellation_is_taken_back():
+    task, moving = await reading_task()
+    assert moving.move()
+    assert await task == ("moved", 0) and not task.cancelled()
 
 
 async def test_a_move_told_while_the_task_writes_to_its_client_waits_for_its_next_read():
@@ -139,23 +142,8 @@ async def test_a_move_told_while_the_task_writes_to_its_client_waits_for_its_nex
 
 
 async def test_a_cancellation_of_its_own_during_a_move_still_cancels_the_task():
-    read = asyncio.get_running_loop().create_future()
-    handles: list[MovableStream] = []
-
-    async def relay():
-        moving = MovableStream(Progress(), 300, "a")
-        handles.append(moving)
-        moving.reading()
-        try:
-            await read
-        except asyncio.CancelledError:
-            if moving.interrupted():
-                return "moved"
-            raise
-
-    task = asyncio.create_task(relay())
-    await asyncio.sleep(0)
-    handles[0].move()
+    task, moving = await reading_task()
+    moving.move()
     task.cancel()  # the client left at the same moment
     with pytest.raises(asyncio.CancelledError):
         await task
