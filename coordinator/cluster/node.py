@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 
+from coordinator.periodic_rounds import PeriodicRounds
 from coordinator.cluster.etcd_store import EtcdStore
 from coordinator.cluster.leadership import Leadership, Role
 from coordinator.cluster.registry_sync import RegistrySync
@@ -51,8 +52,7 @@ class ClusterNode:
         self.sync = sync
         self.health = health
         self.monitor = monitor
-        self.interval_s = interval_s
-        self._task: asyncio.Task | None = None
+        self.rounds = PeriodicRounds(self._round, interval_s, "etcd sync round")
 
     @classmethod
     def from_config(cls, config: CoordinatorConfig, registry: InstanceRegistry, monitor: HealthMonitor,
@@ -111,14 +111,6 @@ class ClusterNode:
         if self.census is not None:
             await self.census.round()
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self._round()
-            except Exception:  # the sync must outlive any one bad round
-                logger.exception("etcd sync round failed")
-
     async def start(self) -> None:
         await self.sync.start()
         try:
@@ -128,16 +120,14 @@ class ClusterNode:
         await self.leadership.start()
         logger.info("coordinator %s joined the cluster on etcd %s as %s", self.name, self.store.endpoints,
                        self.role.value)
-        self._task = asyncio.create_task(self._run())
+        self.rounds.start()
 
     async def step_down(self) -> None:
         """Give up the leader key (a standby takes over) and serve no new client requests."""
         await self.leadership.resign()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.rounds.stop()
         await self.leadership.resign()
         if self.census is not None:
             await self.census.leave()

@@ -157,10 +157,10 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         if state.planner is not None:
             state.planner.start()
         if rebalancer is not None:
-            rebalancer.start()
+            rebalancer.rounds.start()
         yield
         if rebalancer is not None:
-            await rebalancer.stop()
+            await rebalancer.rounds.stop()
         if state.planner is not None:
             await state.planner.stop()
         if cluster is not None:

@@ -14,6 +14,7 @@ import multiprocessing
 import time
 from collections import deque
 
+from coordinator.periodic_rounds import PeriodicRounds
 from coordinator.requests.attempt import Progress
 from coordinator.requests.request import GenerationRequest
 from coordinator.requests.trace import GenerationTrace
@@ -44,7 +45,7 @@ class PlannerLoop:
         self.decisions = {reason: 0 for reason in (*REASONS, "held")}
         self.history: deque[dict] = deque(maxlen=HISTORY)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self._task: asyncio.Task | None = None
+        self.rounds = PeriodicRounds(self.step, config.interval_s, "planner decision")
 
     # the pipeline's side ------------------------------------------------------------------------------------
     def arrived(self, request: GenerationRequest, max_tokens: int, progress: Progress) -> LiveRequest:
@@ -111,23 +112,13 @@ class PlannerLoop:
                         *self.current(), decision.message)
         return decision
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.interval_s)
-            try:
-                await self.step()
-            except Exception:  # a decision that fails is logged; the next one is tried
-                logger.exception("planner: the decision failed")
-
     def start(self) -> None:
         # spawn: a fork of a process running gRPC's threads is not safe
         self._pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        self._task = asyncio.create_task(self._run())
+        self.rounds.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.rounds.stop()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 

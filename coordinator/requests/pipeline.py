@@ -189,8 +189,9 @@ class RequestPipeline:
         movable = self.attempts.rebalancer is not None and can_move(request)  # and one move at most
         last: AttemptFailed | None = None
         while True:
+            number = progress.attempts  # retries + migrations + moves so far
             progress.attempts += 1
-            trace.start_attempt(retries + migrations + moves, migrating)
+            trace.start_attempt(number, migrating)
             try:
                 started = time.monotonic()
                 # As the prefix caches hash it: a repeated image goes where its blocks are.
@@ -218,7 +219,7 @@ class RequestPipeline:
             except BaseException:
                 trace.end_attempt("routing failed")
                 raise
-            attempt = request.continued(progress.token_ids, retries + migrations + moves)
+            attempt = request.continued(progress.token_ids, number)
             moved_off = None
             try:
                 async for event in self.attempts.run(attempt, placement, max_tokens - progress.count, deadline,

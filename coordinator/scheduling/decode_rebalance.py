@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator.periodic_rounds import PeriodicRounds
+
 if TYPE_CHECKING:
     from coordinator.requests.attempt import Progress
     from coordinator.requests.request import GenerationRequest
@@ -148,7 +150,7 @@ class DecodeRebalancer:
         self.config = config
         self.registry = registry
         self.streams: dict[str, set[MovableStream]] = {}
-        self._task: asyncio.Task | None = None
+        self.rounds = PeriodicRounds(self.round, config.interval_s, "rebalance round")
 
     def relaying(self, progress: Progress, end: int, address: str) -> MovableStream:
         stream = MovableStream(progress, end, address)
@@ -176,18 +178,3 @@ class DecodeRebalancer:
                         len(moves), dict(sorted(loads.items())))
         return len(moves)
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.interval_s)
-            try:
-                self.round()
-            except Exception:  # a round that fails is logged; the next one is tried
-                logger.exception("rebalance: the round failed")
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 
+from coordinator.periodic_rounds import PeriodicRounds
 from coordinator.requests.failures import WorkerCallError
 from coordinator.workers.instances import Instance, InstanceRegistry, InstanceState
 from coordinator.workers.client import WorkerClient
@@ -38,7 +39,7 @@ class HealthMonitor:
         self.busy_interval_s = interval_s * BUSY_INTERVAL_FACTOR if busy_interval_s is None else busy_interval_s
         self.clock = time.monotonic
         self._probed: dict[Instance, tuple[float, int]] = {}  # when each was last probed, and its successes then
-        self._task: asyncio.Task | None = None
+        self.rounds = PeriodicRounds(self.check_due, interval_s, "health check round")
 
     async def check(self, instance: Instance) -> None:
         self._probed[instance] = (self.clock(), instance.successes)
@@ -83,18 +84,8 @@ class HealthMonitor:
                 and instance.consecutive_failures == 0 and instance.successes != probed[1]
                 and now - probed[0] < self.busy_interval_s)
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.check_due()
-            except Exception:  # the monitor must outlive any one bad round
-                logger.exception("health check round failed")
-
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self.rounds.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.rounds.stop()

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from coordinator.periodic_rounds import PeriodicRounds
 from coordinator.requests.failures import WorkerCallError
 from coordinator.workers.instances import ROLES, Instance, InstanceRegistry
 from coordinator.workers.client import WorkerClient
@@ -45,7 +46,7 @@ class SilenceWatch:
         self.probe_timeout_s = probe_timeout_s
         self.clock = clock
         self._probing: dict[Instance, asyncio.Task] = {}
-        self._task: asyncio.Task | None = None
+        self.rounds = PeriodicRounds(self.tick, TICK_S, "silence watch tick")
 
     def bound(self, instance: Instance) -> float:
         """Seconds of silence after which `instance` is probed."""
@@ -92,19 +93,12 @@ class SilenceWatch:
         self.registry.record_failure(instance, reason, gone=True)
         await self.client.lose(instance.address, reason)
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            try:
-                self.tick()
-            except Exception:  # the watch must outlive any one bad tick
-                logger.exception("silence watch tick failed")
-
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self.rounds.start()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._probing.values()) if t is not None]
-        for task in tasks:
+        await self.rounds.stop()
+        probes = list(self._probing.values())
+        for task in probes:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*probes, return_exceptions=True)

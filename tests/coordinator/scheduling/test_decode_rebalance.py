@@ -22,7 +22,7 @@ from coordinator.scheduling.router import Placement
 from coordinator.workers.instances import InstanceRegistry
 from proto import worker_pb2 as pb
 from tests.helpers import (instance_states, management_url, scrape, start_coordinator, start_worker, wait_for,
-                           write_config)
+                           wait_until, write_config)
 
 CONFIG = RebalanceConfig(enabled=True, min_imbalance=4, min_tokens_left=64, max_moves=8)
 
@@ -259,9 +259,3 @@ async def test_a_stream_told_to_move_mid_character_stays_until_its_text_is_whole
     assert relayed == ["a", "", "é"] and progress.token_ids == [1, 2, 3]
     held = MovableStream(Progress(token_ids=[1], text_held=True), 300, "b")
     assert pick_moves({"a": 0, "b": 9}, {"b": [held]}, CONFIG) == []  # no candidate while mid-character
-
-
-async def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0)
