@@ -58,6 +58,10 @@ def _worker(args: argparse.Namespace) -> int:
     from worker.service.options import ModelBackend
     from worker.service.serve import serve
 
+    if args.simulate and args.speculative_method:
+        print("pdserve worker --simulate: --speculative-method needs a model: a simulated worker's synthetic tokens "
+              "cannot be drafted", file=sys.stderr)
+        return 2
     if args.simulate:
         try:
             backend = simulated_backend(args)
@@ -70,9 +74,14 @@ def _worker(args: argparse.Namespace) -> int:
             from embedded_model import ensure_default_model
 
             model = str(ensure_default_model())
+        try:
+            speculative = _speculative_config(args)
+        except ValueError as exc:
+            print(f"pdserve worker: {exc}", file=sys.stderr)
+            return 2
         backend = ModelBackend(model_dir=model, dtype=args.dtype, device=args.device, threads=args.threads,
                                encoder_cache_images=args.encoder_cache_images, max_loras=args.max_loras,
-                               max_lora_rank=args.max_lora_rank, attention=args.attention)
+                               max_lora_rank=args.max_lora_rank, attention=args.attention, speculative=speculative)
     try:
         security = load_security_file(args.security_config) if args.security_config else SecurityFile()
     except ValueError as exc:
@@ -92,6 +101,16 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"pdserve worker: cannot start:\n{exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _speculative_config(args):
+    """The decode worker's drafting settings from its flags; None without --speculative-method."""
+    from worker.engine.speculative.config import SpeculativeConfig
+
+    if not args.speculative_method:
+        return None  # a prefill worker keeps it for when it is switched to decode
+    return SpeculativeConfig(args.speculative_method, args.num_speculative_tokens, args.prompt_lookup_min,
+                             args.prompt_lookup_max, args.speculative_disable_batch_size)
 
 
 def _worker_options(args, backend, security, auth):
@@ -234,6 +253,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "the machine's C++ compiler); torch: blocks gathered, then SDPA (the reference; CUDA); "
                         "auto: the kernel on the CPU when it builds, else torch")
     p.add_argument("--max-running", type=int, default=64, help="sequences per decode step")
+    p.add_argument("--speculative-method", default=None, choices=("ngram", "suffix"),
+                   help="decode: draft tokens from the request's own text and verify them in one forward; ngram: "
+                        "prompt lookup (vLLM's); suffix: suffix matching over the text and the coordinator's hints "
+                        "(default: no drafting)")
+    p.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
+                   help="decode: draft tokens per row and step, at most, in [1, 32]")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N",
+                   help="ngram: the shortest suffix of the text that may match earlier in it")
+    p.add_argument("--prompt-lookup-max", type=int, default=5, metavar="N",
+                   help="ngram: the longest suffix looked for (the longest match wins, the earliest on ties)")
+    p.add_argument("--speculative-disable-batch-size", type=int, default=32, metavar="N",
+                   help="decode: no drafting in a step of more than N rows (compute-bound, where drafts cost)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port (0 picks one, -1 disables it)")
     p.add_argument("--health-port", type=int, default=-1,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from worker.engine.speculative.drafter import SKIP_REASONS
+
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -40,6 +42,8 @@ class WorkerMetrics:
         r.register(PrefixCacheCounters(pool))
         if getattr(engine, "loras", None) is not None:
             r.register(LoraInfo(engine.loras))
+        if getattr(engine, "drafter", None) is not None:
+            r.register(SpeculativeCounters(engine.drafter))
         vision = getattr(getattr(engine, "runner", None), "vision", None)
         if vision is not None:
             r.register(EncoderCacheCounters(vision.cache))
@@ -170,6 +174,37 @@ class EncoderCacheCounters:
                                   "encoder output was found cached (not encoded again).", value=self.cache.hits)
         yield CounterMetricFamily("pdserve_worker_encoder_cache_misses", "Vision-language models: images encoded "
                                   "(not found cached).", value=self.cache.misses)
+
+
+class SpeculativeCounters:
+    """A drafting decode worker's acceptance, named after vLLM's `spec_decode_*` metrics; mean acceptance length is
+    1 + accepted / drafts."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def collect(self):
+        counts = self.drafter.counts
+        yield CounterMetricFamily("pdserve_worker_spec_decode_num_drafts", "Decode rows verified with a draft "
+                                  "(one per row and step).", value=counts.drafts)
+        yield CounterMetricFamily("pdserve_worker_spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                  value=counts.draft_tokens)
+        yield CounterMetricFamily("pdserve_worker_spec_decode_num_accepted_tokens", "Draft tokens accepted (each "
+                                  "saves a decode step).", value=counts.accepted)
+        per_position = CounterMetricFamily("pdserve_worker_spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                           "accepted at each position of a draft (0: the first).", labels=["position"])
+        for position, accepted in enumerate(counts.accepted_per_position):
+            per_position.add_metric([str(position)], accepted)
+        yield per_position
+        skipped = CounterMetricFamily("pdserve_worker_spec_decode_skipped_rows", "Decode rows that did not draft in "
+                                      "a step, by reason: batch_size (the step had more rows than "
+                                      "--speculative-disable-batch-size), request_off (the client turned it off), "
+                                      "guided (a grammar), cooldown (its last drafts were all rejected), no_match "
+                                      "(nothing to draft from), length (at its last token), no_blocks (no KV "
+                                      "blocks for the draft).", labels=["reason"])
+        for reason in SKIP_REASONS:
+            skipped.add_metric([reason], counts.skipped[reason])
+        yield skipped
 
 
 class _NoOp:

@@ -267,6 +267,17 @@ class BlockPool:
         table.block_ids = []
         table.hashes = []
 
+    def shrink(self, table: BlockTable, num_tokens: int) -> None:
+        """Give back `table`'s blocks beyond the first `num_tokens` positions (a draft's rejected positions: never
+        registered, so they go free, unhashed)."""
+        keep = self.blocks_for(num_tokens)
+        if table.num_blocks <= keep:
+            return
+        tail = BlockTable(table.block_ids[keep:])
+        del table.block_ids[keep:]
+        del table.hashes[keep:]
+        self.release(tail)
+
     def _take(self, block: int) -> None:
         if self._refs[block] == 0:
             self._cached.pop(block, None)

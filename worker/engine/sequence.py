@@ -111,6 +111,11 @@ class Sequence:
     prepared_media: Any = None  # what the backend's prepare_media made of them (a local prefill's)
     prompt_cache_ids: list[int] = field(default_factory=list)
     lora: Any = None  # the LoRA adapter (a LoadedLora) every forward of it runs under; None: the base model
+    # Speculative decoding: the client's switch, the coordinator's hint sequences, and its drafting state (a
+    # speculative.drafter.DraftState, made at its first drafted step; None: it never drafted).
+    no_drafts: bool = False
+    draft_hints: tuple = ()
+    drafts: Any = None
 
     def __post_init__(self):
         self.prompt_cache_ids = lora_cache_tokens(cache_token_ids(self.prompt_token_ids, self.media),

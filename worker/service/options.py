@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kv_transfer.wire import DEFAULT_CHUNK_BYTES
 from security.settings import AuthConfig, TlsConfig
+from worker.engine.speculative.config import SpeculativeConfig
 from worker.simulated.cost_model import CostModel, KvShape
 
 ROLES = ("prefill", "decode")
@@ -23,6 +24,7 @@ class ModelBackend:
     max_loras: int | None = None  # LoRA adapters resident at once; None: 4 on a text model, 0 on a vision one
     max_lora_rank: int = 16  # the largest adapter rank it loads
     attention: str = "auto"  # kernel | torch | auto (model_runner.resolve_attention)
+    speculative: SpeculativeConfig | None = None  # decode: draft and verify several tokens per step; None: off
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -107,6 +108,7 @@ class DecodeTimes:
     first_step_at: float = 0.0  # its first decoded token was handed over
     receipt: KvReceipt | None = None  # how its KV cache came (None: prefilled here)
     generated: int = 0
+    drafts: Any = None  # its speculative drafting (a DraftState), if it drafted
 
 
 def record_decode(parent, request_id: str, prompt_len: int, local_prefill: bool, times: DecodeTimes,
@@ -114,7 +116,8 @@ def record_decode(parent, request_id: str, prompt_len: int, local_prefill: bool,
     spans = _Spans()
     root = spans.server("decode", times.received, parent, {
         "pdserve.request_id": request_id, "pdserve.prompt_tokens": prompt_len,
-        "pdserve.local_prefill": local_prefill, "pdserve.generated_tokens": times.generated}, error)
+        "pdserve.local_prefill": local_prefill, "pdserve.generated_tokens": times.generated,
+        **_speculative_attributes(times.drafts)}, error)
     if times.admitted:
         spans.child("decode_admission", times.received, times.admitted, root)
     receipt = times.receipt
@@ -124,3 +127,12 @@ def record_decode(parent, request_id: str, prompt_len: int, local_prefill: bool,
             "pdserve.kv.bytes": receipt.num_bytes, "pdserve.kv.duration_ms": receipt.receive_ms})
     if times.cache_ready and times.first_step_at:
         spans.child("first_step", times.cache_ready, times.first_step_at, root)
+
+
+def _speculative_attributes(drafts) -> dict:
+    """A drafted request's acceptance, as vLLM reports it: mean tokens per verified step, drafts, accepted tokens."""
+    if drafts is None or not drafts.drafts:
+        return {}
+    return {"pdserve.spec.drafts": drafts.drafts, "pdserve.spec.draft_tokens": drafts.draft_tokens,
+            "pdserve.spec.accepted_tokens": drafts.accepted,
+            "pdserve.spec.mean_acceptance_length": drafts.mean_acceptance_length}

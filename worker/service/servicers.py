@@ -39,6 +39,10 @@ from worker.service.request_spans import (DecodeTimes, PrefillTimes, failure_tex
 from worker.service.token_channel import ChannelCallContext, CoordinatorConnection, serve_as_call
 from worker.service.token_events import relayed, token_to_pb
 
+# What a decode request's draft_hints may hold (the coordinator's bounds are lower).
+MAX_DRAFT_HINTS = 16
+MAX_DRAFT_HINT_TOKENS = 8192
+
 logger = logging.getLogger(__name__)
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
@@ -338,6 +342,10 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
         if request.local_prefill and request.sampling.return_prompt_logprobs:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt logprobs are computed by a prefill worker "
                                 "only: send the request through PD (local_prefill is false)")
+        if len(request.draft_hints) > MAX_DRAFT_HINTS or any(len(h.token_ids) > MAX_DRAFT_HINT_TOKENS
+                                                            for h in request.draft_hints):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft_hints: at most {MAX_DRAFT_HINTS} hints of "
+                                f"at most {MAX_DRAFT_HINT_TOKENS} tokens each")
         if request.local_prefill and len(request.prompt_token_ids) != request.prompt_len:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -382,6 +390,8 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
             try:
                 handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
                                               list(request.prompt_token_ids), media, prepared, lora)
+                handle.seq.no_drafts = request.no_drafts
+                handle.seq.draft_hints = tuple(hint.token_ids for hint in request.draft_hints)
             except BaseException:
                 if lora is not None:
                     self.engine.loras.release(lora)
@@ -417,6 +427,7 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
         finally:
             times.receipt, times.first_step_at = handle.kv_receipt, handle.first_step_at
             times.generated = handle.seq.num_generated
+            times.drafts = handle.seq.drafts
             self.tokens.revoke(request.request_id)  # the token dies with the request
             self.engine.release(request.request_id)
 

@@ -6,6 +6,7 @@ from worker.engine.block_pool import BlockPool
 from worker.engine.kv_budget import default_capacity_tokens
 from worker.engine.kv_tier import attach_tier
 from worker.engine.lora import LoraResidency
+from worker.engine.speculative.drafter import Drafter
 from worker.torch_engine.decode_engine import DecodeEngine
 from worker.torch_engine.model_runner import ModelRunner
 from worker.torch_engine.peer_blocks import TorchPeerBlocks
@@ -37,8 +38,9 @@ def build_engine(options, runner: ModelRunner | None = None) -> PrefillEngine | 
     if options.role == "prefill":
         engine = PrefillEngine(runner, pool, options.max_prefill_tokens, options.max_prefill_batch_size)
     else:
+        drafter = Drafter(backend.speculative) if backend.speculative is not None else None
         engine = DecodeEngine(runner, pool, options.max_running, options.max_prefill_tokens,
-                              options.max_prefill_batch_size)
+                              options.max_prefill_batch_size, drafter)
     engine.peer_blocks = TorchPeerBlocks(runner)
     if runner.max_loras:
         engine.loras = LoraResidency(runner.max_loras, runner.load_lora)

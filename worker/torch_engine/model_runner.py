@@ -156,6 +156,7 @@ class PromptChunk:
     lora: LoadedLora | None = None  # the adapter its prompt runs under
     prompt_logprobs: int | None = None  # report each position's next-token logprob, with this many alternatives
     following: int | None = None  # the prompt token after the chunk (None: the chunk ends the prompt)
+    verify: bool = False  # a decode row's last token and its draft: logits after every position, not just the last
 
 
 class ModelRunner:
@@ -320,7 +321,8 @@ class ModelRunner:
     def forward(self, decode: Sequence[DecodeRow], chunks: Sequence[PromptChunk],
                 on_layer: Callable[[int], None] | None = None,
                 prompt_logprobs: dict[int, list] | None = None) -> torch.Tensor:
-        """One packed forward; logits [rows, V]: one per decode row, then one per chunk with `logits`. A chunk with
+        """One packed forward; logits [rows, V]: one per decode row, then one per chunk with `logits` (one per
+        position of a `verify` chunk). A chunk with
         `prompt_logprobs` gets, in `prompt_logprobs[its index]`, the TokenLogprobs (with rank) of each prompt token
         it predicts (the token after each of its positions, as far as the prompt goes)."""
         self._zero_fresh_blocks()
@@ -356,7 +358,9 @@ class ModelRunner:
                             <= torch.arange(start, start + n).unsqueeze(1)).to(self.device)
             batch.segments.append(seg)
         for chunk, seg in zip(chunks, segments):
-            if chunk.logits:
+            if chunk.verify:
+                keep.extend(range(seg.start, seg.end))
+            elif chunk.logits:
                 keep.append(seg.end - 1)
         if kernel and (nd or paged_chunks):
             batch.kernel = build_plan([(row.table.block_ids, row.position) for row in decode], paged_chunks,
