@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from worker.engine.speculative.drafter import SKIP_REASONS
+from worker.engine.speculative.drafter import SKIP_REASONS, DraftCounts
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -42,8 +42,8 @@ class WorkerMetrics:
         r.register(PrefixCacheCounters(pool))
         if getattr(engine, "loras", None) is not None:
             r.register(LoraInfo(engine.loras))
-        if getattr(engine, "drafter", None) is not None:
-            r.register(SpeculativeCounters(engine.drafter))
+        if role == "decode":
+            r.register(SpeculativeCounters(engine))
         vision = getattr(getattr(engine, "runner", None), "vision", None)
         if vision is not None:
             r.register(EncoderCacheCounters(vision.cache))
@@ -178,13 +178,14 @@ class EncoderCacheCounters:
 
 class SpeculativeCounters:
     """A drafting decode worker's acceptance, named after vLLM's `spec_decode_*` metrics; mean acceptance length is
-    1 + accepted / drafts."""
+    1 + accepted / drafts. Present at 0 on a decode worker that does not draft, so dashboards need not know which do."""
 
-    def __init__(self, drafter):
-        self.drafter = drafter
+    def __init__(self, engine):
+        self.engine = engine
 
     def collect(self):
-        counts = self.drafter.counts
+        drafter = getattr(self.engine, "drafter", None)
+        counts = drafter.counts if drafter is not None else DraftCounts()
         yield CounterMetricFamily("pdserve_worker_spec_decode_num_drafts", "Decode rows verified with a draft "
                                   "(one per row and step).", value=counts.drafts)
         yield CounterMetricFamily("pdserve_worker_spec_decode_num_draft_tokens", "Draft tokens verified.",
