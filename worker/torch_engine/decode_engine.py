@@ -23,7 +23,9 @@ from worker.engine.block_pool import BlockPool, BlockTable
 from worker.engine.messages import (AddSequence, BlocksAsked, CancelSequence, DecodeCommand, LocalPrefill,
                                     QueueLocalPrefill, Recompute, ReturnBlocks, Stop, TakeBlocks)
 from worker.engine.scheduler import Chunk
-from worker.torch_engine.model_runner import DecodeRow, ModelRunner, PromptChunk
+from worker.torch_engine.draft_verify import (drafts_given_back_on_failure, split_drafted, verified_runs,
+                                              verify_chunks)
+from worker.torch_engine.model_runner import DecodeRow, ModelRunner
 from worker.engine.speculative.drafter import Drafter
 from worker.engine.output import OutputProcessor
 from worker.torch_engine.sampling import choose_batch
@@ -367,11 +369,8 @@ class DecodeEngine(DecodeBackend):
 
     def _step(self, batch: list[Sequence], chunks: list[Chunk]) -> None:
         started = time.perf_counter()
-        plain, drafted = self._drafts(batch)
+        plain, drafted = split_drafted(self.drafter, self.pool, batch)
         rows = [DecodeRow(seq.output_token_ids[-1], seq.total_len - 1, seq.table, seq.lora) for seq in plain]
-        # A drafted row is a short chunk over its cache: its last token and the draft, logits after each.
-        verify = [PromptChunk([seq.output_token_ids[-1], *draft], seq.total_len - 1, seq.table, True, lora=seq.lora,
-                              verify=True) for seq, draft in drafted]
         prompt_chunks, broken = self.runner.prompt_chunks(chunks, lambda c: c.last and isinstance(c.work, LocalPrefill))
         if broken:  # their images failed to encode: those requests fail, the rest of the step runs
             for chunk, exc in broken:
@@ -380,12 +379,8 @@ class DecodeEngine(DecodeBackend):
             chunks = [c for c in chunks if all(c is not b for b, _ in broken)]
             if not batch and not chunks:
                 return
-        try:
-            logits = self.runner.forward(rows, verify + prompt_chunks, self._answer_asks)
-        except Exception:
-            for seq, _ in drafted:  # the draft's positions go back; the rows run again next step
-                self.pool.shrink(seq.table, seq.total_len)
-            raise
+        with drafts_given_back_on_failure(self.pool, drafted):  # its rows run again next step
+            logits = self.runner.forward(rows, verify_chunks(drafted) + prompt_chunks, self._answer_asks)
         now = time.perf_counter()
         self._stepped(batch, len(chunks), started, now)
         self._sample_decode(plain, logits[: len(plain)], started, now, len(batch))
@@ -394,52 +389,25 @@ class DecodeEngine(DecodeBackend):
         self._prompts_computed(chunks, logits[verified:])
         self._flush()
 
-    def _drafts(self, batch: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]]]:
-        """The batch split into rows that decode one token and rows with a draft whose positions have blocks."""
-        if self.drafter is None or not batch:
-            return batch, []
-        plain, drafted = [], []
-        for seq, draft in zip(batch, self.drafter.plan(batch)):
-            if draft and not self.pool.grow(seq.table, seq.total_len + len(draft)):
-                self.drafter.skipped("no_blocks")
-                draft = []
-            (drafted.append((seq, draft)) if draft else plain.append(seq))
-        return plain, drafted
-
     def _verify(self, drafted: list[tuple[Sequence, list[int]]], logits, started: float, now: float,
                 batch_size: int) -> None:
-        """Each drafted row's tokens: the token the row would pick without drafts at each position (the same
-        processing and seeded draw), accepted while it equals the draft, then the first that differs (or the bonus
-        token after a whole draft). Sampled rows thereby accept a draft token d with probability p(d) and otherwise
-        draw from p without d: exactly the model's distribution. The rejected positions' blocks go back."""
-        if not drafted:
-            return
-        positions = [_DraftPosition(seq, seq.output_token_ids + draft[:j])
-                     for seq, draft in drafted for j in range(len(draft) + 1)]
-        picks = choose_batch(logits, positions, self.runner.eos_token_ids, self.guidance.masks)
-        at = 0
-        for seq, draft in drafted:
-            own, at = picks[at : at + len(draft) + 1], at + len(draft) + 1
-            accepted = 0
-            while accepted < len(draft) and own[accepted][0] == draft[accepted]:
-                accepted += 1
-            self.drafter.verified(seq, len(draft), accepted)
+        """Emit each drafted row's accepted run (`verified_runs`); the rejected positions' blocks go back."""
+        for seq, run in verified_runs(drafted, logits, self.drafter, self.runner.eos_token_ids, self.guidance.masks):
             processor = self._processors[seq.request_id]
             step_ms, wait_ms = (now - seq.last_step_at) * 1000, max(0.0, started - seq.last_step_at) * 1000
             seq.last_step_at = now
-            for j, (token, logprobs) in enumerate(own[: accepted + 1]):
+            for j, (token, logprobs) in enumerate(run):
                 # The run's tokens came in one step: the first carries its time, the others none.
                 output = processor.append(token, step_ms if j == 0 else 0.0, logprobs, batch_size,
                                           wait_ms if j == 0 else 0.0)
                 self._emit(seq.request_id, output)
                 if output.finish_reason is not None:
+                    self._retire(seq, DecodeState.FINISHED)
                     break
-            if output.finish_reason is not None:
-                self._retire(seq, DecodeState.FINISHED)
-                continue
-            seq.num_computed = seq.total_len - 1  # the last token and the accepted drafts have their KV
-            self.pool.shrink(seq.table, seq.total_len)
-            self._register_output_blocks(seq)
+            else:
+                seq.num_computed = seq.total_len - 1  # the last token and the accepted drafts have their KV
+                self.pool.shrink(seq.table, seq.total_len)
+                self._register_output_blocks(seq)
 
     def _sample_decode(self, batch: list[Sequence], logits, started: float, now: float, batch_size: int) -> None:
         if not batch:
@@ -479,12 +447,3 @@ class DecodeEngine(DecodeBackend):
             first, logprobs = pick
             self._start(seq, first, (time.perf_counter() - work.submitted_at) * 1000, logprobs)
 
-
-class _DraftPosition:
-    """A drafted row as sampling sees it at one position: its output as if the draft before it were accepted."""
-
-    __slots__ = ("sampling", "prompt_token_ids", "output_token_ids", "matcher")
-
-    def __init__(self, seq: Sequence, output_token_ids: list[int]):
-        self.sampling, self.prompt_token_ids, self.matcher = seq.sampling, seq.prompt_token_ids, None
-        self.output_token_ids = output_token_ids
