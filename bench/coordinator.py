@@ -47,6 +47,12 @@ change is judged only against rows from the same stretch of time.
 limit on (rpm, tpm, concurrency; none reached), and its clients' requests take turns with the 4 keys: `--tenants
 --against .` is tenancy's CPU per request against a coordinator without it (target <= 1.1x).
 
+`--speculative` gives the coordinator (not the --against one) speculative_config enabled: every request's output
+goes into the draft corpus and, its prompt being the same as every other's, every request is sent the most hints
+(max_hints of max_hint_tokens at most), so the corpus is paid for in full (lookups, records, evictions, hints on
+the wire): `--speculative --against .` is the corpus's CPU per request against a coordinator without it (target
+<= 1.1x).
+
 `--algorithm` sets every coordinator's routing policy (round_robin by default) and `--against-algorithm` the --against
 coordinator's: `--against . --against-algorithm cache_affinity` puts a coordinator routing on the KV index (following
 the workers' KV events, hashing each prompt) beside a round-robin one in front of the same workers.
@@ -325,7 +331,8 @@ def free_port() -> int:
 
 
 def write_config(path: Path, prefill: list[str], decode: list[str], cert_dir: Path | None = None,
-                 manage_port: int = 0, algorithm: str = "round_robin", tenants: bool = False) -> Path:
+                 manage_port: int = 0, algorithm: str = "round_robin", tenants: bool = False,
+                 speculative: bool = False) -> Path:
     config = {
         # Kept-alive client connections wait while other paths' rows run: not closed under them meanwhile.
         "http_config": {"predict_ip": "127.0.0.1", "predict_port": 0, "manage_port": manage_port,
@@ -341,6 +348,8 @@ def write_config(path: Path, prefill: list[str], decode: list[str], cert_dir: Pa
         keys.write_text("".join(f"{hash_key(key)} name=tenant-{i} weight={i + 1} rpm={10**9} tpm={10**9} "
                                 f"concurrency={10**6}\n" for i, key in enumerate(TENANT_KEYS)))
         config["auth_config"] = {"api_keys_file": str(keys)}
+    if speculative:
+        config["speculative_config"] = {"enabled": True}
     path.write_text(json.dumps(config))
     return path
 
@@ -398,7 +407,8 @@ def start_cluster(args, tmp: Path, cert_dir: Path | None, cores: Cores) -> Clust
     try:
         manage_port = free_port()  # its /metrics: the TTFT it measures itself, from arrival to the first token
         config = write_config(tmp / f"ms_coordinator{'-tls' if suffix else ''}.json", cluster.prefill, cluster.decode,
-                              cert_dir, manage_port, args.algorithm, tenants=args.tenants)
+                              cert_dir, manage_port, args.algorithm, tenants=args.tenants,
+                              speculative=args.speculative)
         cluster.coordinator = Process(pdserve("coordinator", "--config", str(config)), "pdserve coordinator ready:",
                                       cores.pinned, share=cores.share)
         cluster.coordinator.metrics_url = f"http://127.0.0.1:{manage_port}/metrics"
@@ -615,6 +625,9 @@ def main() -> None:
     parser.add_argument("--tenants", action="store_true", help="the coordinator (not --against's) serves 4 "
                         "keys-file tenants with every limit on (none reached), the clients' requests taking turns "
                         "with the keys: tenancy's cost, against `--against` without it")
+    parser.add_argument("--speculative", action="store_true", help="the coordinator (not --against's) keeps a "
+                        "draft corpus (speculative_config.enabled) and sends every request the most hints: the "
+                        "corpus's cost, against `--against` without it")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of every row; each row's median (by CPU per "
                         "request) is shown")
     args = parser.parse_args()

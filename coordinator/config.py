@@ -11,6 +11,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
                       model_validator)
 
 from embedded_model.builder import ModelSpec
+from coordinator.requests.draft_corpus import SpeculativeConfig
 from coordinator.scheduling.decode_rebalance import RebalanceConfig
 from coordinator.tenancy.settings import TenancyConfig
 from planner.settings import PlannerConfig
@@ -130,6 +131,8 @@ class InstanceConfig(_Section):
     device: Literal["gpu", "cpu"] = Field("gpu", description="vllm: what the instance computes on; cpu (vLLM's CPU "
                                           "build, as `pdserve up --engine vllm` starts) refuses a client's seed with "
                                           "temperature > 0, which that build fails on.")
+    speculative: Literal["", "ngram", "suffix"] = Field("", description="vllm decode instance: the method it drafts "
+                                                        "by on every request, no request can turn off; empty: none.")
 
     @field_validator("address")
     @classmethod
@@ -157,8 +160,9 @@ class InstanceConfig(_Section):
     @model_validator(mode="after")
     def _engine_fields(self) -> InstanceConfig:
         if self.engine == "pdserve":
-            if self.url or self.kv_events or self.device != "gpu":
-                raise ValueError("url, kv_events and device are for engine vllm; a pdserve worker has an address")
+            if self.url or self.kv_events or self.device != "gpu" or self.speculative:
+                raise ValueError("url, kv_events, device and speculative are for engine vllm; a pdserve worker has "
+                                 "an address")
             if not self.address:
                 raise ValueError("address: a pdserve worker needs host:port")
             return self
@@ -366,6 +370,7 @@ class CoordinatorConfig(_Section):
     planner_config: PlannerConfig = PlannerConfig()
     rebalance_config: RebalanceConfig = RebalanceConfig()
     tenancy_config: TenancyConfig = TenancyConfig()
+    speculative_config: SpeculativeConfig = SpeculativeConfig()
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
 

@@ -238,6 +238,31 @@ class TenantCollector:
         return [admitted, refused, tokens, queued, queued_count, in_flight]
 
 
+class DraftCollector:
+    """Speculative decoding as the coordinator sees it: draft hints sent, generations with drafting off and, with
+    speculative_config.enabled, what the draft corpus keeps (all tenants together: no tenant label)."""
+
+    def __init__(self):
+        self.hints_sent = 0
+        self.drafting_off = 0
+        self.corpus = None  # a DraftCorpus, read when scraped
+
+    def collect(self):
+        families = [
+            CounterMetricFamily("pdserve_draft_hints_sent", "Draft hints sent with decode requests, from the "
+                                "coordinator's corpus (speculative_config).", value=self.hints_sent),
+            CounterMetricFamily("pdserve_requests_drafting_off", "Generations sent with speculative drafting turned "
+                                "off by their client (x-pdserve-speculative: off).", value=self.drafting_off)]
+        corpus = self.corpus
+        if corpus is not None:
+            families += [
+                GaugeMetricFamily("pdserve_draft_corpus_entries", "Outputs the draft corpus keeps.",
+                                  value=corpus.num_entries),
+                GaugeMetricFamily("pdserve_draft_corpus_tokens", "Tokens the draft corpus keeps, as "
+                                  "speculative_config.max_total_tokens counts them.", value=corpus.num_tokens)]
+        return families
+
+
 def api_label(request: web.Request) -> str:
     """The `api` label of a request: its route's metrics label in the app's route table."""
     return request.app[ROUTE_TABLE].metrics_label(request.method, request.path) or UNROUTED_LABEL
@@ -253,6 +278,8 @@ class CoordinatorMetrics:
         r.register(self.requests)
         self.tokens = TokenCollector()
         r.register(self.tokens)
+        self.drafts = DraftCollector()
+        r.register(self.drafts)
         self.retries = Counter("pdserve_prefill_retries_total",
                                "Requests restarted on other instances before their first token.", registry=r)
         self.migrations = Counter("pdserve_request_migrations_total",
@@ -285,6 +312,16 @@ class CoordinatorMetrics:
     def watch_planner(self, planner) -> None:
         """Export the online planner's decisions (a PlannerLoop), read when scraped."""
         self.registry.register(PlannerCollector(planner))
+
+    def watch_drafts(self, corpus) -> None:
+        """Export what the draft corpus (requests/draft_corpus.py) keeps, read when scraped."""
+        self.drafts.corpus = corpus
+
+    def hints_sent(self, count: int) -> None:
+        self.drafts.hints_sent += count
+
+    def drafting_off(self) -> None:
+        self.drafts.drafting_off += 1
 
     def routed(self, role: str, address: str, prompt_tokens: int, expected_cached: int) -> None:
         """A request routed to an instance the KV index priced (cache_affinity)."""
@@ -385,6 +422,12 @@ class NullMetrics:
         pass
 
     def routed(self, role: str, address: str, prompt_tokens: int, expected_cached: int) -> None:
+        pass
+
+    def hints_sent(self, count: int) -> None:
+        pass
+
+    def drafting_off(self) -> None:
         pass
 
 

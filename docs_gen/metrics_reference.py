@@ -11,6 +11,7 @@ from coordinator.workers.instances import InstanceRegistry
 from coordinator.scheduling.kv_index import KvIndex
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planning.planner_loop import PlannerLoop
+from coordinator.requests.draft_corpus import DraftCorpus, SpeculativeConfig
 from planner.settings import PlannerConfig
 from coordinator.tenancy.admission import TenantBook
 from coordinator.tenancy.settings import TenancyConfig
@@ -56,6 +57,7 @@ def coordinator_rows() -> list[list[str]]:
     metrics.watch(SimpleNamespace(num_waiting=0), InstanceRegistry(), KvIndex())  # cache_affinity's too
     metrics.watch_planner(PlannerLoop(PlannerConfig(enabled=True), InstanceRegistry(), "round_robin"))
     metrics.watch_tenants(TenantBook(TenancyConfig()))
+    metrics.watch_drafts(DraftCorpus(SpeculativeConfig(enabled=True), "model"))
     return sorted(metric_rows(metrics.registry).values())
 
 

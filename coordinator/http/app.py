@@ -22,6 +22,7 @@ from coordinator.requests.loras import LoraRegistry
 from coordinator.http.management import MANAGEMENT_ROUTES
 from coordinator.requests.media import MediaFetcher
 from coordinator.metrics import METRICS, CoordinatorMetrics
+from coordinator.requests.draft_corpus import DraftCorpus
 from coordinator.requests.pipeline import RequestPipeline
 from coordinator.planning.planner_loop import PlannerLoop
 from coordinator.scheduling.decode_rebalance import DecodeRebalancer
@@ -97,7 +98,9 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     metrics = CoordinatorMetrics()
     queue = RequestQueue(config.request_limit.max_running, config.tenancy_config.refuse_early)
     metrics.watch(queue, registry, kv_watch.index if kv_watch is not None else None)
-    admission = Admission(config.tenancy_config, limits, api_keys)
+    # A vLLM decode instance's speculative decoding runs on every request: `x-pdserve-speculative: off` is refused.
+    fixed_drafting = next((i.speculative for i in config.instances.decode if i.speculative), "")
+    admission = Admission(config.tenancy_config, limits, api_keys, fixed_drafting)
     metrics.watch_tenants(admission.book)
     exceptions = config.exception_config
     pipeline = RequestPipeline(client, router, registry, limits, queue, exceptions.first_token_timeout,
@@ -141,6 +144,10 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         except ProfileError as exc:  # the message names the file
             raise ConfigError(f"planner_config: {exc}") from None
         metrics.watch_planner(state.planner)
+    # vLLM instances take no draft hints (they draft from the request alone, if at all): no corpus for them.
+    if config.speculative_config.enabled and engine != "vllm":
+        pipeline.drafts = DraftCorpus(config.speculative_config, model.modelName)
+        metrics.watch_drafts(pipeline.drafts)
     rebalancer = None
     if config.rebalance_config.enabled:
         rebalancer = pipeline.attempts.rebalancer = DecodeRebalancer(config.rebalance_config, registry)

@@ -21,6 +21,7 @@ A request's life in the coordinator:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -41,6 +42,7 @@ from coordinator.workers.client import WorkerClient
 
 if TYPE_CHECKING:
     from coordinator.planning.planner_loop import PlannerLoop
+    from coordinator.requests.draft_corpus import DraftCorpus
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class RequestPipeline:
         self.max_migrations = max_migrations
         self.attempts = AttemptRunner(client, registry, limits, first_token_timeout, self.metrics)
         self.planner: PlannerLoop | None = None  # with planner_config.enabled: told of every finished request
+        self.drafts: DraftCorpus | None = None  # with speculative_config.enabled: hints out, finished outputs in
         self.service = ServiceTimes()
 
     async def generate(self, request: GenerationRequest,
@@ -111,6 +114,7 @@ class RequestPipeline:
         ticket = request.ticket
         try:
             await self._wait_turn(request, max_tokens, deadline, timeout, trace)
+            request = self._with_drafting(request)
             progress = Progress()
             if ticket is not None:
                 ticket.streams.append(progress)  # its tokens are charged to the tenant as they stream
@@ -120,6 +124,8 @@ class RequestPipeline:
                 async for event in self._attempts(request, max_tokens, deadline, timeout, trace, listener, progress):
                     yield event
                 self.service.observe(started, progress)
+                if self.drafts is not None:
+                    self.drafts.learn(request, progress.token_ids)
                 if live is not None:
                     self.planner.finished(live, trace)
             finally:
@@ -128,6 +134,17 @@ class RequestPipeline:
                     self.planner.abandoned(live)
         finally:
             trace.finish()
+
+    def _with_drafting(self, request: GenerationRequest) -> GenerationRequest:
+        """The request as dispatched: with its draft hints from the corpus, unless its client turned drafting off."""
+        if request.no_drafts:
+            self.metrics.drafting_off()
+            return request
+        hints = self.drafts.hints_for(request) if self.drafts is not None else ()
+        if not hints:
+            return request
+        self.metrics.hints_sent(len(hints))
+        return dataclasses.replace(request, draft_hints=hints)
 
     async def _wait_turn(self, request: GenerationRequest, max_tokens: int, deadline: float, timeout: float,
                          trace: GenerationTrace) -> None:

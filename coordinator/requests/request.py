@@ -67,6 +67,10 @@ class GenerationRequest:
     media: tuple[MediaInput, ...] = ()  # the prompt's images, in prompt order
     lora: AdapterRef | None = None  # the LoRA adapter it runs under; None: the base model
     ticket: TenantTicket | None = None  # its client request's hold on its tenant (tenancy/tenants.py)
+    # Speculative decoding: earlier outputs the decode worker may draft from, each an encoded pb.DraftHint
+    # (requests/draft_corpus.py), and whether the client turned drafting off (x-pdserve-speculative: off).
+    draft_hints: tuple[bytes, ...] = ()
+    no_drafts: bool = False
 
     def cache_token_ids(self, generated: list[int] = ()) -> list[int]:
         """The prompt, then the `generated` tokens, as the workers' prefix caches hash them (image placeholders

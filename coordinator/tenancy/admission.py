@@ -5,6 +5,8 @@ Priority headers, on every API (MindIE's and Triton's `priority` field wins wher
   - `x-pdserve-priority: 1..5` (1 first, 5 last, the levels MindIE and Triton use);
   - `x-gateway-inference-objective: NAME` (Gateway API Inference Extension), mapped to a level by
     tenancy_config.objectives; `x-pdserve-priority` wins when both are sent.
+And `x-pdserve-speculative: on|off`: off turns the decode worker's speculative drafting off for the request (no
+draft hints either); on, the default, leaves it to the worker.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from security.api_keys import RESERVED_NAMES, ApiKeyStore, TenantTerms
 
 PRIORITY_HEADER = "x-pdserve-priority"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+SPECULATIVE_HEADER = "x-pdserve-speculative"
 KEY_TERMS = web.RequestKey("key_tenant", TenantTerms)  # the API key's tenant, set by the key gate
 ANONYMOUS, OVERFLOW = RESERVED_NAMES  # requests without a key or a trusted header; header names past max_tenants
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}\Z")
@@ -80,26 +83,33 @@ class TenantBook:
 
 
 class Admission:
-    """Tenant, limits and priority of each client request, applied before any of its generations queue."""
+    """Tenant, limits, priority and drafting switch of each client request, applied before any of its generations
+    queue."""
 
-    def __init__(self, config: TenancyConfig, limits: ModelLimits, keys: ApiKeyStore | None = None):
+    def __init__(self, config: TenancyConfig, limits: ModelLimits, keys: ApiKeyStore | None = None,
+                 fixed_drafting: str = ""):
+        """`fixed_drafting`: the speculative method the decode instances run on every request, which no request
+        can turn off (vLLM instances' `speculative`); empty: none, or a pdserve worker's, which a request can."""
         self.config = config
         self.limits = limits
         self.book = TenantBook(config, keys)
         self.fairness_header = config.fairness_header if config.trust_fairness_header else None
+        self.fixed_drafting = fixed_drafting
 
     def admit(self, http_request: web.Request, requests: list[GenerationRequest]) -> list[GenerationRequest]:
         """`requests` (one client request's generations) with their tenant's ticket and their priority; ApiError
         400 for a bad header, 429 past the tenant's limits. Close the ticket when the client request ends."""
         headers = http_request.headers
         priority = self.header_priority(headers)
+        no_drafts = self.header_no_drafts(headers)
         tenant = self.book.tenant(http_request.get(KEY_TERMS), self.header_tenant(headers))
         max_output = 0
         if tenant.tokens is not None:
             max_output = sum(self.limits.generation_cap(r.max_tokens, len(r.prompt_token_ids)) for r in requests)
         prompts = {id(r.prompt_token_ids): len(r.prompt_token_ids) for r in requests}  # n copies share a prompt
         ticket = tenant.admit(sum(prompts.values()), max_output, len(requests))
-        return [dataclasses.replace(r, ticket=ticket, priority=r.priority or priority) for r in requests]
+        return [dataclasses.replace(r, ticket=ticket, priority=r.priority or priority, no_drafts=no_drafts)
+                for r in requests]
 
     def header_tenant(self, headers) -> str | None:
         if self.fairness_header is None:
@@ -129,6 +139,22 @@ class Admission:
                                     "(tenancy_config.objectives)", param=OBJECTIVE_HEADER)
             return level
         return DEFAULT_PRIORITY
+
+    def header_no_drafts(self, headers) -> bool:
+        """Whether the headers turn speculative drafting off (`x-pdserve-speculative: off`)."""
+        value = headers.get(SPECULATIVE_HEADER)
+        if value is None:
+            return False
+        value = value.strip().lower()
+        if value not in ("on", "off"):
+            raise ApiError(400, f"header {SPECULATIVE_HEADER} must be on or off (on, the default: the decode worker "
+                                "may draft tokens speculatively; off: it does not)", param=SPECULATIVE_HEADER)
+        if value == "off" and self.fixed_drafting:
+            raise ApiError(400, f"header {SPECULATIVE_HEADER}: off cannot be honoured: the decode instances are vLLM "
+                                f"engines running speculative decoding ({self.fixed_drafting}) on every request, and "
+                                "the vLLM engine cannot turn drafting off per request; send on or leave the header "
+                                "out", param=SPECULATIVE_HEADER)
+        return value == "off"
 
 
 def close_tickets(requests: list[GenerationRequest]) -> None:

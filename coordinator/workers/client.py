@@ -112,6 +112,17 @@ def lora_to_pb(request: GenerationRequest) -> pb.LoraAdapter | None:
     return pb.LoraAdapter(name=lora.name, path=lora.path, digest=hash_to_bytes(lora.digest))
 
 
+def add_draft_hints(message: pb.DecodeRequest, hints: tuple[bytes, ...]) -> None:
+    """Draft hints (each an encoded pb.DraftHint) added to a DecodeRequest."""
+    for hint in hints:
+        message.draft_hints.add().MergeFromString(hint)
+
+
+def hints_size(hints: tuple[bytes, ...]) -> int:
+    """What draft hints add to a DecodeRequest's size, at most (each a tag and a length before it)."""
+    return sum(len(hint) + 6 for hint in hints) if hints else 0
+
+
 def prefill_result_from_pb(reply: pb.PrefillResponse) -> PrefillResult:
     return PrefillResult(reply.first_token_id, reply.prefill_time_ms, reply.kv_bytes, reply.kv_transfer_ms,
                        reply.forward_ms)
@@ -198,11 +209,15 @@ class ChannelDecodeStream:
     """A decode request on the worker's token channel: the same events as a DecodeStream, and a worker's
     failure, or the deadline passing, as the same WorkerCallError its Decode call would have ended with."""
 
-    def __init__(self, address: str, channel: TokenChannel, request: pb.DecodeRequest, timeout_s: float):
+    def __init__(self, address: str, channel: TokenChannel, request: pb.DecodeRequest, timeout_s: float,
+                 draft_hints: tuple[bytes, ...] = ()):
         self.address = address
         self._channel = channel
         self._request_id = request.request_id
-        self._sink = channel.submit(request.request_id, pb.TokenChannelRequest(decode=request, timeout_s=timeout_s))
+        framed = pb.TokenChannelRequest(decode=request, timeout_s=timeout_s)
+        # Parsed straight into the frame's message: on `request`, they would be sized and copied in once more each.
+        add_draft_hints(framed.decode, draft_hints)
+        self._sink = channel.submit(request.request_id, framed)
         self._ended = False
         # The worker ends it at its deadline too; this clock holds when the worker cannot (frozen, cut off).
         self._deadline = asyncio.get_running_loop().call_later(timeout_s, self._expire) if timeout_s > 0 else None
@@ -314,10 +329,14 @@ class WorkerClient:
             media=media_to_pb(request.media, with_data=local_prefill),
             lora=lora_to_pb(request),
         )
+        if request.no_drafts:
+            message.no_drafts = True
+        hints = request.draft_hints
         channel = self.token_channels.open_channel(address)
         # A request too big for one frame goes as a call: the channel would be cut, failing its other requests.
-        if channel is not None and message.ByteSize() < MAX_REQUEST_FRAME_BYTES:
-            return ChannelDecodeStream(address, channel, message, timeout)
+        if channel is not None and message.ByteSize() + hints_size(hints) < MAX_REQUEST_FRAME_BYTES:
+            return ChannelDecodeStream(address, channel, message, timeout, hints)
+        add_draft_hints(message, hints)
         grpc_channel, stub = self._stub(pb_grpc.DecodeServiceStub, address)
         call = stub.Decode(message, timeout=timeout, metadata=secret_metadata(self._secret))
         return DecodeStream(address, call, self.token_channels, grpc_channel, self._lost)

@@ -18,6 +18,7 @@ def test_shipped_config_is_valid():
     config = load_config(REPO / "ms_coordinator.json")
     assert config.http_config.predict_port == 1025
     assert config.model_settings.maxIterTimes == 512
+    assert not config.speculative_config.enabled
 
 
 def test_minimal_config_gets_defaults():
@@ -70,6 +71,10 @@ def test_every_routing_policy_is_accepted(policy):
     ({**MINIMAL, "digs_scheduler_config": {"local_prefill_max_tokens": -1}},
      "digs_scheduler_config.local_prefill_max_tokens"),
     ({**MINIMAL, "surprise": True}, "surprise: unknown key"),
+    ({"instances": {"decode": [{"address": "h:1", "speculative": "ngram"}]}},
+     "url, kv_events, device and speculative are for engine vllm"),
+    ({"instances": {"decode": [{"engine": "vllm", "url": "http://h:1", "speculative": "eagle"}]}},
+     "instances.decode.0.speculative"),
     ({**MINIMAL, "digs_scheduler_config": {"cache_affinity_decode_load_weight": -1}},
      "digs_scheduler_config.cache_affinity_decode_load_weight"),
     ({**MINIMAL, "digs_scheduler_config": {"cache_affinity_block_tokens": 16}},

@@ -68,9 +68,12 @@ async def grpc_worker(servicer):
 
 
 @contextlib.asynccontextmanager
-async def channel_worker(kind: str, code: grpc.StatusCode, details: str, reason: int):
-    """A worker's token channel listener whose every request ends as the servicers end one on a channel."""
+async def channel_worker(kind: str, code: grpc.StatusCode, details: str, reason: int, seen: list | None = None):
+    """A worker's token channel listener whose every request ends as the servicers end one on a channel (each
+    request appended to `seen` first)."""
     async def serve(channel, request, timeout_s):
+        if seen is not None:
+            seen.append(request)
         async def work():
             await ChannelCallContext().abort(code, details, trailing_metadata=reason_metadata(reason))
 

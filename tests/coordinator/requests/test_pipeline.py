@@ -13,6 +13,8 @@ from coordinator.requests.failures import WorkerCallError, WorkerFailure
 from coordinator.workers.instances import InstanceRegistry
 from coordinator.requests.limits import ModelLimits
 from coordinator.metrics import CoordinatorMetrics, NullMetrics
+from coordinator.requests.draft_corpus import DraftCorpus, SpeculativeConfig
+from tests.coordinator.requests.test_draft_corpus import lists
 from coordinator.requests.pipeline import RequestPipeline
 from coordinator.requests.request import Finished, FinishReason, GenerationRequest, SamplingOptions, TokenDelta
 from coordinator.requests.queue import RequestQueue
@@ -324,3 +326,38 @@ async def test_an_untraced_generation_sends_no_trace_context():
     await run(pipeline, max_tokens=4)
     assert workers.traceparents and all(tp == "" for _, tp in workers.traceparents)
 
+
+
+def with_drafts(pipeline) -> DraftCorpus:
+    pipeline.drafts = DraftCorpus(SpeculativeConfig(enabled=True, tail_lengths=[2], min_tail_tokens=2), "m")
+    return pipeline.drafts
+
+
+async def test_a_finished_output_goes_with_the_next_identical_prompt_as_a_hint_once_per_request():
+    accepted = DecodeAccepted("")
+    workers = ScriptedWorkers({"d0:1": [[accepted, token(0, 7), token(1, 8, final=True)],
+                                        [accepted, token(0, 7), failure("decode", "d0:1", "DEADLINE_EXCEEDED", "")],
+                                        [accepted, token(0, 9, final=True)]]})
+    pipeline, _, _ = make_pipeline(workers, ["p0:1"], ["d0:1"])
+    drafts = with_drafts(pipeline)
+    await run(pipeline, max_tokens=2)
+    with pytest.raises(WorkerError):  # past its deadline: failed, so not kept
+        await run(pipeline, max_tokens=2)
+    assert drafts.num_entries == 1
+    await run(pipeline, max_tokens=1)
+    hints = [lists(request.draft_hints) for _, request in workers.decode_calls]
+    assert hints == [[], [[7, 8]], [[7, 8]]]
+
+
+async def test_a_request_with_drafting_off_is_sent_no_hints_and_counted():
+    accepted = DecodeAccepted("")
+    workers = ScriptedWorkers({"d0:1": [[accepted, token(0, 7, final=True)], [accepted, token(0, 7, final=True)]]})
+    pipeline, _, _ = make_pipeline(workers, ["p0:1"], ["d0:1"])
+    pipeline.metrics = CoordinatorMetrics()
+    with_drafts(pipeline)
+    await run(pipeline, max_tokens=1)
+    request = GenerationRequest("r", PROMPT, SamplingOptions(), 1, no_drafts=True)
+    [event async for event in pipeline.generate(request)]
+    _, sent = workers.decode_calls[-1]
+    assert sent.no_drafts and sent.draft_hints == ()
+    assert pipeline.metrics.drafts.drafting_off == 1 and pipeline.metrics.drafts.hints_sent == 0

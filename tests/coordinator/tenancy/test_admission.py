@@ -65,8 +65,10 @@ def test_a_body_priority_wins_over_the_headers():
     ({"x-pdserve-priority": "0"}, "x-pdserve-priority"),
     ({"x-pdserve-priority": "high"}, "x-pdserve-priority"),
     ({"x-gateway-inference-objective": "unknown"}, "x-gateway-inference-objective"),
+    ({"x-pdserve-speculative": "maybe"}, "x-pdserve-speculative"),
+    ({"x-pdserve-speculative": ""}, "x-pdserve-speculative"),
 ])
-def test_a_bad_priority_header_is_a_400_naming_it(headers, param):
+def test_a_bad_priority_or_speculative_header_is_a_400_naming_it(headers, param):
     admission = Admission(TenancyConfig(objectives={"critical": 1}), LIMITS)
     with pytest.raises(ApiError) as refused:
         admission.admit(http(headers), [gen()])
@@ -105,3 +107,24 @@ def test_replicas_divide_every_tenants_limits():
     assert tenant.requests.rate == pytest.approx(120 / 60 / 3)
     late = admission.admit(http(key_terms=TenantTerms("b", concurrency=4)), [gen()])[0].ticket.tenant
     assert late.concurrency == 2
+
+
+@pytest.mark.parametrize("headers,no_drafts", [
+    ({}, False),
+    ({"x-pdserve-speculative": "on"}, False),
+    ({"x-pdserve-speculative": "off"}, True),
+    ({"x-pdserve-speculative": " OFF "}, True),
+])
+def test_the_speculative_header_turns_drafting_off_for_every_generation_of_the_request(headers, no_drafts):
+    admission = Admission(TenancyConfig(), LIMITS)
+    admitted = admission.admit(http(headers), [gen(), gen()])
+    assert [r.no_drafts for r in admitted] == [no_drafts, no_drafts]
+
+
+def test_off_is_refused_naming_the_header_where_vllm_decode_instances_draft_on_every_request():
+    admission = Admission(TenancyConfig(), LIMITS, fixed_drafting="ngram")
+    with pytest.raises(ApiError) as refused:
+        admission.admit(http({"x-pdserve-speculative": "off"}), [gen()])
+    assert refused.value.status == 400 and refused.value.param == "x-pdserve-speculative"
+    assert "vLLM engine cannot turn drafting off per request" in refused.value.message
+    assert admission.admit(http({"x-pdserve-speculative": "on"}), [gen()])[0].no_drafts is False
