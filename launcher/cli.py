@@ -149,6 +149,10 @@ def _up(args: argparse.Namespace) -> int:
         print(f"pdserve up: --autoscale needs --prefill and --decode >= 1 and --max-workers >= their sum, got "
               f"{args.prefill}, {args.decode} and {args.max_workers}", file=sys.stderr)
         return 2
+    refusal = _speculative_refusal(args)
+    if refusal:
+        print(f"pdserve up: {refusal}", file=sys.stderr)
+        return 2
     return run_local_cluster(ClusterOptions(config=args.config, predict_port=args.predict_port,
                                             num_prefill=args.prefill, num_decode=args.decode, model=args.model,
                                             log_level=args.log_level, tls_dir=args.tls, api_keys_file=args.api_keys,
@@ -157,7 +161,31 @@ def _up(args: argparse.Namespace) -> int:
                                             worker_threads=args.worker_threads,
                                             worker_args=tuple(shlex.split(args.worker_args)),
                                             engine=args.engine, vllm_venv=args.vllm_venv, loras=tuple(args.lora),
-                                            autoscale=args.autoscale, max_workers=args.max_workers))
+                                            autoscale=args.autoscale, max_workers=args.max_workers,
+                                            speculative=args.speculative,
+                                            num_speculative_tokens=args.num_speculative_tokens))
+
+
+def _speculative_refusal(args: argparse.Namespace) -> str:
+    """Why `pdserve up` cannot run --speculative as asked (the method named); empty when it can."""
+    if args.speculative is None:
+        return "--num-speculative-tokens goes with --speculative" if args.num_speculative_tokens is not None else ""
+    if args.num_speculative_tokens is not None:
+        from worker.engine.speculative.config import SpeculativeConfig  # a dataclass: no torch
+
+        try:
+            SpeculativeConfig(args.speculative, args.num_speculative_tokens)
+        except ValueError as exc:
+            return str(exc)
+    if args.engine == "vllm":
+        from pathlib import Path
+
+        from launcher.vllm_fleet import default_vllm_venv, speculative_refusal
+
+        reason = speculative_refusal(args.speculative, Path(args.vllm_venv) if args.vllm_venv else default_vllm_venv())
+        if reason:
+            return f"--speculative {args.speculative} with --engine vllm: {reason}"
+    return ""
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -327,6 +355,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-venv", default=None, metavar="DIR",
                    help="the vLLM environment for --engine vllm (default: $PDSERVE_VLLM_VENV, else .vllm-venv at "
                         "the repository root, made by `make vllm-env`)")
+    p.add_argument("--speculative", default=None, choices=("ngram", "suffix"),
+                   help="speculative decoding: the decode workers draft tokens (--speculative-method: ngram, prompt "
+                        "lookup in the request's text; suffix, also in the coordinator's earlier outputs) and verify "
+                        "them in one forward, and the coordinator keeps its draft corpus (speculative_config). With "
+                        "--engine vllm the decode instances run vLLM's own (suffix needs arctic-inference in the vLLM "
+                        "environment)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="with --speculative: draft tokens per sequence and step, at most, in [1, 32] (default: the "
+                        "decode worker's, 5)")
     p.add_argument("--autoscale", action="store_true",
                    help="the coordinator's online planner (planner_config in --config: SLOs, window, damping) decides "
                         "the prefill and decode counts; workers are started, stopped and switched in place to them "

@@ -56,6 +56,8 @@ class ClusterOptions:
     autoscale: bool = False  # --autoscale: the planner on, workers started, stopped and switched to its counts
     max_workers: int | None = None  # --max-workers: most workers --autoscale runs (default: --prefill + --decode)
     autoscale_interval_s: float = 5.0
+    speculative: str | None = None  # --speculative ngram|suffix: the decode workers (instances) draft tokens
+    num_speculative_tokens: int | None = None  # --num-speculative-tokens; None: the decode worker's default
 
     def threads_per_worker(self) -> int:
         """Each worker's torch threads: workers sharing a machine's cores, rather than each taking them all."""
@@ -65,6 +67,17 @@ class ClusterOptions:
 
     def most_workers(self) -> int:
         return max(self.max_workers or 0, self.num_prefill + self.num_decode)
+
+    def speculative_flags(self, role: str) -> list[str]:
+        """The `pdserve worker` flags that turn its speculative decoding on: for a decode worker, and under
+        --autoscale for every worker (a prefill worker switched to decode in place drafts then); none without
+        --speculative."""
+        if not self.speculative or (role != "decode" and not self.autoscale):
+            return []
+        flags = ["--speculative-method", self.speculative]
+        if self.num_speculative_tokens is not None:
+            flags += ["--num-speculative-tokens", str(self.num_speculative_tokens)]
+        return flags
 
 
 def pdserve_command() -> list[str]:
@@ -118,6 +131,10 @@ def _cluster_config(options: ClusterOptions, prefill: list[dict], decode: list[d
                                   "max_instances": options.most_workers()}
         # Streams started before a scale-up or a switch move to the new decode workers.
         base["rebalance_config"] = {**base.get("rebalance_config", {}), "enabled": True}
+    if options.speculative == "suffix" and options.engine == "pdserve":
+        # The draft corpus: earlier outputs go to the decode workers as draft hints, which the suffix method drafts
+        # from (ngram reads the request alone; vLLM instances take none).
+        base["speculative_config"] = {**base.get("speculative_config", {}), "enabled": True}
     for section, values in security.coordinator_sections().items():
         base.setdefault(section, {}).update(values)
     return base
@@ -127,7 +144,7 @@ def _worker_argv(options: ClusterOptions, base: list[str], role: str, model_dir:
                  security: ClusterSecurity) -> list[str]:
     return base + ["worker", "--role", role, "--model", model_dir, "--host", HOST, "--port", "0", "--security-config",
                    str(security.worker_security_file), "--threads", str(options.threads_per_worker()),
-                   *options.worker_args]
+                   *options.speculative_flags(role), *options.worker_args]
 
 
 def _workers(options: ClusterOptions, base: list[str], model_dir: str,
@@ -135,19 +152,38 @@ def _workers(options: ClusterOptions, base: list[str], model_dir: str,
     """The worker children, `pdserve worker`s or vLLM instances, each with its instance entry when known before
     it starts (a pdserve worker's is its address, known once it is ready)."""
     if options.engine == "vllm":
-        from launcher.vllm_fleet import default_vllm_venv, lora_flags, plan_instances
+        from launcher.vllm_fleet import default_vllm_venv, lora_flags, plan_instances, speculative_config
 
         venv = Path(options.vllm_venv) if options.vllm_venv else default_vllm_venv()
         extra = lora_flags(options.loras) + options.worker_args
+        speculative = (speculative_config(options.speculative, options.num_speculative_tokens)
+                       if options.speculative else None)
         return [(Child(f"{instance.role} vllm {instance.index}",
                        instance.argv(venv, model_dir, str(security.run_dir / "worker-secret"), security.tls_dir,
-                                     extra, verbose=options.log_level in ("debug", "info")),
-                       WORKER_READY), instance.entry(security.scheme))
+                                     extra, verbose=options.log_level in ("debug", "info"), speculative=speculative),
+                       WORKER_READY), instance.entry(security.scheme, speculative))
                 for instance in plan_instances(options.num_prefill, options.num_decode, security.run_dir)]
     return [(Child(f"{role} worker {i}", _worker_argv(options, base, role, model_dir, security), WORKER_READY,
                    on_ready=_pin_worker_port), None)
             for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode))
             for i in range(count)]
+
+
+def _instance_lists(workers: list[tuple[Child, dict | None]]) -> tuple[list[dict], list[dict]]:
+    """The prefill and the decode instance entries of `workers` (a pdserve worker's: its address, once ready)."""
+    entries = [(child.name, entry or {"address": child.address}) for child, entry in workers]
+    return ([entry for name, entry in entries if name.startswith("prefill")],
+            [entry for name, entry in entries if name.startswith("decode")])
+
+
+def _check_config(config: dict) -> None:
+    """A coordinator config the coordinator would refuse stops `pdserve up` before anything starts."""
+    from coordinator.config import ConfigError, parse_config
+
+    try:
+        parse_config(config, "the coordinator's config")
+    except ConfigError as exc:
+        raise ValueError(f"the coordinator would refuse its config:\n{exc}") from None
 
 
 def run_local_cluster(options: ClusterOptions) -> int:
@@ -178,14 +214,13 @@ def run_local_cluster(options: ClusterOptions) -> int:
             supervisor.supervise()
             return 0
         workers = _workers(options, base, model_dir, security)
+        if options.engine == "vllm":  # every entry is known before the instances start, which takes minutes
+            _check_config(_cluster_config(options, *_instance_lists(workers), model_dir, security))
         print(f"pdserve: starting {len(workers)} {'vLLM instances' if options.engine == 'vllm' else 'workers'} "
               "...", flush=True)
         supervisor.start([child for child, _ in workers])
-        entries = [(child.name, entry or {"address": child.address}) for child, entry in workers]
-        prefill = [entry for name, entry in entries if name.startswith("prefill")]
-        decode = [entry for name, entry in entries if name.startswith("decode")]
         coordinator = _start_coordinator(
-            supervisor, base, _cluster_config(options, prefill, decode, model_dir, security), files)
+            supervisor, base, _cluster_config(options, *_instance_lists(workers), model_dir, security), files)
         _wait_healthy(supervisor, coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
         print(f"pdserve ready: {coordinator.address}", flush=True)
         supervisor.supervise()

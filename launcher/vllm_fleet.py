@@ -4,11 +4,13 @@ Each instance runs launcher/vllm_serve.py under the vLLM venv's Python (made by 
 instance as NIXL kv_producer, a decode instance as kv_consumer, each on its own free HTTP and NIXL side-channel
 port, its KV events on an ipc:// socket in the run folder (nothing listens beyond this machine), its OMP threads
 on a core of its own where there are enough. The worker secret is its API key; with `--tls` it serves https
-with the server certificate and asks the coordinator for its client one.
+with the server certificate and asks the coordinator for its client one. With `--speculative`, each decode instance
+drafts by vLLM's own speculative decoding (`speculative_config`); prefill instances never do.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -18,6 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SERVE_SCRIPT = Path(__file__).resolve().parent / "vllm_serve.py"
 VENV_ENV = "PDSERVE_VLLM_VENV"
+# vLLM's suffix decoding imports this compiled module of arctic-inference (`VLLM_ENV_SUFFIX=1 make vllm-env`).
+ARCTIC_SUFFIX_MODULE = "arctic_inference/suffix_decoding/_C*.so"
 
 
 def lora_flags(loras: tuple[tuple[str, str], ...], max_rank: int = 16) -> tuple[str, ...]:
@@ -28,6 +32,34 @@ def lora_flags(loras: tuple[tuple[str, str], ...], max_rank: int = 16) -> tuple[
         return ()
     return ("--enable-lora", "--max-loras", str(max(4, len(loras))), "--max-lora-rank", str(max_rank),
             "--lora-modules", *(f"{name}={os.path.abspath(path)}" for name, path in loras))
+
+
+def speculative_config(method: str, num_tokens: int | None = None) -> dict:
+    """vLLM's `--speculative-config` for a decode instance drafting by `method` (`pdserve up --speculative`): at most
+    `num_tokens` drafts a step, else as many as a pdserve decode worker drafts by default; ngram with the n-gram
+    lengths a pdserve decode worker looks up by default, so both engines draft alike."""
+    from worker.engine.speculative.config import SpeculativeConfig  # a dataclass: no torch
+
+    defaults = SpeculativeConfig(method)
+    config = {"method": method, "num_speculative_tokens": num_tokens or defaults.num_speculative_tokens}
+    if method == "ngram":
+        config.update(prompt_lookup_max=defaults.prompt_lookup_max, prompt_lookup_min=defaults.prompt_lookup_min)
+    return config
+
+
+def speculative_refusal(method: str, venv: Path) -> str:
+    """Why the vLLM environment `venv` cannot draft by `method`; empty when it can (or when there is no environment
+    at all, which starting an instance reports). vLLM's CPU build runs ngram, and suffix only with arctic-inference
+    (docs/operating/vllm-engines.md, Speculative decoding)."""
+    if method == "ngram" or not (venv / "bin" / "python").exists():
+        return ""
+    if method == "suffix":
+        if any(venv.glob(f"lib/python3*/site-packages/{ARCTIC_SUFFIX_MODULE}")):
+            return ""
+        return (f"vLLM's suffix decoding needs the arctic-inference package, which the vLLM environment {venv} "
+                "lacks (vLLM fails at start-up: \"Arctic Inference is required for suffix decoding\"): "
+                "`VLLM_ENV_SUFFIX=1 make vllm-env` builds it there, or use --speculative ngram")
+    return f"vLLM engines here draft by ngram or suffix, not {method!r}"
 
 
 def default_vllm_venv() -> Path:
@@ -72,9 +104,11 @@ class VllmInstance:
     kv_events: str
 
     def argv(self, venv: Path, model_dir: str, api_key_file: str = "", tls_dir: Path | None = None,
-             extra: tuple[str, ...] = (), verbose: bool = False, served_name: str = "") -> list[str]:
+             extra: tuple[str, ...] = (), verbose: bool = False, served_name: str = "",
+             speculative: dict | None = None) -> list[str]:
         """The command that starts it (launcher/vllm_serve.py under the vLLM venv); `served_name`: the `model` its
-        own clients pass (the folder's path when empty)."""
+        own clients pass (the folder's path when empty); `speculative`: vLLM's speculative_config, for a decode
+        instance (a prefill instance computes one token a request: it drafts nothing)."""
         python = venv / "bin" / "python"
         if not python.exists():
             raise ValueError(f"{python} does not exist: make the vLLM environment first (`make vllm-env`)")
@@ -88,14 +122,20 @@ class VllmInstance:
         if tls_dir is not None:
             argv += ["--ssl-certfile", str(tls_dir / "server.pem"), "--ssl-keyfile", str(tls_dir / "server-key.pem"),
                      "--ssl-ca-certs", str(tls_dir / "ca.pem")]
+        if speculative and self.role == "decode":
+            argv += ["--speculative-config", json.dumps(speculative)]
         if verbose:
             argv.append("--verbose")
         return argv + (["--", *extra] if extra else [])
 
-    def entry(self, scheme: str) -> dict:
-        """Its entry in ms_coordinator.json's instances."""
-        return {"engine": "vllm", "url": f"{scheme}://127.0.0.1:{self.port}", "kv_events": self.kv_events,
-                "device": "cpu"}
+    def entry(self, scheme: str, speculative: dict | None = None) -> dict:
+        """Its entry in ms_coordinator.json's instances (a decode instance started with `speculative` names its
+        method: the coordinator then refuses a request's `x-pdserve-speculative: off`, which vLLM cannot honour)."""
+        entry = {"engine": "vllm", "url": f"{scheme}://127.0.0.1:{self.port}", "kv_events": self.kv_events,
+                 "device": "cpu"}
+        if speculative and self.role == "decode":
+            entry["speculative"] = speculative["method"]
+        return entry
 
 
 def plan_instances(num_prefill: int, num_decode: int, run_dir: Path) -> list[VllmInstance]:

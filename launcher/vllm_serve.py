@@ -5,7 +5,7 @@ Run with the vLLM venv's own Python (it imports nothing of pdserve, whose enviro
 
     .vllm-venv/bin/python launcher/vllm_serve.py --role prefill --port 8100 --side-channel-port 5600 \\
         --model DIR [--kv-events ENDPOINT] [--cores 0] [--api-key-file F] [--ssl-certfile F --ssl-keyfile F \\
-        --ssl-ca-certs F] [--verbose] [-- more vllm serve flags]
+        --ssl-ca-certs F] [--speculative-config JSON] [--verbose] [-- more vllm serve flags]
 
 1. The environment: VLLM_CPU_KVCACHE_SPACE, the NIXL side channel on 127.0.0.1, UCX over loopback, the OMP
    threads bound to `--cores`, and launcher/vllm_site first on PYTHONPATH (its sitecustomize applies the fixes).
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-certfile", default="")
     p.add_argument("--ssl-keyfile", default="")
     p.add_argument("--ssl-ca-certs", default="", help="with it, clients must present a certificate it signed")
+    p.add_argument("--speculative-config", default="", metavar="JSON",
+                   help="decode: vLLM's --speculative-config (JSON with method ngram or suffix, "
+                   "num_speculative_tokens, ...); a prefill instance drafts nothing")
     p.add_argument("--verbose", action="store_true", help="relay vLLM's INFO lines too")
     p.add_argument("extra", nargs="*", help="more `vllm serve` flags, after --")
     return p
@@ -78,6 +81,8 @@ def serve_command(args: argparse.Namespace) -> list[str]:
         command += ["--ssl-certfile", args.ssl_certfile, "--ssl-keyfile", args.ssl_keyfile]
     if args.ssl_ca_certs:
         command += ["--ssl-ca-certs", args.ssl_ca_certs, "--ssl-cert-reqs", "2"]  # 2: CERT_REQUIRED
+    if args.speculative_config:
+        command += ["--speculative-config", args.speculative_config]
     return command + list(args.extra)
 
 
@@ -102,8 +107,22 @@ def serve_environment(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.speculative_config:
+        if args.role != "decode":
+            parser.error("--speculative-config is for a decode instance: a prefill instance computes one token a "
+                         "request and drafts nothing")
+        try:
+            json.loads(args.speculative_config)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--speculative-config is not JSON: {exc}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     parent = os.getpid()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from launcher import vllm_serve
-from launcher.vllm_fleet import plan_instances
+from launcher.vllm_fleet import plan_instances, speculative_config, speculative_refusal
 
 
 def serve_args(*extra: str):
@@ -77,3 +77,32 @@ def test_the_affinity_fix_skips_only_nixls_call(monkeypatch):
     exec("import os\nos.sched_setaffinity(0, {1})", {"__name__": "vllm.distributed.kv_transfer.nixl.base_worker"})
     os.sched_setaffinity(0, {0})
     assert calls == [{0}]
+
+
+def test_a_decode_instance_passes_its_speculative_config_to_vllm_and_a_prefill_instance_refuses_one():
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    args = vllm_serve.parse_args(["--role", "decode", "--model", "/m", "--port", "8100", "--side-channel-port", "5600",
+                                  "--speculative-config", config])
+    command = vllm_serve.serve_command(args)
+    assert command[command.index("--speculative-config") + 1] == config
+    assert "--speculative-config" not in vllm_serve.serve_command(serve_args())
+    with pytest.raises(SystemExit):
+        vllm_serve.parse_args(["--role", "prefill", "--model", "/m", "--port", "8100", "--side-channel-port", "5600",
+                               "--speculative-config", config])
+
+
+def test_vllms_speculative_config_drafts_as_a_pdserve_decode_worker_does_by_default():
+    assert speculative_config("ngram") == {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 5,
+                                           "prompt_lookup_min": 2}
+    assert speculative_config("suffix", 8) == {"method": "suffix", "num_speculative_tokens": 8}
+
+
+def test_vllm_suffix_decoding_is_refused_by_name_until_arctic_inference_is_in_the_vllm_environment(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").touch()
+    assert speculative_refusal("ngram", tmp_path) == ""
+    assert "arctic-inference" in speculative_refusal("suffix", tmp_path)
+    built = tmp_path / "lib" / "python3.11" / "site-packages" / "arctic_inference" / "suffix_decoding"
+    built.mkdir(parents=True)
+    (built / "_C.cpython-311-x86_64-linux-gnu.so").touch()
+    assert speculative_refusal("suffix", tmp_path) == ""
