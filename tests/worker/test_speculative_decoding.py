@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from adapters.peft_folder import read_adapter
 from tests.helpers import hf_prefill
+from worker.engine.lora import AdapterRef, LoadedLora
 from worker.engine.sequence import SamplingParams
 from worker.engine.speculative.config import SpeculativeConfig
 from worker.engine.speculative.drafter import Drafter
@@ -58,8 +60,8 @@ def drafter(proposer=None, **settings) -> Drafter:
     return Drafter(SpeculativeConfig(**{"cooldown_steps": 0, "prompt_lookup_min": 1, **settings}), proposer)
 
 
-async def generate(engine: DecodeEngine, rid: str, prompt: list[int], sampling: SamplingParams) -> list:
-    handle = engine.register(rid, len(prompt), sampling, 1024, prompt)
+async def generate(engine: DecodeEngine, rid: str, prompt: list[int], sampling: SamplingParams, lora=None) -> list:
+    handle = engine.register(rid, len(prompt), sampling, 1024, prompt, lora=lora)
     await engine.admit(handle)
     engine.prefill_locally(handle)
     outputs = []
@@ -72,15 +74,16 @@ async def generate(engine: DecodeEngine, rid: str, prompt: list[int], sampling: 
             return outputs
 
 
-async def run_all(runner, drafter_or_none, prompts, sampling: SamplingParams | list[SamplingParams]):
+async def run_all(runner, drafter_or_none, prompts, sampling: SamplingParams | list[SamplingParams], loras=None):
     """Every prompt's outputs, all in one batch; and whether the pool ended as it started."""
     engine = DecodeEngine(runner, paged_pool(runner, 8000), drafter=drafter_or_none)
     free = engine.pool.num_free
     engine.start()
     try:
         samplings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        got = await asyncio.gather(*(generate(engine, f"r{i}", p, s) for i, (p, s) in
-                                     enumerate(zip(prompts, samplings))))
+        loras = loras or [None] * len(prompts)
+        got = await asyncio.gather(*(generate(engine, f"r{i}", p, s, lora) for i, (p, s, lora) in
+                                     enumerate(zip(prompts, samplings, loras))))
     finally:
         engine.shutdown()
     assert engine.pool.num_free == free and engine.admission.budget.used == 0
@@ -164,6 +167,19 @@ async def test_logprobs_are_reported_for_every_token_of_an_accepted_run(runner):
             assert out.logprobs.logprob == pytest.approx(ref.logprobs.logprob, abs=1e-4)
             assert [t for t, _ in out.logprobs.top] == [t for t, _ in ref.logprobs.top]
     assert oracle.counts.accepted > 0
+
+
+async def test_rows_under_lora_adapters_verify_their_drafts_under_their_own_adapter(model_dir, lora_adapters):
+    runner = ModelRunner(model_dir, max_loras=4)
+    loras = [None] + [LoadedLora(ref := AdapterRef(name, str(path), read_adapter(
+        path, runner.lora_shapes, runner.num_layers, 16).digest), runner.load_lora(ref, slot), pins=1, slot=slot)
+        for slot, (name, path) in enumerate(list(lora_adapters.items())[:3])]
+    without = await run_all(runner, None, PROMPTS, GREEDY, loras)
+    assert len({tuple(ids(o)) for o in without}) == 4
+    oracle = drafter(OracleProposer([p + ids(o) for p, o in zip(PROMPTS, without)], wrong=3))
+    got = await run_all(runner, oracle, PROMPTS, GREEDY, loras)
+    assert [ids(o) for o in got] == [ids(o) for o in without]
+    assert oracle.counts.accepted > oracle.counts.drafts
 
 
 @pytest.mark.system  # 20,000 sampled requests: several seconds
