@@ -285,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode: draft tokens from the request's own text and verify them in one forward; ngram: "
                         "prompt lookup (vLLM's); suffix: suffix matching over the text and the coordinator's hints "
                         "(default: no drafting)")
-    p.add_argument("--num-speculative-tokens", type=int, default=5, metavar="K",
-                   help="decode: draft tokens per row and step, at most, in [1, 32]")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="decode: draft tokens per row and step, at most, in [1, 32] (default: 5 for ngram, 16 for "
+                        "suffix, whose drafts are only as long as their matches warrant)")
     p.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N",
                    help="ngram: the shortest suffix of the text that may match earlier in it")
     p.add_argument("--prompt-lookup-max", type=int, default=5, metavar="N",

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("ngram", "suffix")
+# ngram drafts whatever followed its match, so a long draft is often a wasted one; suffix sizes each draft by the
+# match's length and the continuation's frequency, so its cap can be high (vLLM's suffix default is 24).
+DEFAULT_TOKENS = {"ngram": 5, "suffix": 16}
 
 
 @dataclass(frozen=True)
@@ -12,7 +15,8 @@ class SpeculativeConfig:
     """How a decode worker drafts: the method, how many tokens at most, and when it stops drafting."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = 5  # drafts per row and step, at most
+    # Draft tokens per row and step, at most; None: the method's default (DEFAULT_TOKENS).
+    num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 2  # ngram: the shortest suffix of the text that may match earlier
     prompt_lookup_max: int = 5  # ngram: the longest one looked for
     disable_batch_size: int = 32  # no drafting in a step with more rows than this (compute-bound, drafts cost)
@@ -25,6 +29,8 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"--speculative-method {self.method!r}: must be one of {', '.join(METHODS)}")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_TOKENS[self.method])
         if not 1 <= self.num_speculative_tokens <= 32:
             raise ValueError(f"--num-speculative-tokens {self.num_speculative_tokens}: must be in [1, 32]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
