@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from worker.engine.speculative.drafter import SKIP_REASONS, DraftCounts
+from worker.engine.speculative.counts import SKIP_REASONS, DraftCounts
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

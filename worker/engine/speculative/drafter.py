@@ -4,19 +4,15 @@ the worker's metrics read (named after vLLM's `spec_decode_*`)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from worker.engine.sequence import Sequence
 from worker.engine.speculative.config import SpeculativeConfig
+from worker.engine.speculative.counts import DraftCounts
 from worker.engine.speculative.proposers import TokenHistory, make_proposer
-
-# Why a row did not draft in a step (the disabled-rows metric's reasons).
-SKIP_REASONS = ("batch_size", "request_off", "guided", "cooldown", "no_match", "length", "no_blocks")
-
 
 @dataclass
 class DraftState:
@@ -35,17 +31,6 @@ class DraftState:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verified step (vLLM's definition: 1 + accepted per draft); 0 if it never drafted."""
         return 1 + self.accepted / self.drafts if self.drafts else 0.0
-
-
-@dataclass
-class DraftCounts:
-    """The worker's acceptance counts since start."""
-
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    skipped: Counter = field(default_factory=Counter)
 
 
 class Drafter:
