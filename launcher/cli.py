@@ -11,6 +11,9 @@ import sys
 
 from launcher.logs import setup_logging
 from launcher.simulated_worker import add_simulation_flags, simulated_backend
+from worker.engine.speculative.config import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
+
+SPECULATIVE_DEFAULTS = SpeculativeConfig()  # the worker flags' defaults are the config's own
 
 
 def _coordinator(args: argparse.Namespace) -> int:
@@ -105,8 +108,6 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _speculative_config(args):
     """The decode worker's drafting settings from its flags; None without --speculative-method."""
-    from worker.engine.speculative.config import SpeculativeConfig
-
     if not args.speculative_method:
         return None  # a prefill worker keeps it for when it is switched to decode
     return SpeculativeConfig(args.speculative_method, args.num_speculative_tokens, args.prompt_lookup_min,
@@ -171,8 +172,6 @@ def _speculative_refusal(args: argparse.Namespace) -> str:
     if args.speculative is None:
         return "--num-speculative-tokens goes with --speculative" if args.num_speculative_tokens is not None else ""
     if args.num_speculative_tokens is not None:
-        from worker.engine.speculative.config import SpeculativeConfig  # a dataclass: no torch
-
         try:
             SpeculativeConfig(args.speculative, args.num_speculative_tokens)
         except ValueError as exc:
@@ -281,18 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "the machine's C++ compiler); torch: blocks gathered, then SDPA (the reference; CUDA); "
                         "auto: the kernel on the CPU when it builds, else torch")
     p.add_argument("--max-running", type=int, default=64, help="sequences per decode step")
-    p.add_argument("--speculative-method", default=None, choices=("ngram", "suffix"),
+    p.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                    help="decode: draft tokens from the request's own text and verify them in one forward; ngram: "
                         "prompt lookup (vLLM's); suffix: suffix matching over the text and the coordinator's hints "
                         "(default: no drafting)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="decode: draft tokens per row and step, at most, in [1, 32] (default: 5 for ngram, 16 for "
                         "suffix, whose drafts are only as long as their matches warrant)")
-    p.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N",
+    p.add_argument("--prompt-lookup-min", type=int, default=SPECULATIVE_DEFAULTS.prompt_lookup_min, metavar="N",
                    help="ngram: the shortest suffix of the text that may match earlier in it")
-    p.add_argument("--prompt-lookup-max", type=int, default=5, metavar="N",
+    p.add_argument("--prompt-lookup-max", type=int, default=SPECULATIVE_DEFAULTS.prompt_lookup_max, metavar="N",
                    help="ngram: the longest suffix looked for (the longest match wins, the earliest on ties)")
-    p.add_argument("--speculative-disable-batch-size", type=int, default=32, metavar="N",
+    p.add_argument("--speculative-disable-batch-size", type=int, default=SPECULATIVE_DEFAULTS.disable_batch_size,
+                   metavar="N",
                    help="decode: no drafting in a step of more than N rows (compute-bound, where drafts cost)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port (0 picks one, -1 disables it)")
@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-venv", default=None, metavar="DIR",
                    help="the vLLM environment for --engine vllm (default: $PDSERVE_VLLM_VENV, else .vllm-venv at "
                         "the repository root, made by `make vllm-env`)")
-    p.add_argument("--speculative", default=None, choices=("ngram", "suffix"),
+    p.add_argument("--speculative", default=None, choices=SPECULATIVE_METHODS,
                    help="speculative decoding: the decode workers draft tokens (--speculative-method: ngram, prompt "
                         "lookup in the request's text; suffix, also in the coordinator's earlier outputs) and verify "
                         "them in one forward, and the coordinator keeps its draft corpus (speculative_config). With "

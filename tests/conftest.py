@@ -87,6 +87,14 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The real checkpoint (SmolLM2-135M-Instruct), built offline by embedded_model/real_checkpoint.py on first use."""
+    from embedded_model.real_checkpoint import ensure_real_checkpoint
+
+    return ensure_real_checkpoint()
+
+
+@pytest.fixture(scope="session")
 def lora_adapters(model_dir: Path) -> dict[str, Path]:
     """PEFT LoRA adapters a1, a2, a3 of the embedded model (built offline on first use), by name."""
     from embedded_model.lora_adapters import embedded_adapters

@@ -253,6 +253,18 @@ def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompt_ids: list[int]
     return out[0, len(prompt_ids):].tolist()
 
 
+def transformers_greedy(model_dir: Path, prompt: str, max_new_tokens: int):
+    """(tokenizer, prompt ids, greedy tokens) of a checkpoint's own `generate`, loaded for it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer, ids, out[0, len(ids):].tolist()
+
+
 def reference_tokens(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy tokens from transformers' own generate: what every pdserve path must reproduce."""
     model, tokenizer = hf_model

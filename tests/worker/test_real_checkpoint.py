@@ -6,21 +6,14 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 
-from embedded_model.real_checkpoint import ensure_real_checkpoint
-from tests.helpers import health, start_coordinator, start_worker, wait_for_idle, write_config
+from tests.helpers import health, start_coordinator, start_worker, transformers_greedy, wait_for_idle, write_config
 
 pytestmark = pytest.mark.system
 
 NEW_TOKENS = 24
 PROMPT = ("The lighthouse keeper wrote in his log every night. " * 12
           + "On the last night of the season he wrote one more line:")
-
-
-@pytest.fixture(scope="module")
-def real_model_dir():
-    return ensure_real_checkpoint()
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +31,8 @@ def real_cluster(real_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(real_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(real_model_dir).eval()
-    ids = tokenizer(PROMPT)["input_ids"]
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    return ids, out[0, len(ids):].tolist()
+    tokenizer, ids, tokens = transformers_greedy(real_model_dir, PROMPT, NEW_TOKENS)
+    return ids, tokens
 
 
 def complete(url: str) -> dict:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 
-from embedded_model.real_checkpoint import ensure_real_checkpoint
-from tests.helpers import metrics_url, scrape, start_coordinator, start_worker, wait_for_idle, write_config
+from tests.helpers import (metrics_url, scrape, start_coordinator, start_worker, transformers_greedy,
+                           wait_for_idle, write_config)
 
 pytestmark = pytest.mark.system
 
@@ -16,11 +15,6 @@ NEW_TOKENS = 64
 LINES = [f"def handler_{i}(request):\n    value = request.get('field_{i}', {3 * i})\n    return value * {i % 7 + 1}\n"
          for i in range(12)]
 PROMPT = "Original file:\n" + "".join(LINES) + "\nThe same file with handler_3 returning value * 9:\n" + LINES[0]
-
-
-@pytest.fixture(scope="module")
-def real_model_dir():
-    return ensure_real_checkpoint()
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +31,8 @@ def drafting_cluster(real_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(real_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(real_model_dir).eval()
-    ids = tokenizer(PROMPT)["input_ids"]
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    return tokenizer, out[0, len(ids):].tolist()
+    tokenizer, ids, tokens = transformers_greedy(real_model_dir, PROMPT, NEW_TOKENS)
+    return tokenizer, tokens
 
 
 def complete(url: str, **fields) -> dict:
