@@ -286,6 +286,10 @@ class CoordinatorMetrics:
                                   "Streams moved to another decode instance after theirs was lost.", registry=r)
         self.rebalances = Counter("pdserve_request_rebalances_total", "Running streams moved off a crowded decode "
                                   "instance to even out the decode load (rebalance_config).", registry=r)
+        self.wire_formats = Counter("pdserve_wire_format_requests_total", "Requests by the version of each wire "
+                                    "format they used (kv_layout: prefill to decode; decode_request: to the decode "
+                                    "worker), for watching a rolling upgrade.", ["format", "version"], registry=r)
+        self._wire_formats: dict[tuple[str, int], object] = {}
         self.failed = Counter("pdserve_requests_failed_total", "Generation requests that failed, by reason.",
                               ["api", "reason"], registry=r)
         self.waiting = Gauge("pdserve_requests_waiting", "Generation requests waiting in the coordinator's queue.",
@@ -362,6 +366,12 @@ class CoordinatorMetrics:
     def rebalanced(self) -> None:
         self.rebalances.inc()
 
+    def wire_format(self, name: str, version: int) -> None:
+        child = self._wire_formats.get((name, version))
+        if child is None:
+            child = self._wire_formats[(name, version)] = self.wire_formats.labels(name, str(version))
+        child.inc()
+
     def auth_failed(self, reason: str) -> None:
         self.auth_failures.labels(reason).inc()
 
@@ -416,6 +426,9 @@ class NullMetrics:
         pass
 
     def rebalanced(self) -> None:
+        pass
+
+    def wire_format(self, name: str, version: int) -> None:
         pass
 
     def auth_failed(self, reason: str) -> None:

@@ -23,6 +23,7 @@ from guidance.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
     from coordinator.cluster.node import ClusterNode
+    from coordinator.cluster.wire_formats import ClusterFormats
     from coordinator.planning.planner_loop import PlannerLoop
     from coordinator.workers.kv_event_watch import InstanceFollowers
 
@@ -51,6 +52,7 @@ class CoordinatorState:
     engine: str = "pdserve"  # of every instance: "vllm" takes no registrations (config.InstancesConfig)
     loras: LoraRegistry | None = None  # the LoRA adapters served beside the model (set by create_app)
     planner: PlannerLoop | None = None  # with planner_config.enabled: the online planner (GET /v1/plan)
+    formats: ClusterFormats | None = None  # the wire versions the cluster writes, and its finalize (set by create_app)
 
     def instances(self) -> dict:
         """Every instance as GET /v1/instances shows it: with what the KV index holds of it, when there is one."""

@@ -279,7 +279,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("role", "model", "num_running", "num_waiting", "kv_capacity_tokens", "kv_used_tokens", "num_kv_leases", "queued_prompt_tokens", "draining", "kv_block_size", "kv_blocks", "kv_free_blocks", "kv_cached_blocks", "prefix_hit_tokens", "prefix_queried_tokens", "num_preemptions", "max_loras", "lora_resident", "lora_running", "lora_waiting", "kv_tier_blocks", "tier_hit_tokens", "kv_pulls", "kv_pulled_bytes")
+    __slots__ = ("role", "model", "num_running", "num_waiting", "kv_capacity_tokens", "kv_used_tokens", "num_kv_leases", "queued_prompt_tokens", "draining", "kv_block_size", "kv_blocks", "kv_free_blocks", "kv_cached_blocks", "prefix_hit_tokens", "prefix_queried_tokens", "num_preemptions", "max_loras", "lora_resident", "lora_running", "lora_waiting", "kv_tier_blocks", "tier_hit_tokens", "kv_pulls", "kv_pulled_bytes", "release", "wire_formats")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +304,8 @@ class HealthResponse(_message.Message):
     TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_PULLS_FIELD_NUMBER: _ClassVar[int]
     KV_PULLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FORMATS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     num_running: int
@@ -328,7 +330,19 @@ class HealthResponse(_message.Message):
     tier_hit_tokens: int
     kv_pulls: int
     kv_pulled_bytes: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_running: _Optional[_Iterable[str]] = ..., lora_waiting: _Optional[_Iterable[str]] = ..., kv_tier_blocks: _Optional[int] = ..., tier_hit_tokens: _Optional[int] = ..., kv_pulls: _Optional[int] = ..., kv_pulled_bytes: _Optional[int] = ...) -> None: ...
+    release: str
+    wire_formats: _containers.RepeatedCompositeFieldContainer[WireFormatRange]
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_used_tokens: _Optional[int] = ..., num_kv_leases: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_block_size: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., kv_free_blocks: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_resident: _Optional[_Iterable[str]] = ..., lora_running: _Optional[_Iterable[str]] = ..., lora_waiting: _Optional[_Iterable[str]] = ..., kv_tier_blocks: _Optional[int] = ..., tier_hit_tokens: _Optional[int] = ..., kv_pulls: _Optional[int] = ..., kv_pulled_bytes: _Optional[int] = ..., release: _Optional[str] = ..., wire_formats: _Optional[_Iterable[_Union[WireFormatRange, _Mapping]]] = ...) -> None: ...
+
+class WireFormatRange(_message.Message):
+    __slots__ = ("name", "oldest", "newest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    oldest: int
+    newest: int
+    def __init__(self, name: _Optional[str] = ..., oldest: _Optional[int] = ..., newest: _Optional[int] = ...) -> None: ...
 
 class KvHeader(_message.Message):
     __slots__ = ("request_id", "dtype", "num_layers", "shape", "tensor_bytes", "transfer_token", "first_position", "lora_digest", "kv_layout_version")

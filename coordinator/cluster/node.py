@@ -8,7 +8,8 @@
      the tenants' limits.
   4. The management port reports registrations, heartbeats and deregistrations as they happen; they reach
      etcd in the background.
-  5. SIGTERM: step down first (a standby takes over while this one drains), then stop.
+  5. Every round also reads the replicas' wire versions and the cluster's finalize (`wire_formats.py`).
+  6. SIGTERM: step down first (a standby takes over while this one drains), then stop.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import os
 from collections.abc import Awaitable, Callable
 
 from coordinator.periodic_rounds import PeriodicRounds
-from coordinator.cluster.etcd_store import EtcdStore
+from coordinator.cluster.etcd_store import EtcdError, EtcdStore
 from coordinator.cluster.leadership import Leadership, Role
 from coordinator.cluster.registry_sync import RegistrySync
 from coordinator.cluster.replica_census import ReplicaCensus
 from coordinator.cluster.shared_health import SharedHealth
+from coordinator.cluster.wire_formats import ClusterFormats
 from coordinator.config import CoordinatorConfig
 from coordinator.workers.health_monitor import HealthMonitor
 from coordinator.workers.instances import Instance, InstanceRegistry
@@ -53,6 +55,8 @@ class ClusterNode:
         self.health = health
         self.monitor = monitor
         self.rounds = PeriodicRounds(self._round, interval_s, "etcd sync round")
+        self.formats: ClusterFormats | None = None  # learns the replicas' versions and the finalize each round
+        self.finalized_key = ""  # {key_prefix}/finalized: the release the operator finalized (from_config)
 
     @classmethod
     def from_config(cls, config: CoordinatorConfig, registry: InstanceRegistry, monitor: HealthMonitor,
@@ -66,7 +70,9 @@ class ClusterNode:
         health = SharedHealth(store, registry, backup.key_prefix, name, sync.lease_of)
         census = (ReplicaCensus(store, backup.key_prefix, name, backup.lease_ttl_s)
                   if backup.mode == "replicas" else None)
-        return cls(store, leadership, sync, health, monitor, backup.sync_interval_s, census)
+        node = cls(store, leadership, sync, health, monitor, backup.sync_interval_s, census)
+        node.finalized_key = f"{backup.key_prefix}/finalized"
+        return node
 
     @property
     def name(self) -> str:
@@ -110,6 +116,26 @@ class ClusterNode:
         await self.health.exchange()
         if self.census is not None:
             await self.census.round()
+        if self.formats is not None:
+            await self._read_formats()
+
+    async def _read_formats(self) -> None:
+        if self.census is not None:
+            self.formats.replicas = dict(self.census.versions)
+        if not self.finalized_key:
+            return
+        try:
+            entry = await self.store.get(self.finalized_key)
+        except EtcdError:
+            return  # the last finalize read stands
+        if entry is not None:
+            self.formats.adopt_finalized(entry.value.decode(errors="replace"))
+
+    async def finalize(self) -> str:
+        """Finalize this release for the cluster (ClusterFormats.finalize) and store it in etcd for the others."""
+        release = self.formats.finalize()
+        await self.store.put(self.finalized_key, release)
+        return release
 
     async def start(self) -> None:
         await self.sync.start()

@@ -11,6 +11,7 @@ from coordinator.apis.fields import BODY_TIMEOUT
 from coordinator.http.auth import API_KEYS, ApiKeyGate, load_api_keys
 from coordinator.cluster.node import ClusterNode
 from coordinator.cluster.standby_gate import StandbyGate
+from coordinator.cluster.wire_formats import ClusterFormats
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.http.request_gate import InFlightLimit, RequestGate, error_middleware
 from coordinator.workers.health_monitor import HealthMonitor
@@ -153,6 +154,11 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         rebalancer = pipeline.attempts.rebalancer = DecodeRebalancer(config.rebalance_config, registry)
     state.engine = engine
     state.loras = loras
+    state.formats = ClusterFormats(registry, engine=engine)
+    if engine == "pdserve":
+        pipeline.attempts.formats = state.formats
+    if cluster is not None:
+        cluster.formats = state.formats
 
     async def background(app: web.Application):
         if kv_watch is not None:

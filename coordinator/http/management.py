@@ -5,6 +5,8 @@
   POST /v1/instances/deregister  {"role", "address"} -> 200, 404 when unknown
   GET  /v1/instances             every instance with its state, load and outstanding work
   POST /v1/instances/switch_role {"address", "role", "drain_timeout_s"?} -> 202 once the worker left the old role
+  GET  /v1/cluster/formats       each wire format's active version, the finalize, every process's release
+  POST /v1/cluster/finalize      this release becomes the cluster's floor -> 200, 409 while a process is older
   GET  /v1/plan                  the online planner's last decision (planner_config), or {"enabled": false}
   POST /v1/load_lora_adapter     {"lora_name", "lora_path"} -> served under that name (`model`, `adapter_id`)
   POST /v1/unload_lora_adapter   {"lora_name"} -> no longer served (requests holding it run to their end)
@@ -118,8 +120,14 @@ async def register(request: web.Request) -> web.Response:
     instance.credential = credential_digest(credential.encode())
     if state.cluster is not None:
         state.cluster.registered(instance)
-    # Probe at once so its load is known before the first request is routed there.
+    # Probe at once so its load and its release are known before the first request is routed there.
     await state.health_monitor.check(instance)
+    refusal = state.formats.may_join(instance.versions) if state.formats is not None else None
+    if refusal is not None:
+        state.registry.deregister(body.role, body.address)
+        if state.cluster is not None:
+            state.cluster.deregistered(body.role, body.address)
+        raise ApiError(409, refusal, error_type="conflict_error")
     return web.json_response({"heartbeat_interval_s": state.heartbeat_interval_s, "instance": instance.describe(),
                               "credential": credential})
 
@@ -253,6 +261,19 @@ async def plan(request: web.Request) -> web.Response:
     return web.json_response(planner.describe() if planner is not None else {"enabled": False})
 
 
+async def cluster_formats(request: web.Request) -> web.Response:
+    """GET /v1/cluster/formats: each wire format's active version, the finalize, every process's release."""
+    return web.json_response(request.app[STATE].formats.describe())
+
+
+async def finalize(request: web.Request) -> web.Response:
+    """POST /v1/cluster/finalize: this release becomes the cluster's floor (409 while a process runs an older one)."""
+    require_proof(request)
+    state = request.app[STATE]
+    release = await state.cluster.finalize() if state.cluster is not None else state.formats.finalize()
+    return web.json_response({"finalized": release, **state.formats.describe()})
+
+
 async def list_instances(request: web.Request) -> web.Response:
     require_proof(request)
     return web.json_response(request.app[STATE].instances())
@@ -263,6 +284,8 @@ MANAGEMENT_ROUTES = RouteTable([
     Route("POST", "/v1/instances/heartbeat", heartbeat, ErrorStyle.OPENAI),
     Route("POST", "/v1/instances/deregister", deregister, ErrorStyle.OPENAI),
     Route("GET", "/v1/instances", list_instances, ErrorStyle.OPENAI),
+    Route("GET", "/v1/cluster/formats", cluster_formats, ErrorStyle.OPENAI),
+    Route("POST", "/v1/cluster/finalize", finalize, ErrorStyle.OPENAI),
     Route("POST", "/v1/instances/switch_role", switch_role, ErrorStyle.OPENAI),
     Route("GET", "/v1/plan", plan, ErrorStyle.OPENAI),
     Route("POST", "/v1/load_lora_adapter", load_lora_adapter, ErrorStyle.OPENAI),

@@ -29,6 +29,7 @@ from telemetry import tracing
 
 if TYPE_CHECKING:
     from coordinator.scheduling.decode_rebalance import DecodeRebalancer, MovableStream
+    from coordinator.cluster.wire_formats import ClusterFormats
 
 
 # How long a failed decode stream waits for its prefill call's own verdict before reporting itself.
@@ -168,6 +169,7 @@ class AttemptRunner:
         self.first_token_timeout = first_token_timeout
         self.metrics = metrics
         self.rebalancer: DecodeRebalancer | None = None  # with rebalance_config.enabled
+        self.formats: ClusterFormats | None = None  # pdserve workers: the wire versions the cluster may write
 
     async def run(self, request: GenerationRequest, placement: Placement, max_tokens: int, deadline: float,
                   timeout: float, progress: Progress, original_prompt_len: int, trace: GenerationTrace,
@@ -190,6 +192,7 @@ class AttemptRunner:
                 started = time.monotonic()
                 # Once, for the decode and the prefill; vLLM instances are sent JSON bodies instead.
                 sampling = sampling_to_pb(request, max_tokens) if self.client.takes_sampling_pb else None
+                request = self._in_formats(request, placement)
                 stream = self.client.open_decode(placement.decode.address, request, max_tokens, self.limits.max_seq_len,
                                                  remaining, local_prefill=placement.prefill is None,
                                                  traceparent=trace.attempt_traceparent(), sampling=sampling)
@@ -205,6 +208,7 @@ class AttemptRunner:
                     phase, since = "first_token", accepted_at
                     # The decode worker now holds KV budget for this request and waits for its cache.
                     if placement.prefill is not None:
+                        self.metrics.wire_format("kv_layout", accepted.kv_layout_version)
                         prefill_task = asyncio.create_task(self._prefill(placement, request, max_tokens, accepted,
                                                                          trace, sampling))
                     first = await self._first_token(stream, prefill_task, placement, clocks)
@@ -235,6 +239,17 @@ class AttemptRunner:
                     await asyncio.gather(prefill_task, return_exceptions=True)
                 elif not prefill_task.cancelled():
                     prefill_task.exception()  # retrieved, so a failed prefill is never reported as unhandled
+
+    def _in_formats(self, request: GenerationRequest, placement: Placement) -> GenerationRequest:
+        """The request as its decode worker reads it: draft hints only where the cluster writes decode requests
+        of version 2 (an older worker would drop them; a new format waits for the whole cluster)."""
+        if self.formats is None:
+            return request
+        version = self.formats.version_with("decode_request", placement.decode.versions)
+        self.metrics.wire_format("decode_request", version)
+        if version < 2 and request.draft_hints:
+            return dataclasses.replace(request, draft_hints=())
+        return request
 
     async def _prefill(self, placement: Placement, request: GenerationRequest, max_tokens: int,
                        accepted: DecodeAccepted, trace: GenerationTrace, sampling: pb.SamplingParams) -> PrefillResult:

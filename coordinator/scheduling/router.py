@@ -61,6 +61,7 @@ class Router:
             return Placement(None, decode, decode_cached_tokens=decode_cached)
         if not pullable:
             match = replace(match, pullable=False)
+        exclude_prefill = exclude_prefill | _unpairable(registry.pool("prefill"), decode)
         prefill = policy.choose_prefill(registry.pool("prefill"), prompt_len, match.prefill, exclude_prefill, lora,
                                         match=match)
         if prefill is None:
@@ -70,6 +71,13 @@ class Router:
         pull_from, pull_tokens = policy.pull_source(match, prefill.address, prefill_cached,
                                                     exclude_prefill | exclude_decode)
         return Placement(prefill, decode, prefill_cached, decode_cached, pull_from, pull_tokens)
+
+
+def _unpairable(prefills, decode: Instance) -> set[str]:
+    """The prefill instances that write no KV layout `decode` reads (a mixed-release cluster pairs only on one
+    both ends have; within one release every pair has one, and this is empty)."""
+    layout = decode.versions.range("kv_layout")
+    return {p.address for p in prefills if p.versions.range("kv_layout").common_newest(layout) is None}
 
 
 def _none_left(role: str, registry: InstanceRegistry, exclude: set[str]) -> str:

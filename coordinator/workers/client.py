@@ -25,6 +25,7 @@ from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from proto.failure_reason import reason_from_metadata
 from proto.token_channel import MAX_FRAME_BYTES
+from proto.wire_versions import WireVersions, from_health
 from security.grpc_auth import ChannelCache, secret_metadata
 from security.secrets import SecretFile
 from security.tls import LinkTls
@@ -64,6 +65,7 @@ class HealthReport:
 
     load: ReportedLoad | None  # None: not read (a vLLM instance under a policy that does not route on load)
     draining: bool
+    versions: WireVersions | None = None  # its release and wire formats (None: a vLLM instance, which has none)
 
 
 def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingParams:
@@ -134,7 +136,7 @@ def report_from_pb(reply: pb.HealthResponse) -> HealthReport:
         kv_capacity_tokens=reply.kv_capacity_tokens, queued_prompt_tokens=reply.queued_prompt_tokens,
         loras=frozenset(reply.lora_resident), tier_blocks=reply.kv_tier_blocks, tier_hit_tokens=reply.tier_hit_tokens,
         pulls=reply.kv_pulls, pulled_bytes=reply.kv_pulled_bytes,
-    ), draining=reply.draining)
+    ), draining=reply.draining, versions=from_health(reply))
 
 
 def accepted_from_pb(accepted: pb.Accepted) -> DecodeAccepted:

@@ -53,7 +53,7 @@ class HealthMonitor:
                 logger.warning("%s instance %s taken out: %s", instance.role, instance.address, instance.reason)
             return
         was = instance.state
-        self.registry.record_health(instance, report.load, draining=report.draining)
+        self.registry.record_health(instance, report.load, draining=report.draining, versions=report.versions)
         if was is not instance.state:
             logger.warning("%s instance %s is now %s", instance.role, instance.address, instance.state.value)
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
 
+from proto.wire_versions import PREVIOUS, WireVersions
+
 ROLES = ("prefill", "decode")
 
 
@@ -68,7 +70,7 @@ class Instance:
     """One worker, its state, and the work this coordinator has on it right now."""
 
     __slots__ = ("role", "address", "registered", "metrics_url", "reason", "consecutive_failures", "last_heartbeat",
-                 "num_heartbeats", "num_served", "successes", "credential", "last_heard", "step_ms", "_state",
+                 "num_heartbeats", "num_served", "successes", "credential", "last_heard", "step_ms", "versions", "_state",
                  "_reported", "_outstanding_requests", "_outstanding_prompt_tokens", "_pool")
 
     # What routing reads; the pool hears of every change, so no request has to rescan the instances.
@@ -94,6 +96,9 @@ class Instance:
         # on an idle instance), and its recent decode step time in ms (0 until a token says).
         self.last_heard = 0.0
         self.step_ms = 0.0
+        # Its release and wire formats, from its health answers; until one says, the previous release (which
+        # announced none): its formats are what a pairing may use with it.
+        self.versions: WireVersions = PREVIOUS
         self._state = InstanceState.HEALTHY
         self._reported = ReportedLoad()
         self._outstanding_requests = 0
@@ -113,6 +118,7 @@ class Instance:
             "consecutive_failures": self.consecutive_failures, "heartbeats": self.num_heartbeats,
             "outstanding_requests": self.outstanding_requests,
             "outstanding_prompt_tokens": self.outstanding_prompt_tokens, "served": self.num_served,
+            **self.versions.describe(),
             "reported": {"num_running": self.reported.num_running, "num_waiting": self.reported.num_waiting,
                          "kv_used_tokens": self.reported.kv_used_tokens,
                          "kv_capacity_tokens": self.reported.kv_capacity_tokens,
@@ -310,11 +316,14 @@ class InstanceRegistry:
                 instance.state = InstanceState.UNHEALTHY
             instance.reason = reason
 
-    def record_health(self, instance: Instance, load: ReportedLoad | None, draining: bool) -> None:
+    def record_health(self, instance: Instance, load: ReportedLoad | None, draining: bool,
+                      versions: WireVersions | None = None) -> None:
         """A health check answered: the circuit closes unless the worker drains or missed heartbeats; `load`
-        None: the load was not read, the last one read stands."""
+        None: the load was not read, the last one read stands (so do `versions`, when None)."""
         if load is not None:
             instance.reported = load
+        if versions is not None:
+            instance.versions = versions
         if draining:
             instance.reason, instance.state = "draining", InstanceState.DRAINING
         elif not (instance.registered and self._heartbeat_late(instance)):

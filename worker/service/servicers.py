@@ -22,6 +22,7 @@ from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from proto.failure_reason import reason_metadata
 from proto.sampling import DEFAULT_SAMPLING
+from proto.wire_versions import add_to_health
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
 from worker.engine.errors import InvalidRequest
 from worker.engine.load import WorkerLoad
@@ -118,6 +119,7 @@ def load_to_pb(load: WorkerLoad, draining: bool) -> pb.HealthResponse:
         num_kv_leases=load.num_kv_leases, queued_prompt_tokens=load.queued_prompt_tokens, draining=draining,
         num_preemptions=load.num_preemptions,
     )
+    add_to_health(health)
     if load.pool is not None:
         pool = load.pool
         health.kv_block_size, health.kv_blocks, health.kv_free_blocks = pool.block_size, pool.num_blocks, pool.free_blocks
