@@ -5,6 +5,8 @@
   POST /v1/instances/deregister  {"role", "address"} -> 200, 404 when unknown
   GET  /v1/instances             every instance with its state, load and outstanding work
   POST /v1/instances/switch_role {"address", "role", "drain_timeout_s"?} -> 202 once the worker left the old role
+  POST /v1/instances/drain       {"address", "role"?, "drain_timeout_s"?} -> out of routing, requests end or move
+  POST /v1/instances/resume      {"address", "role"?} -> back into routing once a health check passes
   GET  /v1/cluster/formats       each wire format's active version, the finalize, every process's release
   POST /v1/cluster/finalize      this release becomes the cluster's floor -> 200, 409 while a process is older
   GET  /v1/plan                  the online planner's last decision (planner_config), or {"enabled": false}
@@ -39,6 +41,7 @@ from coordinator.config import check_host_port
 from coordinator.errors import ApiError
 from coordinator.requests.failures import WorkerCallError
 from coordinator.state import STATE
+from coordinator.workers.instance_drain import DrainRequest, ResumeRequest, drain_instance, resume_instance
 from coordinator.http.trust import TRUST
 from security.secrets import bearer_value
 
@@ -261,6 +264,23 @@ async def plan(request: web.Request) -> web.Response:
     return web.json_response(planner.describe() if planner is not None else {"enabled": False})
 
 
+async def drain(request: web.Request) -> web.Response:
+    """POST /v1/instances/drain: out of routing, its requests finish within the budget, then its streams move."""
+    require_proof(request)
+    state = request.app[STATE]
+    body = parse_request(DrainRequest, await read_json(request))
+    return web.json_response(await drain_instance(state.registry, state.pipeline.attempts.rebalancer, body))
+
+
+async def resume(request: web.Request) -> web.Response:
+    """POST /v1/instances/resume: a drained instance back into routing once a health check passes (one runs now)."""
+    require_proof(request)
+    state = request.app[STATE]
+    answer = resume_instance(state.registry, parse_request(ResumeRequest, await read_json(request)))
+    await state.health_monitor.check(state.registry.get(answer["role"], answer["address"]))
+    return web.json_response({**answer, "state": state.registry.get(answer["role"], answer["address"]).state.value})
+
+
 async def cluster_formats(request: web.Request) -> web.Response:
     """GET /v1/cluster/formats: each wire format's active version, the finalize, every process's release."""
     return web.json_response(request.app[STATE].formats.describe())
@@ -284,6 +304,8 @@ MANAGEMENT_ROUTES = RouteTable([
     Route("POST", "/v1/instances/heartbeat", heartbeat, ErrorStyle.OPENAI),
     Route("POST", "/v1/instances/deregister", deregister, ErrorStyle.OPENAI),
     Route("GET", "/v1/instances", list_instances, ErrorStyle.OPENAI),
+    Route("POST", "/v1/instances/drain", drain, ErrorStyle.OPENAI),
+    Route("POST", "/v1/instances/resume", resume, ErrorStyle.OPENAI),
     Route("GET", "/v1/cluster/formats", cluster_formats, ErrorStyle.OPENAI),
     Route("POST", "/v1/cluster/finalize", finalize, ErrorStyle.OPENAI),
     Route("POST", "/v1/instances/switch_role", switch_role, ErrorStyle.OPENAI),

@@ -164,6 +164,13 @@ class DecodeRebalancer:
             if not held:
                 del self.streams[stream.address]
 
+    def move_all_off(self, address: str) -> int:
+        """Tell every stream on `address` that may move to move now (a drain's budget ran out); how many were told."""
+        told = [stream for stream in self.streams.get(address, ()) if stream.move()]
+        if told:
+            logger.info("drain: moving %d streams off decode instance %s", len(told), address)
+        return len(told)
+
     def round(self) -> int:
         """Step 1 and 2; the number of streams told to move."""
         loads = {i.address: i.outstanding_requests for i in self.registry.available("decode")}

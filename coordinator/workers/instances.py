@@ -7,7 +7,8 @@ port. Each is in one state:
     checks, a failure that shows it is gone (connection refused or reset), or a registered worker
     that missed its heartbeats. A passing health check (and, for a registered worker, a heartbeat)
     puts it back.
-  - DRAINING: it said it is shutting down; it finishes its requests and gets no new ones.
+  - DRAINING: it said it is shutting down, or an operator drains it (`held`, until resumed); it finishes its
+    requests and gets no new ones.
 
 Each role's RolePool keeps its routable instances ready for routing (in address order, and in each
 policy's load order), updated as instances change, so a request costs the same with 2 or 256 instances.
@@ -70,7 +71,7 @@ class Instance:
     """One worker, its state, and the work this coordinator has on it right now."""
 
     __slots__ = ("role", "address", "registered", "metrics_url", "reason", "consecutive_failures", "last_heartbeat",
-                 "num_heartbeats", "num_served", "successes", "credential", "last_heard", "step_ms", "versions", "_state",
+                 "num_heartbeats", "num_served", "successes", "credential", "last_heard", "step_ms", "versions", "held", "_state",
                  "_reported", "_outstanding_requests", "_outstanding_prompt_tokens", "_pool")
 
     # What routing reads; the pool hears of every change, so no request has to rescan the instances.
@@ -99,6 +100,7 @@ class Instance:
         # Its release and wire formats, from its health answers; until one says, the previous release (which
         # announced none): its formats are what a pairing may use with it.
         self.versions: WireVersions = PREVIOUS
+        self.held = False  # drained by POST /v1/instances/drain: out of routing until resumed, whatever it answers
         self._state = InstanceState.HEALTHY
         self._reported = ReportedLoad()
         self._outstanding_requests = 0
@@ -118,7 +120,7 @@ class Instance:
             "consecutive_failures": self.consecutive_failures, "heartbeats": self.num_heartbeats,
             "outstanding_requests": self.outstanding_requests,
             "outstanding_prompt_tokens": self.outstanding_prompt_tokens, "served": self.num_served,
-            **self.versions.describe(),
+            **self.versions.describe(), "held": self.held,
             "reported": {"num_running": self.reported.num_running, "num_waiting": self.reported.num_waiting,
                          "kv_used_tokens": self.reported.kv_used_tokens,
                          "kv_capacity_tokens": self.reported.kv_capacity_tokens,
@@ -324,8 +326,9 @@ class InstanceRegistry:
             instance.reported = load
         if versions is not None:
             instance.versions = versions
-        if draining:
-            instance.reason, instance.state = "draining", InstanceState.DRAINING
+        if draining or instance.held:
+            instance.reason = "draining" if draining else "drained by the operator (POST /v1/instances/drain)"
+            instance.state = InstanceState.DRAINING
         elif not (instance.registered and self._heartbeat_late(instance)):
             self._close(instance)
 
@@ -361,7 +364,18 @@ class InstanceRegistry:
 
     @staticmethod
     def _close(instance: Instance) -> None:
-        instance.reason, instance.consecutive_failures, instance.state = "", 0, InstanceState.HEALTHY
+        instance.consecutive_failures = 0
+        if not instance.held:  # an operator's drain outlasts any proof of life
+            instance.reason, instance.state = "", InstanceState.HEALTHY
+
+    def hold(self, instance: Instance) -> None:
+        """Take it out of routing until `release` (an operator's drain)."""
+        instance.held = True
+        instance.reason, instance.state = "drained by the operator (POST /v1/instances/drain)", InstanceState.DRAINING
+
+    def release(self, instance: Instance) -> None:
+        """Back into routing at its next passing health check."""
+        instance.held = False
 
     def snapshot(self) -> dict:
         return {role: [i.describe() for i in self._pools[role]] for role in ROLES}

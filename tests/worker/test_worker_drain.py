@@ -12,8 +12,8 @@ import pytest
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from proto.failure_reason import reason_from_metadata
-from tests.helpers import (BackgroundStream, health, sse_events, start_coordinator, start_worker, wait_for,
-                           write_config)
+from tests.helpers import (BackgroundStream, health, management_url, scrape, sse_events, start_coordinator,
+                           start_worker, wait_for, write_config)
 
 pytestmark = pytest.mark.system
 
@@ -92,3 +92,40 @@ def test_sigterm_on_an_idle_worker_exits_zero_promptly(model_dir, role):
         assert worker.proc.wait(timeout=60) == 0
     finally:
         worker.proc.kill()
+
+
+def test_streams_still_running_when_the_drain_budget_ends_move_to_another_decode_worker_with_their_text_unchanged(
+        cluster, tmp_path):
+    """A drain budget too short for the streams: the worker ends them as draining, the coordinator migrates them
+    (prompt + tokens sent) and the client's text is the one an undisturbed run gives."""
+    leaving = start_worker("decode", cluster.model_dir, "--drain-seconds", "0.2")
+    staying = start_worker("decode", cluster.model_dir)
+    config = write_config(tmp_path / "ms_coordinator.json", [cluster.prefill.address],
+                          [leaving.address, staying.address], cluster.model_dir, maxIterTimes=2000, maxSeqLen=2048,
+                          maxInputTokenLen=2048)
+    coordinator = start_coordinator(config)
+    body = {"model": "pdserve-tiny", "prompt": "Hello", "max_tokens": LONG_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    try:
+        # Round robin over the two decode workers: two of the four streams run on the one that leaves, two run
+        # undisturbed on the other and give the text to compare with.
+        readers = [BackgroundStream(f"{coordinator.address}/v1/completions", {**body, "stream": True})
+                   for _ in range(4)]
+        for reader in readers:
+            assert reader.first_chunk.wait(30)
+        leaving.proc.send_signal(signal.SIGTERM)
+        assert leaving.proc.wait(timeout=60) == 0  # it stopped by itself once its budget ran out
+        texts = []
+        for reader in readers:
+            reader.join(120)
+            payloads = sse_events(reader.raw)
+            assert payloads[-1] == "[DONE]", payloads[-3:]
+            chunks = [json.loads(p) for p in payloads[:-1]]
+            texts.append("".join(c["choices"][0]["text"] for c in chunks if c.get("choices")))
+        assert len(set(texts)) == 1 and len(texts[0]) > 0
+        migrations = scrape(management_url(coordinator))[("pdserve_request_migrations_total", ())]
+        assert migrations >= 2
+    finally:
+        coordinator.stop()
+        leaving.stop()
+        staying.stop()

@@ -396,3 +396,24 @@ def test_a_decode_instance_killed_mid_stream_hands_the_stream_on_unchanged(fleet
     text, expected = stream_and_then(fleet, https, lambda instance: kill_tree(instance["pid"]))
     assert text == expected
     assert counter(fleet, https, "pdserve_request_migrations_total") >= migrations + 1
+
+
+def test_a_drained_decode_instance_hands_its_stream_on_unchanged_and_serves_again_once_resumed(fleet, https):
+    moves = counter(fleet, https, "pdserve_request_rebalances_total")
+    drained: list[str] = []
+
+    def drain(instance: dict) -> None:
+        address = next(i["address"] for i in instances(fleet, https)["decode"]
+                       if i["address"].endswith(f":{instance['port']}"))
+        answer = https.post(f"{management_url(fleet)}/v1/instances/drain", headers=registration_headers(fleet),
+                            json={"address": address, "drain_timeout_s": 0})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["moved"] == 1 and answer.json()["state"] == "draining"
+        drained.append(address)
+
+    text, expected = stream_and_then(fleet, https, drain)
+    assert text == expected
+    assert counter(fleet, https, "pdserve_request_rebalances_total") == moves + 1
+    resumed = https.post(f"{management_url(fleet)}/v1/instances/resume", headers=registration_headers(fleet),
+                         json={"address": drained[0]})
+    assert resumed.status_code == 200 and resumed.json()["state"] == "healthy", resumed.text
