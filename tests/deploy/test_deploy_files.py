@@ -36,6 +36,12 @@ def coordinator_deployment(docs: list[dict]) -> dict:
     return of_kind(docs, "Deployment")["pdserve-coordinator"]
 
 
+def worker_deployments(docs: list[dict]) -> list[dict]:
+    """The prefill and decode workers' Deployments: every Deployment but the coordinators'."""
+    return [d for d in of_kind(docs, "Deployment").values()
+            if d["spec"]["template"]["metadata"]["labels"]["role"] != "coordinator"]
+
+
 def coordinator_config(docs: list[dict]) -> CoordinatorConfig:
     return parse_config(json.loads(of_kind(docs, "ConfigMap")["pdserve-coordinator"]["data"]["ms_coordinator.json"]))
 
@@ -151,7 +157,7 @@ def test_kubernetes_disruption_budget_covers_the_coordinators_only():
     deployment = coordinator_deployment(docs)
     assert selects(selector, deployment["spec"]["template"]["metadata"]["labels"])
     assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"]
-    for workload in of_kind(docs, "StatefulSet").values():
+    for workload in [*worker_deployments(docs), *of_kind(docs, "StatefulSet").values()]:
         assert not selects(selector, workload["spec"]["template"]["metadata"]["labels"])
 
 
@@ -170,7 +176,7 @@ def test_kubernetes_secrets_hold_every_file_the_configs_name():
     assert config.tls_config.predict.tls_enable and config.auth_config.api_keys_file
     for path in named:
         assert path in files and files[path][0] in of_kind(docs, "Secret"), f"{path} is not from a mounted Secret"
-    for workload in of_kind(docs, "StatefulSet").values():
+    for workload in [*worker_deployments(docs), *of_kind(docs, "StatefulSet").values()]:
         pod = workload["spec"]["template"]["spec"]
         for volume in pod.get("volumes", []):
             if "secret" in volume:
@@ -181,10 +187,13 @@ def test_kubernetes_workers_register_with_the_coordinators_management_service(tm
     docs = kubernetes_docs()
     config = coordinator_config(docs)
     services = of_kind(docs, "Service")
-    workers = [w for w in of_kind(docs, "StatefulSet").values() if w["metadata"]["name"] != "pdserve-etcd"]
-    assert {w["spec"]["template"]["metadata"]["labels"]["role"] for w in workers} == {"prefill", "decode"}
-    for sts in workers:
-        pod = sts["spec"]["template"]["spec"]
+    workers = worker_deployments(docs)
+    assert sorted(w["spec"]["template"]["metadata"]["labels"]["role"] for w in workers) == ["decode", "prefill"]
+    # A StatefulSet is etcd's alone: a worker needs no stable name (it registers its pod IP), and a StatefulSet
+    # could not surge during an upgrade (tests/deploy/test_kubernetes_rollouts.py).
+    assert set(of_kind(docs, "StatefulSet")) == {"pdserve-etcd"}
+    for workload in workers:
+        pod = workload["spec"]["template"]["spec"]
         container = pod["containers"][0]
         args = pdserve_args(container)
         scheme, _, host_port = args.coordinator.partition("://")
@@ -203,7 +212,7 @@ def test_kubernetes_workers_register_with_the_coordinators_management_service(tm
         registration, auth = security.tls_config.registration, security.auth_config
         assert registration.tls_enable == (scheme == "https")
         for path in (registration.ca_cert, auth.registration_token_file, auth.worker_secret_file):
-            assert path in files, f"{path} is not mounted in {sts['metadata']['name']}"
+            assert path in files, f"{path} is not mounted in {workload['metadata']['name']}"
         # The same token and secret as the coordinators'.
         coordinator_files = mounted_files(docs, coordinator_deployment(docs)["spec"]["template"]["spec"],
                                           coordinator_deployment(docs)["spec"]["template"]["spec"]["containers"][0])

@@ -43,7 +43,7 @@ def test_manifest_object_is_valid_for_the_pinned_kubernetes_version(path: Path, 
         pytest.fail(f"{object_id(path, doc)} at {exc.json_path}: {exc.message} (Kubernetes {KUBERNETES_VERSION})")
 
 
-def test_each_autoscaler_scales_a_worker_statefulset_on_the_planners_metric_for_its_role():
+def test_each_autoscaler_scales_a_worker_deployment_on_the_planners_metric_for_its_role():
     from coordinator.metrics import PlannerCollector
 
     class Planner:  # what the collector reads, with desired counts
@@ -55,11 +55,14 @@ def test_each_autoscaler_scales_a_worker_statefulset_on_the_planners_metric_for_
             return 1, 1
 
     exported = {family.name: family for family in PlannerCollector(Planner()).collect()}
-    statefulsets = {doc["metadata"]["name"]: doc for _, doc in OBJECTS if doc["kind"] == "StatefulSet"}
+    deployments = {doc["metadata"]["name"]: doc for _, doc in OBJECTS if doc["kind"] == "Deployment"}
     autoscalers = [doc for _, doc in OBJECTS if doc["kind"] == "HorizontalPodAutoscaler"]
     assert {a["spec"]["scaleTargetRef"]["name"] for a in autoscalers} == {"pdserve-prefill", "pdserve-decode"}
     for autoscaler in autoscalers:
-        target = statefulsets[autoscaler["spec"]["scaleTargetRef"]["name"]]
+        ref = autoscaler["spec"]["scaleTargetRef"]
+        # The kind must be the workload's own: an HPA whose target kind is wrong finds nothing to scale.
+        assert (ref["apiVersion"], ref["kind"]) == ("apps/v1", "Deployment"), ref
+        target = deployments[ref["name"]]
         role = target["spec"]["template"]["metadata"]["labels"]["role"]
         (metric,) = autoscaler["spec"]["metrics"]
         assert metric["external"]["metric"]["selector"]["matchLabels"] == {"role": role}

@@ -1,11 +1,12 @@
 """grpc.health.v1 on real worker processes, as Kubernetes' gRPC probes ask it: SERVING once ready on "" and each
-pdserve service, NOT_SERVING from SIGTERM while the worker drains, no worker secret needed, and a plaintext
---health-port when TLS guards the gRPC port."""
+pdserve service, NOT_SERVING from SIGTERM while the worker drains (and, with a coordinator, until it accepted the registration), no
+worker secret needed, and a plaintext --health-port when TLS guards the gRPC port."""
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 
 import grpc
 import pytest
@@ -14,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from tests.certificates import make_pki
-from tests.helpers import ServerProcess, health, start_sim_worker, start_worker, wait_for
+from tests.helpers import (ServerProcess, health, start_coordinator, start_sim_worker, start_worker, wait_for,
+                           write_config)
 
 pytestmark = pytest.mark.system
 
@@ -103,4 +105,26 @@ def test_with_tls_on_the_grpc_port_probes_ask_the_plaintext_health_port_which_se
             health(probe, "decode")
         assert not_here.value.code() is grpc.StatusCode.UNIMPLEMENTED
     finally:
+        worker.stop()
+
+
+def test_a_worker_with_a_coordinator_says_serving_only_once_its_registration_is_accepted(model_dir, tmp_path):
+    with socket.socket() as s:  # the coordinator's management port, chosen before it starts
+        s.bind(("127.0.0.1", 0))
+        manage_port = s.getsockname()[1]
+    worker = start_sim_worker("decode", "--coordinator", f"http://127.0.0.1:{manage_port}",
+                              "--heartbeat-interval", "0.2")
+    coordinator = None
+    try:
+        with grpc.insecure_channel(worker.address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            assert next(watch).status != SERVING  # ready, but no coordinator routes to it yet
+            config = write_config(tmp_path / "ms_coordinator.json", [], [], model_dir, sections={
+                "http_config": {"predict_ip": "127.0.0.1", "predict_port": 0, "manage_port": manage_port}})
+            coordinator = start_coordinator(config)
+            assert next(status for status in (r.status for r in watch) if status == SERVING) == SERVING
+            watch.cancel()
+    finally:
+        if coordinator is not None:
+            coordinator.stop()
         worker.stop()

@@ -34,7 +34,7 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
                               ports: ProcessPorts) -> None:
     """Run `server` until SIGTERM/SIGINT or a role switch (`switch.next_role`), then drain for up to
     `options.drain_seconds` (a switch's own drain) and stop; `health` (the grpc.health.v1 state) says SERVING
-    from start-up to the signal.
+    from start-up (with a coordinator to register with: from its first accepted registration) to the signal.
 
     `options` is the process's WorkerOptions; SIGHUP re-reads `trust`'s certificates and secrets."""
     listen = f"{options.host}:{ports.grpc_port or options.port}"
@@ -53,7 +53,6 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
         ports.health_port = await health.start_probe_port(options.host, ports.health_port or options.health_port)
         closers.append(health.stop)
         print(f"pdserve worker health: {options.public_host}:{ports.health_port}", flush=True)
-    await health.serving()
 
     stop = switch.stop
     loop = asyncio.get_running_loop()
@@ -80,8 +79,12 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
                                                ports.metrics_url or "", options.heartbeat_interval_s,
                                                trust.registration, trust.registration_token)
         await registration.start()
+    # Probes (a Kubernetes readiness gate, a rollout's next step) see SERVING only once the coordinator can route
+    # here: with a coordinator to register with, after its first registration was accepted.
+    serving = asyncio.create_task(_serving_once_registered(health, registration))
 
     await stop.wait()
+    serving.cancel()
     await health.draining()  # probes see it at once, before deregistering (a network call) and the drain
     logger.info("draining %s worker on port %d: %d requests in flight", options.role, port, gate.in_flight)
     if registration is not None:
@@ -97,3 +100,9 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
     engine.shutdown()
     if engine.pool.tier is not None:
         engine.pool.tier.close()  # its file goes with the worker
+
+
+async def _serving_once_registered(health: StandardHealth, registration) -> None:
+    if registration is not None:
+        await registration.registered.wait()
+    await health.serving()
