@@ -52,15 +52,16 @@ class ServerProcess:
     """A pdserve process started for a test: waits for its ready line, cleans up after itself."""
 
     def __init__(self, argv: list[str], ready_prefix: str, timeout_s: float = 120.0, env: dict | None = None,
-                 fork: bool = True):
+                 fork: bool = True, cwd: Path = REPO):
         """`fork`: a worker or coordinator is forked from the test process's fork server (tests/fork_server.py)
-        unless False, which spawns `python -m launcher.cli` itself (for tests of that start-up)."""
+        unless False, which spawns `python -m launcher.cli` itself (for tests of that start-up); `cwd`: another
+        source tree's process (never forked: the fork server's children run this tree's code)."""
         self.argv = argv
         environment = {**os.environ, **(env or {})}
-        if fork and forkable(argv):
+        if fork and forkable(argv) and cwd == REPO:
             self.proc = ForkClient.start(argv, environment, REPO)
         else:
-            self.proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          text=True, env=environment)
         self.output: list[str] = []
         lines: queue.Queue = queue.Queue()

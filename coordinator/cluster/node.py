@@ -121,7 +121,7 @@ class ClusterNode:
 
     async def _read_formats(self) -> None:
         if self.census is not None:
-            self.formats.replicas = dict(self.census.versions)
+            self.formats.set_replicas(dict(self.census.versions))
         if not self.finalized_key:
             return
         try:

@@ -13,28 +13,23 @@
 
 from __future__ import annotations
 
-import time
-
 from coordinator.errors import ApiError
 from coordinator.workers.instances import InstanceRegistry
 from proto.wire_versions import FORMATS, RELEASE, THIS_PROCESS, WireVersions, release_key
 
-REFRESH_S = 1.0  # the active versions are recomputed at most this often: a request does not rescan the cluster
 
 
 class ClusterFormats:
     """The versions this coordinator writes on cluster-wide wires, from what every process announced."""
 
-    def __init__(self, registry: InstanceRegistry, own: WireVersions = THIS_PROCESS, clock=time.monotonic,
-                 engine: str = "pdserve"):
+    def __init__(self, registry: InstanceRegistry, own: WireVersions = THIS_PROCESS, engine: str = "pdserve"):
         self.registry = registry
         self.workers_announce = engine == "pdserve"  # vLLM instances speak their own wires, announced nowhere
         self.own = own
-        self.clock = clock
         self.finalized = ""  # the release the cluster was finalized at ("": not finalized)
-        self.replicas: dict[str, WireVersions] = {}  # the other coordinators on etcd, by name
+        self.replicas: dict[str, WireVersions] = {}  # the other coordinators on etcd, by name (set_replicas)
         self._active: dict[str, int] = {}
-        self._computed_at = float("-inf")
+        self._computed_for = None  # what the active versions were computed from: a request does not rescan
 
     def processes(self) -> list[tuple[str, WireVersions]]:
         """Every process known, named: this coordinator, the replicas, the pdserve workers."""
@@ -45,11 +40,17 @@ class ClusterFormats:
         return known
 
     def active(self, name: str) -> int:
-        """The version of format `name` to write now (recomputed at most every REFRESH_S)."""
-        now = self.clock()
-        if now - self._computed_at >= REFRESH_S:
-            self._active, self._computed_at = self._compute(), now
+        """The version of format `name` to write now (recomputed only when a process came, went or announced
+        other versions, or the replicas or the finalize changed)."""
+        state = (self.registry.versions_seen, self.finalized, id(self.replicas))
+        if state != self._computed_for:
+            self._active, self._computed_for = self._compute(), state
         return self._active.get(name, 1)
+
+    def set_replicas(self, replicas: dict[str, WireVersions]) -> None:
+        """The other coordinator replicas' versions, as the etcd census last read them."""
+        if replicas != self.replicas:
+            self.replicas = replicas
 
     def version_with(self, name: str, peer: WireVersions) -> int:
         """The version to write to `peer`: the cluster's active one, no newer than what the peer reads."""
@@ -88,7 +89,6 @@ class ClusterFormats:
         """A finalize this coordinator made or read from etcd (never lowered)."""
         if release and release_key(release) > release_key(self.finalized or "0"):
             self.finalized = release
-            self._computed_at = float("-inf")
 
     def describe(self) -> dict:
         """GET /v1/cluster/formats: this release, the finalize, each format's active version, every process."""

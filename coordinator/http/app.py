@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -164,6 +165,9 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         if kv_watch is not None:
             kv_watch.start(registry)
         monitor.start()
+        # One probe of every configured instance now, not after the first interval: its release and wire formats
+        # (and its load) are known from the start. Not awaited: an instance that is down must not delay start-up.
+        first_probe = asyncio.create_task(monitor.check_all())
         silence.start()
         if cluster is not None:
             await cluster.start()
@@ -172,6 +176,7 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         if rebalancer is not None:
             rebalancer.rounds.start()
         yield
+        first_probe.cancel()
         if rebalancer is not None:
             await rebalancer.rounds.stop()
         if state.planner is not None:

@@ -243,12 +243,15 @@ class AttemptRunner:
     def _in_formats(self, request: GenerationRequest, placement: Placement) -> GenerationRequest:
         """The request as its decode worker reads it: draft hints only where the cluster writes decode requests
         of version 2 (an older worker would drop them; a new format waits for the whole cluster)."""
-        if self.formats is None:
+        version = None
+        if self.formats is not None:  # None: vLLM instances, or a pipeline built outside an app
+            version = self.formats.version_with("decode_request", placement.decode.versions)
+            self.metrics.wire_format("decode_request", version)
+        if not request.draft_hints:
             return request
-        version = self.formats.version_with("decode_request", placement.decode.versions)
-        self.metrics.wire_format("decode_request", version)
-        if version < 2 and request.draft_hints:
+        if version is not None and version < 2:
             return dataclasses.replace(request, draft_hints=())
+        self.metrics.hints_sent(len(request.draft_hints))
         return request
 
     async def _prefill(self, placement: Placement, request: GenerationRequest, max_tokens: int,

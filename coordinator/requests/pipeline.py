@@ -143,8 +143,7 @@ class RequestPipeline:
         hints = self.drafts.hints_for(request) if self.drafts is not None else ()
         if not hints:
             return request
-        self.metrics.hints_sent(len(hints))
-        return dataclasses.replace(request, draft_hints=hints)
+        return dataclasses.replace(request, draft_hints=hints)  # counted as sent where they go (attempt.py)
 
     async def _wait_turn(self, request: GenerationRequest, max_tokens: int, deadline: float, timeout: float,
                          trace: GenerationTrace) -> None:

@@ -259,6 +259,7 @@ class InstanceRegistry:
         self.forget_after_s = forget_after_s
         self.clock = clock
         self.version = 0  # counts instances coming and going, so watchers resync only when it moves
+        self.versions_seen = 0  # counts instances coming and going and changes of their announced wire versions
         self._pools: dict[str, RolePool] = {role: RolePool(role) for role in ROLES}
         for role, addresses in (("prefill", prefill), ("decode", decode)):
             for address in addresses:
@@ -324,8 +325,9 @@ class InstanceRegistry:
         None: the load was not read, the last one read stands (so do `versions`, when None)."""
         if load is not None:
             instance.reported = load
-        if versions is not None:
+        if versions is not None and versions != instance.versions:
             instance.versions = versions
+            self.versions_seen += 1
         if draining or instance.held:
             instance.reason = "draining" if draining else "drained by the operator (POST /v1/instances/drain)"
             instance.state = InstanceState.DRAINING
@@ -351,12 +353,14 @@ class InstanceRegistry:
     def _add(self, instance: Instance) -> Instance:
         self._pools[instance.role].add(instance)
         self.version += 1
+        self.versions_seen += 1
         return instance
 
     def _remove(self, role: str, address: str) -> Instance | None:
         instance = self._pools[role].remove(address)
         if instance is not None:
             self.version += 1
+            self.versions_seen += 1
         return instance
 
     def _heartbeat_late(self, instance: Instance) -> bool:

@@ -13,45 +13,47 @@ from coordinator.scheduling.router import Router
 from coordinator.workers.instances import InstanceRegistry
 from proto.wire_versions import FORMATS, PREVIOUS, RELEASE, THIS_PROCESS, FormatRange, WireVersions
 from tests.coordinator.cluster.fake_store import FakeStore
-from tests.helpers import FakeClock
 
 
-def cluster(versions: dict[str, WireVersions]) -> tuple[InstanceRegistry, ClusterFormats, FakeClock]:
+def cluster(versions: dict[str, WireVersions]) -> tuple[InstanceRegistry, ClusterFormats]:
     registry = InstanceRegistry([a for a in versions if a.startswith("p")], [a for a in versions if a.startswith("d")])
     for role in ("prefill", "decode"):
         for instance in registry.instances(role):
-            instance.versions = versions[instance.address]
-    clock = FakeClock()
-    return registry, ClusterFormats(registry, clock=clock), clock
+            announce(registry, role, instance.address, versions[instance.address])
+    return registry, ClusterFormats(registry)
+
+
+def announce(registry: InstanceRegistry, role: str, address: str, versions: WireVersions) -> None:
+    """A health answer from the instance, announcing `versions`."""
+    registry.record_health(registry.get(role, address), None, draining=False, versions=versions)
 
 
 def test_a_new_format_stays_off_while_any_worker_lacks_it_and_turns_on_once_none_does():
-    registry, formats, clock = cluster({"p1:1": THIS_PROCESS, "d1:1": PREVIOUS, "d2:1": THIS_PROCESS})
+    registry, formats = cluster({"p1:1": THIS_PROCESS, "d1:1": PREVIOUS, "d2:1": THIS_PROCESS})
     assert formats.active("decode_request") == 1
     assert formats.version_with("decode_request", THIS_PROCESS) == 1
-    registry.get("decode", "d1:1").versions = THIS_PROCESS  # upgraded in place
-    clock.now += 1.0
+    announce(registry, "decode", "d1:1", THIS_PROCESS)  # upgraded in place
     assert formats.active("decode_request") == FORMATS["decode_request"].newest == 2
     assert formats.version_with("decode_request", PREVIOUS) == 1  # never more than the peer reads
 
 
 def test_a_finalize_is_refused_while_a_process_is_older_and_then_keeps_new_formats_on_and_old_workers_out():
-    registry, formats, clock = cluster({"p1:1": PREVIOUS, "d1:1": THIS_PROCESS})
+    registry, formats = cluster({"p1:1": PREVIOUS, "d1:1": THIS_PROCESS})
     with pytest.raises(ApiError) as refused:
         formats.finalize()
     assert refused.value.status == 409 and "prefill p1:1 (release 0.1.0)" in str(refused.value)
     assert formats.may_join(PREVIOUS) is None
-    registry.get("prefill", "p1:1").versions = THIS_PROCESS
+    announce(registry, "prefill", "p1:1", THIS_PROCESS)
     assert formats.finalize() == RELEASE
     assert "finalized at release" in formats.may_join(PREVIOUS)
-    registry.get("prefill", "p1:1").versions = PREVIOUS  # one that slipped in stays written to as it reads
-    clock.now += 1.0
+    announce(registry, "prefill", "p1:1", PREVIOUS)  # one that slipped in stays written to as it reads
     assert formats.active("decode_request") == 2 and formats.version_with("decode_request", PREVIOUS) == 1
 
 
 def test_an_older_coordinator_replica_on_etcd_holds_new_formats_back():
-    registry, formats, clock = cluster({"d1:1": THIS_PROCESS})
-    formats.replicas = {"old": PREVIOUS}
+    registry, formats = cluster({"d1:1": THIS_PROCESS})
+    assert formats.active("decode_request") == 2
+    formats.set_replicas({"old": PREVIOUS})
     assert formats.active("decode_request") == 1
     assert "coordinator old (release 0.1.0)" in formats.behind()
 
@@ -69,9 +71,9 @@ async def test_census_records_carry_each_replicas_release_and_a_bare_count_reads
 
 def test_the_router_pairs_a_decode_worker_only_with_prefill_workers_that_write_a_kv_layout_it_reads():
     layout3 = WireVersions("9.0.0", {**FORMATS, "kv_layout": FormatRange(3, 3)})
-    registry, _, _ = cluster({"p1:1": layout3, "p2:1": THIS_PROCESS, "d1:1": THIS_PROCESS})
+    registry, _ = cluster({"p1:1": layout3, "p2:1": THIS_PROCESS, "d1:1": THIS_PROCESS})
     router = Router(registry, RoundRobinPolicy())
     assert {router.route([1, 2, 3]).prefill.address for _ in range(6)} == {"p2:1"}
-    registry.get("prefill", "p2:1").versions = layout3
+    announce(registry, "prefill", "p2:1", layout3)
     with pytest.raises(WorkerError):
         router.route([1, 2, 3])

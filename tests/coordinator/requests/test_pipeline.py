@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from coordinator.cluster.wire_formats import ClusterFormats
 from coordinator.errors import WorkerError
 from coordinator.requests.failures import WorkerCallError, WorkerFailure
 from coordinator.workers.instances import InstanceRegistry
@@ -22,6 +23,7 @@ from coordinator.scheduling.policies import RoundRobinPolicy
 from coordinator.scheduling.router import Router
 from coordinator.workers.client import DecodeAccepted, PrefillResult
 from proto import worker_pb2 as pb
+from proto.wire_versions import THIS_PROCESS
 
 HANG = object()  # a stream that sends nothing more
 PROMPT = [1, 2, 3]
@@ -361,3 +363,25 @@ async def test_a_request_with_drafting_off_is_sent_no_hints_and_counted():
     _, sent = workers.decode_calls[-1]
     assert sent.no_drafts and sent.draft_hints == ()
     assert pipeline.metrics.drafts.drafting_off == 1 and pipeline.metrics.drafts.hints_sent == 0
+
+
+async def test_draft_hints_go_only_where_the_cluster_and_the_decode_worker_read_them_and_count_only_when_sent():
+    accepted = DecodeAccepted("")
+    workers = ScriptedWorkers({"d0:1": [[accepted, token(0, 7), token(1, 8, final=True)] for _ in range(4)]})
+    pipeline, registry, _ = make_pipeline(workers, ["p0:1"], ["d0:1"])
+    pipeline.metrics = pipeline.attempts.metrics = CoordinatorMetrics()
+    pipeline.attempts.formats = ClusterFormats(registry)
+    with_drafts(pipeline)
+    decode = registry.get("decode", "d0:1")
+    await run(pipeline, max_tokens=2)  # its answer is kept; the worker has announced nothing: release 0.1.0
+    await run(pipeline, max_tokens=2)
+    registry.record_health(decode, None, draining=False, versions=THIS_PROCESS)  # it announces this release
+    await run(pipeline, max_tokens=2)  # the prefill worker has not: the cluster does not write version 2 yet
+    registry.record_health(registry.get("prefill", "p0:1"), None, draining=False, versions=THIS_PROCESS)
+    await run(pipeline, max_tokens=2)
+    assert [lists(request.draft_hints) for _, request in workers.decode_calls] == [[], [], [], [[7, 8]]]
+    assert pipeline.metrics.drafts.hints_sent == 1
+    used = {(s.labels["format"], s.labels["version"]): s.value for family in pipeline.metrics.registry.collect()
+            for s in family.samples if s.name == "pdserve_wire_format_requests_total"}
+    assert used[("decode_request", "1")] == 3 and used[("decode_request", "2")] == 1
+    assert used[("kv_layout", "0")] == 4  # what these scripted decode workers accepted
