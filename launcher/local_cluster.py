@@ -7,7 +7,8 @@ stays valid; it routes around the worker meanwhile), the coordinator on the same
 (pinned in its config file after its first start). `pdserve up` exits 0 on SIGTERM/SIGINT after stopping every
 child, and 1 when something cannot start: at once on the first start, or after `max_start_failures` failed
 restarts in a row. With `--autoscale` the coordinator starts first, the workers register with it, and
-launcher/autoscaler.py starts, stops and switches them to the online planner's counts.
+launcher/autoscaler.py starts, stops and switches them to the online planner's counts. SIGUSR2 restarts every
+child, one at a time, through its drain (launcher/rolling_restart.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -219,9 +221,14 @@ def run_local_cluster(options: ClusterOptions) -> int:
         print(f"pdserve: starting {len(workers)} {'vLLM instances' if options.engine == 'vllm' else 'workers'} "
               "...", flush=True)
         supervisor.start([child for child, _ in workers])
-        coordinator = _start_coordinator(
-            supervisor, base, _cluster_config(options, *_instance_lists(workers), model_dir, security), files)
+        config = _cluster_config(options, *_instance_lists(workers), model_dir, security)
+        coordinator = _start_coordinator(supervisor, base, config, files)
         _wait_healthy(supervisor, coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
+        if options.engine == "vllm":
+            supervisor.signal_handlers[signal.SIGUSR2] = lambda: say(
+                "rolling restart: not with --engine vllm: vLLM instances do not drain on SIGTERM; SIGUSR2 ignored")
+        else:
+            _rolling_restart(supervisor, coordinator, config, security)
         print(f"pdserve ready: {coordinator.address}", flush=True)
         supervisor.supervise()
         return 0
@@ -267,7 +274,8 @@ def _run_autoscaled(options: ClusterOptions, supervisor: Supervisor, base: list[
     (launcher/autoscaler.py) on a timer."""
     from launcher.autoscaler import LocalAutoscaler
 
-    coordinator = _start_coordinator(supervisor, base, _cluster_config(options, [], [], model_dir, security), files)
+    config = _cluster_config(options, [], [], model_dir, security)
+    coordinator = _start_coordinator(supervisor, base, config, files)
     management = coordinator.announced[COORDINATOR_MANAGEMENT]
     numbers = itertools.count()
 
@@ -283,8 +291,23 @@ def _run_autoscaled(options: ClusterOptions, supervisor: Supervisor, base: list[
     token = (security.run_dir / "registration-token").read_text().strip()
     scaler = LocalAutoscaler(supervisor, management, token, security.client_ssl_context(), new_worker, workers,
                              options.most_workers(), say)
-    supervisor.every(options.autoscale_interval_s, scaler.tick)
+    restart = _rolling_restart(supervisor, coordinator, config, security,
+                               busy=lambda: "the autoscaler's actions are under way" if scaler.pending else "")
+    # Paused while a rolling restart runs: the workers it stops and starts are not for the autoscaler to act on.
+    supervisor.every(options.autoscale_interval_s, lambda: None if restart.running else scaler.tick())
     print(f"pdserve ready: {coordinator.address}", flush=True)
+
+
+def _rolling_restart(supervisor: Supervisor, coordinator: Child, config: dict, security: ClusterSecurity,
+                     busy=lambda: ""):
+    """SIGUSR2 to `pdserve up`: restart every process of the cluster, one at a time (launcher/rolling_restart.py)."""
+    from launcher.rolling_restart import DEFAULT_DRAIN_S, RollingRestart
+
+    token = (security.run_dir / "registration-token").read_text().strip()
+    restart = RollingRestart(supervisor, coordinator, COORDINATOR_MANAGEMENT, token, security.client_ssl_context(),
+                             float(config["http_config"].get("drain_seconds", DEFAULT_DRAIN_S)), busy)
+    supervisor.signal_handlers[signal.SIGUSR2] = restart.begin
+    return restart
 
 
 def _write_config(path: str, config: dict) -> None:

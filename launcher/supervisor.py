@@ -8,6 +8,10 @@
 3. SIGTERM / SIGINT raise `Stopped` in either phase; `stop_all()` then stops every child, last started first.
 4. With `pdserve up --autoscale`: `launch(child)` adds a child while supervising, `retire(child)` stops one for
    good (SIGTERM, not restarted), and `every(seconds, callback)` runs the autoscaler's tick on the main thread.
+5. On purpose (the rolling restart, launcher/rolling_restart.py): `restart(child)` sends SIGTERM (the child
+   drains) and starts it again at once when it exits: no backoff, no failed start counted, whatever its exit.
+   `start_successor(child)` starts the new process before then, while the old one finishes its drain aside
+   (`outgoing`; stopped with the rest by `stop_all`). SIGUSR2 calls `signal_handlers[SIGUSR2]`.
 
 The main thread does everything that starts, restarts or stops a child: the parent-death signal the children
 get fires when the *thread* that forked them ends. Helper threads only relay a child's output and wait for its
@@ -107,6 +111,8 @@ class Child:
     timed_out: bool = False
     backoff: Backoff | None = None
     retired: bool = False  # stopped on purpose (a scale-down): its exit is not restarted
+    restarting: bool = False  # stopped on purpose to start again at once (a rolling restart): not a crash
+    planned: bool = False  # its current process was started by a restart on purpose
 
     @property
     def port(self) -> int:
@@ -138,10 +144,12 @@ class Supervisor:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._supervising = False
         self._tickers: list[list] = []  # [due at, every s, callback]
+        self.signal_handlers: dict[int, Callable[[], None]] = {}  # run on the main thread (SIGUSR2)
+        self.outgoing: list[tuple[Child, subprocess.Popen]] = []  # replaced processes still draining
 
     def install_signal_handlers(self) -> None:
         # SimpleQueue.put is reentrant: safe in a handler that interrupts the main thread anywhere.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, lambda signum, _frame: self._events.put(("signal", None, None, signum)))
 
     def start(self, children: list[Child]) -> None:
@@ -168,6 +176,10 @@ class Supervisor:
         """Call `callback()` on the main thread every `seconds` while supervising (the autoscaler's tick)."""
         self._tickers.append([time.monotonic() + seconds, seconds, callback])
 
+    def cancel(self, callback: Callable[[], None]) -> None:
+        """Stop calling `callback` (added by `every`)."""
+        self._tickers = [ticker for ticker in self._tickers if ticker[2] != callback]  # bound methods: equal, not identical
+
     def launch(self, child: Child) -> None:
         """Start one more child while supervising, without waiting for its ready line: an exit before it is a
         failed start, restarted with backoff like any other."""
@@ -184,6 +196,23 @@ class Supervisor:
         elif child in self.children:
             self.children.remove(child)
 
+    def restart(self, child: Child) -> None:
+        """SIGTERM to `child`'s running process (a worker or coordinator drains first); when it exits, the child
+        is started again at once with the same command line, not counted as a crash."""
+        child.restarting = True
+        child.proc.send_signal(signal.SIGTERM)
+
+    def start_successor(self, child: Child) -> bool:
+        """Start `child` again now, while the process `restart` stopped finishes its drain aside; False if that
+        one has exited already (and was started again)."""
+        if not child.restarting:
+            return False
+        old = child.proc
+        self._launch(child, planned=True)  # an OSError leaves it restarting: started again when the old one exits
+        child.restarting = False
+        self.outgoing.append((child, old))
+        return True
+
     def supervise(self) -> None:
         """Restart children that exit until SIGTERM/SIGINT (Stopped) or a child keeps failing to start (GaveUp)."""
         self._supervising = True
@@ -196,6 +225,7 @@ class Supervisor:
         work reaches a worker about to go); SIGKILL to any still running after STOP_GRACE_S."""
         self._supervising = False
         running = [c.proc for c in reversed(self.children) if c.proc is not None and c.proc.poll() is None]
+        running += [proc for _, proc in self.outgoing if proc.poll() is None]
         for proc in running:
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
@@ -206,7 +236,7 @@ class Supervisor:
                 proc.kill()
                 proc.wait()
 
-    def _launch(self, child: Child) -> None:
+    def _launch(self, child: Child, planned: bool = False) -> None:
         parent = os.getpid()
 
         def die_with_parent() -> None:
@@ -216,8 +246,8 @@ class Supervisor:
 
         proc = subprocess.Popen(child.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 errors="replace", preexec_fn=die_with_parent)
-        child.proc, child.started_at, child.ready_at, child.restart_at, child.timed_out = (
-            proc, time.monotonic(), None, None, False)
+        child.proc, child.started_at, child.ready_at, child.restart_at, child.timed_out, child.planned = (
+            proc, time.monotonic(), None, None, False, planned)
         child.tail = collections.deque(maxlen=TAIL_LINES)
         readers = [threading.Thread(target=self._read_stdout, args=(child, proc, child.tail), daemon=True),
                    threading.Thread(target=self._read_stderr, args=(proc, child.tail), daemon=True)]
@@ -290,14 +320,17 @@ class Supervisor:
         if kind == "signal":
             self._on_signal(value)
         elif proc is not child.proc or (kind == "ready" and child.timed_out):
-            return  # from a process already replaced, or ready only after it was killed for being late
+            # From a process already replaced (one that drained aside is forgotten once it exits), or ready only
+            # after it was killed for being late.
+            if kind == "exit" and (child, proc) in self.outgoing:
+                self.outgoing.remove((child, proc))
         elif kind == "ready":
             child.address, child.announced = value
             child.ready_at = time.monotonic()
             child.num_failed_starts = 0
             if child.on_ready is not None:
                 child.on_ready(child)
-            if child.num_restarts:
+            if child.num_restarts and not child.planned:
                 say(f"{child.name} is back at {child.address} (pid {proc.pid}, restarts {child.num_restarts})")
         elif kind == "exit":
             self._on_exit(child, value)
@@ -306,11 +339,15 @@ class Supervisor:
         if signum in (signal.SIGTERM, signal.SIGINT):
             raise Stopped
         if signum == signal.SIGHUP:  # reload the whole cluster's certificates, keys and secrets
-            for child in self.children:
-                if child.proc is not None and child.proc.poll() is None:
-                    child.proc.send_signal(signal.SIGHUP)
+            for proc in [c.proc for c in self.children] + [proc for _, proc in self.outgoing]:
+                if proc is not None and proc.poll() is None:
+                    proc.send_signal(signal.SIGHUP)
         elif signum == signal.SIGUSR1:
             self.print_status()
+        elif signum in self.signal_handlers:
+            self.signal_handlers[signum]()
+        else:
+            say(f"{signal.Signals(signum).name} ignored: nothing to do for it yet")
 
     def print_status(self) -> None:
         now = time.monotonic()
@@ -322,11 +359,21 @@ class Supervisor:
             else:
                 state = f"up {now - child.ready_at:.0f}s at {child.address} (pid {child.proc.pid})"
             say(f"status: {child.name}: {state}, restarts {child.num_restarts}")
+        for child, proc in self.outgoing:
+            say(f"status: {child.name}: its previous process (pid {proc.pid}) finishes its running requests")
 
     def _on_exit(self, child: Child, code: int) -> None:
         if child.retired:
             self.children.remove(child)
             say(f"{child.name} stopped ({describe_exit(code)})")
+            return
+        if child.restarting:  # stopped on purpose: started again at once, however it exited
+            child.restarting = False
+            try:
+                self._launch(child, planned=True)
+            except OSError as exc:  # fork or exec failed: a failed start like any other
+                child.ready_at = None
+                self._restart_later(child, f"could not be started ({exc})")
             return
         if child.timed_out:
             what = f"was not ready after {self.policy.start_timeout_s:g}s"
