@@ -37,11 +37,17 @@ class FormatRange:
 # docs/operating/upgrades.md, and written only where `common_newest` or the cluster's active version allows it.
 FORMATS: Mapping[str, FormatRange] = {
     "kv_layout": FormatRange(2, 2),        # KvHeader.kv_layout_version: token-major tensors
-    "decode_request": FormatRange(1, 2),   # 2: DecodeRequest.draft_hints and no_drafts (speculative decoding)
+    # 2: DecodeRequest.draft_hints and no_drafts (speculative decoding); 3: held_text_tokens (a continued stream's
+    # text held back by the worker it left)
+    "decode_request": FormatRange(1, 3),
     "token_records": FormatRange(1, 1),    # the token channel's frames (proto/token_channel.py)
     "kv_events": FormatRange(1, 1),        # KvEvents.Watch's stored/removed/cleared events
     "etcd_records": FormatRange(1, 1),     # instance, leadership and replica records coordinators keep in etcd
 }
+# DecodeRequest.held_text_tokens' bound (decode request format 3), checked by the worker, kept to by the coordinator:
+# a character's bytes or a stop string's prefix, never more.
+MAX_HELD_TEXT_TOKENS = 256
+
 PREVIOUS_FORMATS: Mapping[str, FormatRange] = {**FORMATS, "decode_request": FormatRange(1, 1)}
 
 

@@ -195,7 +195,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_time_ms: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., token_channel_address: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill", "traceparent", "media", "lora", "draft_hints", "no_drafts")
+    __slots__ = ("request_id", "prompt_len", "sampling", "max_seq_len", "prompt_token_ids", "local_prefill", "traceparent", "media", "lora", "draft_hints", "no_drafts", "held_text_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,7 @@ class DecodeRequest(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HINTS_FIELD_NUMBER: _ClassVar[int]
     NO_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    HELD_TEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     sampling: SamplingParams
@@ -218,7 +219,8 @@ class DecodeRequest(_message.Message):
     lora: LoraAdapter
     draft_hints: _containers.RepeatedCompositeFieldContainer[DraftHint]
     no_drafts: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., local_prefill: _Optional[bool] = ..., traceparent: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., draft_hints: _Optional[_Iterable[_Union[DraftHint, _Mapping]]] = ..., no_drafts: _Optional[bool] = ...) -> None: ...
+    held_text_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_seq_len: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., local_prefill: _Optional[bool] = ..., traceparent: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., draft_hints: _Optional[_Iterable[_Union[DraftHint, _Mapping]]] = ..., no_drafts: _Optional[bool] = ..., held_text_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftHint(_message.Message):
     __slots__ = ("token_ids",)

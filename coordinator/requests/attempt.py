@@ -60,9 +60,14 @@ class Progress:
     last_at: float = 0.0
     batch_sum: int = 0  # the decode batch sizes its tokens were made in, summed (the planner's decode timings)
     attempts: int = 0  # attempts begun (retries, migrations and rebalancing moves make more than one)
-    # The last token came with no text: its worker may hold bytes of an unfinished character, which a worker
-    # continuing the stream could not complete (decode_rebalance.py moves no stream while this is True).
-    text_held: bool = False
+    # The last tokens that came with no text: their worker may hold bytes of an unfinished character (or text kept
+    # back for a stop string), which a worker continuing the stream is told of (DecodeRequest.held_text_tokens).
+    held_text_tokens: int = 0
+
+    @property
+    def text_held(self) -> bool:
+        """A worker that does not read held_text_tokens could not complete it (decode_rebalance.py waits)."""
+        return self.held_text_tokens > 0
 
     @property
     def count(self) -> int:
@@ -143,7 +148,7 @@ class TokenRelay:
             decode.step_ms += (time_ms - decode.step_ms) * 0.1
         progress.token_ids.append(token_id)
         text = token.text
-        progress.text_held = not text
+        progress.held_text_tokens = progress.held_text_tokens + 1 if not text else 0
         logprob, top = None, ()
         if self.wants_logprobs:  # a protobuf field read costs (a repeated one makes an object): read when asked for
             logprob, top = token.logprob, tuple([(t.token_id, t.logprob) for t in token.top_logprobs])
@@ -247,6 +252,8 @@ class AttemptRunner:
         if self.formats is not None:  # None: vLLM instances, or a pipeline built outside an app
             version = self.formats.version_with("decode_request", placement.decode.versions)
             self.metrics.wire_format("decode_request", version)
+        if version is not None and version < 3 and request.held_text_tokens:
+            request = dataclasses.replace(request, held_text_tokens=0)  # it would start the text after the prompt
         if not request.draft_hints:
             return request
         if version is not None and version < 2:

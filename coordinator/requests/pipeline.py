@@ -39,6 +39,7 @@ from coordinator.requests.trace import GenerationTrace
 from coordinator.scheduling.decode_rebalance import can_move
 from coordinator.scheduling.router import Placement, Router
 from coordinator.workers.client import WorkerClient
+from proto.wire_versions import MAX_HELD_TEXT_TOKENS
 
 if TYPE_CHECKING:
     from coordinator.planning.planner_loop import PlannerLoop
@@ -235,7 +236,8 @@ class RequestPipeline:
             except BaseException:
                 trace.end_attempt("routing failed")
                 raise
-            attempt = request.continued(progress.token_ids, number)
+            attempt = request.continued(progress.token_ids, number,
+                                        min(progress.held_text_tokens, MAX_HELD_TEXT_TOKENS))
             moved_off = None
             try:
                 async for event in self.attempts.run(attempt, placement, max_tokens - progress.count, deadline,

@@ -71,6 +71,7 @@ class GenerationRequest:
     # (requests/draft_corpus.py), and whether the client turned drafting off (x-pdserve-speculative: off).
     draft_hints: tuple[bytes, ...] = ()
     no_drafts: bool = False
+    held_text_tokens: int = 0  # a continuation: its prompt's last tokens whose text the client has not had yet
 
     def cache_token_ids(self, generated: list[int] = ()) -> list[int]:
         """The prompt, then the `generated` tokens, as the workers' prefix caches hash them (image placeholders
@@ -80,9 +81,10 @@ class GenerationRequest:
             ids = ids + list(generated)
         return lora_cache_tokens(ids, self.lora.digest) if self.lora is not None else ids
 
-    def continued(self, token_ids: list[int], attempt: int) -> GenerationRequest:
+    def continued(self, token_ids: list[int], attempt: int, held_text_tokens: int = 0) -> GenerationRequest:
         """The same request resumed on other workers after `token_ids` were already generated:
-        those tokens join the prompt, and the rules that count generated tokens count them."""
+        those tokens join the prompt, and the rules that count generated tokens count them; the last
+        `held_text_tokens` of them went out without their text, which the next worker sends."""
         if not token_ids and attempt == 0:
             return self
         guided = self.sampling.guided
@@ -93,7 +95,8 @@ class GenerationRequest:
                                        guided=guided,
                                        prompt_logprobs=self.sampling.prompt_logprobs if not token_ids else None)
         return dataclasses.replace(self, request_id=f"{self.request_id}.{attempt}",
-                                   prompt_token_ids=self.prompt_token_ids + list(token_ids), sampling=sampling)
+                                   prompt_token_ids=self.prompt_token_ids + list(token_ids), sampling=sampling,
+                                   held_text_tokens=held_text_tokens)
 
 
 class FinishReason(enum.Enum):

@@ -333,6 +333,8 @@ class WorkerClient:
         )
         if request.no_drafts:
             message.no_drafts = True
+        if request.held_text_tokens:
+            message.held_text_tokens = request.held_text_tokens
         hints = request.draft_hints
         channel = self.token_channels.open_channel(address)
         # A request too big for one frame goes as a call: the channel would be cut, failing its other requests.

@@ -121,7 +121,7 @@ def test_a_port_is_closed_once_nothing_listens_on_it_even_with_connections_open(
 
 
 MAX_TOKENS = 32
-CLIENTS = 4
+CLIENTS = 2
 
 
 class Unanswered(Exception):

@@ -59,7 +59,7 @@ PROMPTS = [
     "Prefill builds the KV cache; decode generates",
 ]
 MAX_TOKENS = 24
-LOAD_THREADS = 4
+LOAD_THREADS = 2  # continuous: each thread sends its next stream as the last ends
 DRAIN_S = 20.0  # workers' --drain-seconds and the coordinators' http_config.drain_seconds
 EXIT_MARGIN_S = 30.0  # past the drain budget, for a loaded machine
 WAIT_S = 60.0  # any wait on state

@@ -81,3 +81,19 @@ def test_a_fast_tokenizer_decodes_in_rust_until_the_flush(tokenizer, monkeypatch
     text = "".join(detok.push(i) for i in ids)
     assert not calls
     assert text + detok.flush() == decode(ids)
+
+
+def test_a_resumed_output_emits_the_text_its_last_worker_held_and_the_whole_equals_the_full_decode(tokenizer):
+    text = "Grüße aus Köln: 東京 🙂 and more 日本語"
+    ids = tokenizer(text)["input_ids"]
+    for cut in range(1, len(ids)):
+        first = IncrementalDetokenizer(tokenizer)
+        sent, held = [], 0
+        for token_id in ids[:cut]:  # the worker that was lost
+            piece = first.push(token_id)
+            sent.append(piece)
+            held = held + 1 if not piece else 0
+        resumed = IncrementalDetokenizer(tokenizer)  # the worker that continues from the prompt + ids[:cut]
+        resumed.resume(ids[max(0, cut - held - 4):cut - held], ids[cut - held:cut])
+        rest = [resumed.push(token_id) for token_id in ids[cut:]] + [resumed.flush()]
+        assert "".join(sent + rest) == text, cut

@@ -43,6 +43,13 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
+    def resume(self, context: list[int], held: list[int]) -> None:
+        """Continue an output another worker began: `context`'s text went out, `held`'s did not (the bytes of an
+        unfinished character, or text kept back for a stop string): the next push emits it with its own text."""
+        self._stream = None  # the Python window: it can start where the other worker's stood
+        self._ids = list(context) + list(held)
+        self._prefix_offset, self._read_offset = 0, len(context)
+
     def flush(self) -> str:
         """At the end of the output: the text still held (an unfinished character decodes as U+FFFD), so
         the whole output equals the tokenizer's decode of every id."""

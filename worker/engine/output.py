@@ -5,6 +5,8 @@ from __future__ import annotations
 from worker.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from worker.engine.sequence import Sequence, StopCause, TokenLogprobs, TokenOutput
 
+RESUME_CONTEXT_TOKENS = 4  # tokens whose text went out, before a continued stream's held ones: their decode context
+
 
 class OutputProcessor:
     """Appends each sampled token to its sequence and decides whether the sequence is done."""
@@ -14,6 +16,10 @@ class OutputProcessor:
         self._eos = eos_token_ids
         self._detok = IncrementalDetokenizer(tokenizer, seq.sampling.skip_special_tokens)
         self._stops = StopStringMatcher(seq.sampling.stop)
+        held = seq.held_text_tokens
+        if held:  # a continued stream: the text its last worker held back goes out with the next token's
+            ids = seq.prompt_token_ids
+            self._detok.resume(ids[max(0, len(ids) - held - RESUME_CONTEXT_TOKENS):len(ids) - held], ids[-held:])
 
     def append(self, token_id: int, time_ms: float, logprobs: TokenLogprobs | None = None, batch_size: int = 1,
                queue_wait_ms: float = 0.0) -> TokenOutput:

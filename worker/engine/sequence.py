@@ -116,6 +116,8 @@ class Sequence:
     no_drafts: bool = False
     draft_hints: tuple = ()
     drafts: Any = None
+    # A continued stream: the prompt's last tokens whose text the client was not sent (DecodeRequest.held_text_tokens).
+    held_text_tokens: int = 0
 
     def __post_init__(self):
         self.prompt_cache_ids = lora_cache_tokens(cache_token_ids(self.prompt_token_ids, self.media),

@@ -22,7 +22,7 @@ from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from proto.failure_reason import reason_metadata
 from proto.sampling import DEFAULT_SAMPLING
-from proto.wire_versions import add_to_health
+from proto.wire_versions import MAX_HELD_TEXT_TOKENS, add_to_health
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
 from worker.engine.errors import InvalidRequest
 from worker.engine.load import WorkerLoad
@@ -348,6 +348,9 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
                                                             for h in request.draft_hints):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft_hints: at most {MAX_DRAFT_HINTS} hints of "
                                 f"at most {MAX_DRAFT_HINT_TOKENS} tokens each")
+        if not 0 <= request.held_text_tokens <= min(len(request.prompt_token_ids), MAX_HELD_TEXT_TOKENS):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"held_text_tokens must be in [0, min(prompt "
+                                f"tokens, {MAX_HELD_TEXT_TOKENS})], got {request.held_text_tokens}")
         if request.local_prefill and len(request.prompt_token_ids) != request.prompt_len:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -393,6 +396,7 @@ class DecodeServicer(AnswersHealth, pb_grpc.DecodeServiceServicer):
                 handle = self.engine.register(request.request_id, request.prompt_len, sampling, request.max_seq_len,
                                               list(request.prompt_token_ids), media, prepared, lora)
                 handle.seq.no_drafts = request.no_drafts
+                handle.seq.held_text_tokens = request.held_text_tokens
                 handle.seq.draft_hints = tuple(hint.token_ids for hint in request.draft_hints)
             except BaseException:
                 if lora is not None:

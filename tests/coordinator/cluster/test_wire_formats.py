@@ -33,7 +33,7 @@ def test_a_new_format_stays_off_while_any_worker_lacks_it_and_turns_on_once_none
     assert formats.active("decode_request") == 1
     assert formats.version_with("decode_request", THIS_PROCESS) == 1
     announce(registry, "decode", "d1:1", THIS_PROCESS)  # upgraded in place
-    assert formats.active("decode_request") == FORMATS["decode_request"].newest == 2
+    assert formats.active("decode_request") == FORMATS["decode_request"].newest == 3
     assert formats.version_with("decode_request", PREVIOUS) == 1  # never more than the peer reads
 
 
@@ -47,12 +47,12 @@ def test_a_finalize_is_refused_while_a_process_is_older_and_then_keeps_new_forma
     assert formats.finalize() == RELEASE
     assert "finalized at release" in formats.may_join(PREVIOUS)
     announce(registry, "prefill", "p1:1", PREVIOUS)  # one that slipped in stays written to as it reads
-    assert formats.active("decode_request") == 2 and formats.version_with("decode_request", PREVIOUS) == 1
+    assert formats.active("decode_request") == 3 and formats.version_with("decode_request", PREVIOUS) == 1
 
 
 def test_an_older_coordinator_replica_on_etcd_holds_new_formats_back():
     registry, formats = cluster({"d1:1": THIS_PROCESS})
-    assert formats.active("decode_request") == 2
+    assert formats.active("decode_request") == 3
     formats.set_replicas({"old": PREVIOUS})
     assert formats.active("decode_request") == 1
     assert "coordinator old (release 0.1.0)" in formats.behind()

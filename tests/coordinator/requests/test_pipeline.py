@@ -383,5 +383,5 @@ async def test_draft_hints_go_only_where_the_cluster_and_the_decode_worker_read_
     assert pipeline.metrics.drafts.hints_sent == 1
     used = {(s.labels["format"], s.labels["version"]): s.value for family in pipeline.metrics.registry.collect()
             for s in family.samples if s.name == "pdserve_wire_format_requests_total"}
-    assert used[("decode_request", "1")] == 3 and used[("decode_request", "2")] == 1
+    assert used[("decode_request", "1")] == 3 and used[("decode_request", "3")] == 1
     assert used[("kv_layout", "0")] == 4  # what these scripted decode workers accepted

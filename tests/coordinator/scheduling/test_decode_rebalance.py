@@ -257,5 +257,5 @@ async def test_a_stream_told_to_move_mid_character_stays_until_its_text_is_whole
         await task
     assert moved.value.rebalanced and moved.value.blame is decode
     assert relayed == ["a", "", "é"] and progress.token_ids == [1, 2, 3]
-    held = MovableStream(Progress(token_ids=[1], text_held=True), 300, "b")
+    held = MovableStream(Progress(token_ids=[1], held_text_tokens=1), 300, "b")
     assert pick_moves({"a": 0, "b": 9}, {"b": [held]}, CONFIG) == []  # no candidate while mid-character
