@@ -53,7 +53,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__
         item.add_marker(pytest.mark.xdist_group(module if module in shared_modules else item.nodeid))
-    items.sort(key=lambda item: item.get_closest_marker("system") is None)
+    # The longest first: a minute-long test started last would be the suite's tail on its own.
+    items.sort(key=lambda item: (item.get_closest_marker("system") is None, item.get_closest_marker("long") is None))
 
 
 def pytest_collection_finish(session):

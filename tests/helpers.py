@@ -361,7 +361,7 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
         if value:
             return value
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
 
 
 async def wait_until(predicate, timeout_s: float = 30.0, what: str = "condition", interval_s: float = 0.01):

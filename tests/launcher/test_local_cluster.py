@@ -199,6 +199,7 @@ def test_up_exits_1_naming_a_process_that_keeps_failing_to_start(model_dir):
     assert_no_survivors(kids)
 
 
+@pytest.mark.long
 def test_up_autoscale_adds_the_decode_worker_the_planner_asks_for_and_fails_no_request(model_dir, tmp_path):
     # Decode steps of 5 ms + 10 ms per sequence (at most 100 tokens/s a worker): one decode worker cannot keep up
     # with 3 requests a second of 48 tokens each; two can, within a TPOT of 100 ms.

@@ -208,6 +208,7 @@ def pdserve_processes(up: ServerProcess) -> dict[int, str]:
 
 
 @pytest.mark.system
+@pytest.mark.long
 def test_sigusr2_restarts_every_process_one_at_a_time_and_no_request_fails_or_changes(model_dir):
     up = ServerProcess(pdserve_argv("up", "--predict-port", str(free_port()), "--prefill", "2", "--decode", "2",
                                     "--model", str(model_dir)), "pdserve ready:", timeout_s=180)
@@ -256,6 +257,21 @@ def test_sigusr2_restarts_every_process_one_at_a_time_and_no_request_fails_or_ch
     wait_for(lambda: not any(alive(p) for p in set(before) | set(after)), 10, "no process left")
 
 
+def begin_rolling_restart(up: ServerProcess, log) -> None:
+    """SIGUSR2 until a rolling restart begins: while the autoscaler acts (a loaded machine's planner may still be
+    sizing the fleet) it answers "not now ... send SIGUSR2 again later"."""
+    deadline = time.monotonic() + 120
+    for attempt in range(1, 1000):
+        os.kill(up.proc.pid, signal.SIGUSR2)
+        said = wait_for(lambda: ("begun" if "one at a time, then the coordinator" in log() else "")
+                        or ("later" if log().count("rolling restart: not now") >= attempt else ""), 60,
+                        "an answer to SIGUSR2")
+        if said == "begun":
+            return
+        assert time.monotonic() < deadline, log()[-3000:]
+        time.sleep(0.5)  # a poll interval before asking again, not a wait for some state
+
+
 @pytest.mark.system
 def test_sigusr2_under_autoscale_restarts_a_lone_worker_last_and_the_workers_register_with_the_new_coordinator(
         model_dir):
@@ -266,8 +282,9 @@ def test_sigusr2_under_autoscale_restarts_a_lone_worker_last_and_the_workers_reg
     after: dict[int, str] = {}
     log = lambda: "".join(up.output)  # noqa: E731
     try:
-        os.kill(up.proc.pid, signal.SIGUSR2)
-        wait_for(lambda: "rolling restart: done" in log() or "rolling restart: stopped" in log(), 300, "the end")
+        begin_rolling_restart(up, log)
+        wait_for(lambda: "rolling restart: done" in log() or "rolling restart: stopped" in log(), 300,
+                 lambda: "the end; pdserve up said:\n" + log()[-6000:])
         text = log()
         assert "rolling restart: done" in text, text[-3000:]
         assert "rolling restart: warning: prefill worker 0 is the only prefill worker" in text

@@ -103,6 +103,7 @@ def check_profiles_recover_the_cost_model(prefill_path, decode_path):
             assert -1.5 <= decode.step_ms(batch, context) - (15 + 2 * batch) <= 6, (batch, context, decode)
 
 
+@pytest.mark.long
 def test_recommended_cluster_meets_the_slos_and_one_fewer_of_the_bottleneck_misses(model_dir, tmp_path):
     trace = tmp_path / "trace.jsonl"
     write_trace(SyntheticWorkload.parse(WORKLOAD).generate(), trace)

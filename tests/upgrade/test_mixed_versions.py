@@ -273,6 +273,7 @@ class StreamingLoad:
 # --- the tests -----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("direction", ["upgrade", "rollback"])
 def test_a_rolling_upgrade_under_streaming_load_fails_nothing_and_changes_no_text(
         direction, n_minus_1, model_dir, tmp_path):
