@@ -269,7 +269,10 @@ async def drain(request: web.Request) -> web.Response:
     require_proof(request)
     state = request.app[STATE]
     body = parse_request(DrainRequest, await read_json(request))
-    return web.json_response(await drain_instance(state.registry, state.pipeline.attempts.rebalancer, body))
+    # vLLM streams are not moved: a move of a vLLM stream under way cut its text short in testing (to be fixed);
+    # they run to their end on the held instance, or migrate when it stops.
+    movers = state.pipeline.attempts.rebalancer if state.engine == "pdserve" else None
+    return web.json_response(await drain_instance(state.registry, movers, body))
 
 
 async def resume(request: web.Request) -> web.Response:

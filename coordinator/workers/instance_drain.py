@@ -4,9 +4,9 @@ drain of its own that the coordinator hears, and an operator may take any instan
   1. Out of routing: the instance is held DRAINING; health checks do not bring it back until it is resumed
      (POST /v1/instances/resume) or forgotten.
   2. Its requests run to their end within `drain_timeout_s` (this coordinator's outstanding requests on it).
-  3. Then the decode streams still running move (with rebalance_config on: as a rebalancing move, the prompt and
-     the tokens sent prefilled again elsewhere); those that cannot move stay, and migrate when the instance stops
-     (as a lost decode worker's streams do).
+  3. Then the decode streams still running move (pdserve workers with rebalance_config on: as a rebalancing move,
+     the prompt and the tokens sent prefilled again elsewhere); those that cannot move (and a vLLM instance's) stay,
+     and run to their end there, or migrate when the instance stops (as a lost decode worker's streams do).
   4. The answer says how many ended there, how many moved, and how many are left.
 A pdserve worker drains itself on SIGTERM (worker/service/lifecycle.py); this is the same order, driven from here.
 """
