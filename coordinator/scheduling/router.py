@@ -38,6 +38,9 @@ class Router:
         self.registry = registry
         self.policy = policy
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        # The KV layout ranges the prefill instances announced, as of registry.versions_seen: one range (every
+        # release of the cluster writes the same layout) spares each request a scan of the prefill pool.
+        self._prefill_layouts: tuple[int, frozenset] = (-1, frozenset())
 
     def route(self, prompt_token_ids: list[int], exclude_decode: set[str] = frozenset(),
               exclude_prefill: set[str] = frozenset(), lora: str | None = None, local_prefill: bool = True,
@@ -61,7 +64,7 @@ class Router:
             return Placement(None, decode, decode_cached_tokens=decode_cached)
         if not pullable:
             match = replace(match, pullable=False)
-        exclude_prefill = exclude_prefill | _unpairable(registry.pool("prefill"), decode)
+        exclude_prefill = exclude_prefill | self._unpairable(decode)
         prefill = policy.choose_prefill(registry.pool("prefill"), prompt_len, match.prefill, exclude_prefill, lora,
                                         match=match)
         if prefill is None:
@@ -72,12 +75,21 @@ class Router:
                                                     exclude_prefill | exclude_decode)
         return Placement(prefill, decode, prefill_cached, decode_cached, pull_from, pull_tokens)
 
+    def _unpairable(self, decode: Instance) -> set[str] | frozenset[str]:
+        """The prefill instances that write no KV layout `decode` reads (a mixed-release cluster pairs only on one
+        both ends have; within one release every pair has one, and this is empty)."""
+        seen = self.registry.versions_seen
+        if self._prefill_layouts[0] != seen:
+            self._prefill_layouts = (seen, _layouts(self.registry.pool("prefill")))
+        layout = decode.versions.range("kv_layout")
+        if all(r.common_newest(layout) is not None for r in self._prefill_layouts[1]):
+            return frozenset()
+        return {p.address for p in self.registry.pool("prefill")
+                if p.versions.range("kv_layout").common_newest(layout) is None}
 
-def _unpairable(prefills, decode: Instance) -> set[str]:
-    """The prefill instances that write no KV layout `decode` reads (a mixed-release cluster pairs only on one
-    both ends have; within one release every pair has one, and this is empty)."""
-    layout = decode.versions.range("kv_layout")
-    return {p.address for p in prefills if p.versions.range("kv_layout").common_newest(layout) is None}
+
+def _layouts(prefills) -> frozenset:
+    return frozenset(p.versions.range("kv_layout") for p in prefills)
 
 
 def _none_left(role: str, registry: InstanceRegistry, exclude: set[str]) -> str:

@@ -56,14 +56,20 @@ def test_a_restart_on_purpose_starts_the_child_again_at_once_and_counts_no_crash
         supervisor.stop_all()
 
 
-@pytest.mark.system  # tiny processes
-def test_a_successor_starts_while_the_old_process_drains_aside_whose_exit_is_then_forgotten(tmp_path):
+def restarting_a_draining_child(tmp_path) -> tuple[Supervisor, Child, object]:
+    """A child that drains until SIGTERMed again, started and restarted on purpose: (supervisor, child, old proc)."""
     supervisor = Supervisor(RestartPolicy(first_backoff_s=60.0, max_start_failures=1))
     child = fake_child(drain_marker=tmp_path / "drained")
     supervisor.start([child])
     old = child.proc
+    supervisor.restart(child)
+    return supervisor, child, old
+
+
+@pytest.mark.system  # tiny processes
+def test_a_successor_starts_while_the_old_process_drains_aside_whose_exit_is_then_forgotten(tmp_path):
+    supervisor, child, old = restarting_a_draining_child(tmp_path)
     try:
-        supervisor.restart(child)
         assert supervisor.start_successor(child)
         assert not supervisor.start_successor(child)  # one successor
         run_until(supervisor, lambda: child.ready_at is not None)
@@ -77,12 +83,8 @@ def test_a_successor_starts_while_the_old_process_drains_aside_whose_exit_is_the
 
 @pytest.mark.system  # tiny processes
 def test_stop_all_stops_an_old_process_still_draining_aside(tmp_path):
-    supervisor = Supervisor(RestartPolicy(first_backoff_s=60.0, max_start_failures=1))
-    child = fake_child(drain_marker=tmp_path / "drained")
-    supervisor.start([child])
-    old = child.proc
+    supervisor, child, old = restarting_a_draining_child(tmp_path)
     try:
-        supervisor.restart(child)
         supervisor.start_successor(child)
         run_until(supervisor, lambda: child.ready_at is not None)
     finally:
