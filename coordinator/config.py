@@ -12,6 +12,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from embedded_model.builder import ModelSpec
 from coordinator.requests.draft_corpus import SpeculativeConfig
+from coordinator.addresses import HTTP_URL, check_host_port, split_url
+from coordinator.gateway.settings import GatewayConfig, SidecarConfig
 from coordinator.scheduling.decode_rebalance import RebalanceConfig
 from coordinator.tenancy.settings import TenancyConfig
 from planner.settings import PlannerConfig
@@ -94,24 +96,6 @@ def model_folder_name(model_dir: str) -> str:
     return Path(os.path.abspath(model_dir)).name or ModelSpec().name
 
 
-def check_host_port(value: str) -> str:
-    """`value` if it is host:port with a port in [1, 65535], else a ValueError saying so."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"must be host:port with a port in [1, 65535], got {value!r}")
-    return value
-
-
-def _split_url(value: str, schemes: tuple[str, ...], form: str) -> tuple[str, str]:
-    """(scheme, what follows "://") of `value` when its scheme is one of `schemes` and something follows, else a
-    ValueError naming the `form` it must have."""
-    scheme, sep, rest = value.partition("://")
-    if not sep or scheme not in schemes or not rest:
-        raise ValueError(f"must be {form}, got {value!r}")
-    return scheme, rest
-
-
-_HTTP_URL = ("http", "https"), "http://host:port or https://host:port"
 
 
 class InstanceConfig(_Section):
@@ -144,7 +128,7 @@ class InstanceConfig(_Section):
     def _base_url(cls, value: str) -> str:
         if not value:
             return value
-        check_host_port(_split_url(value, *_HTTP_URL)[1].rstrip("/"))
+        check_host_port(split_url(value, *HTTP_URL)[1].rstrip("/"))
         return value.rstrip("/")
 
     @field_validator("kv_events")
@@ -152,7 +136,7 @@ class InstanceConfig(_Section):
     def _zmq_endpoint(cls, value: str) -> str:
         if not value:
             return value
-        scheme, rest = _split_url(value, ("tcp", "ipc"), "tcp://host:port or ipc://PATH")
+        scheme, rest = split_url(value, ("tcp", "ipc"), "tcp://host:port or ipc://PATH")
         if scheme == "tcp":
             check_host_port(rest)
         return value
@@ -336,7 +320,7 @@ class BackupConfig(_Section):
     @classmethod
     def _urls(cls, endpoints: list[str]) -> list[str]:
         for url in endpoints:
-            check_host_port(_split_url(url, *_HTTP_URL)[1].rstrip("/"))
+            check_host_port(split_url(url, *HTTP_URL)[1].rstrip("/"))
         return [url.rstrip("/") for url in endpoints]
 
     @model_validator(mode="after")
@@ -371,6 +355,8 @@ class CoordinatorConfig(_Section):
     rebalance_config: RebalanceConfig = RebalanceConfig()
     tenancy_config: TenancyConfig = TenancyConfig()
     speculative_config: SpeculativeConfig = SpeculativeConfig()
+    gateway_config: GatewayConfig = GatewayConfig()
+    sidecar_config: SidecarConfig = SidecarConfig()
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), populate_by_name=True)
 

@@ -24,6 +24,7 @@ from guidance.compiler import GrammarCompiler
 if TYPE_CHECKING:
     from coordinator.cluster.node import ClusterNode
     from coordinator.cluster.wire_formats import ClusterFormats
+    from coordinator.gateway.endpoint_picker import CoordinatorPicker
     from coordinator.planning.planner_loop import PlannerLoop
     from coordinator.workers.kv_event_watch import InstanceFollowers
 
@@ -53,6 +54,7 @@ class CoordinatorState:
     loras: LoraRegistry | None = None  # the LoRA adapters served beside the model (set by create_app)
     planner: PlannerLoop | None = None  # with planner_config.enabled: the online planner (GET /v1/plan)
     formats: ClusterFormats | None = None  # the wire versions the cluster writes, and its finalize (set by create_app)
+    picker: CoordinatorPicker | None = None  # with gateway_config.epp_port: the endpoint picker a gateway asks
 
     def instances(self) -> dict:
         """Every instance as GET /v1/instances shows it: with what the KV index holds of it, when there is one."""

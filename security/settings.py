@@ -54,6 +54,8 @@ class TlsConfig(_Section):
     etcd: TlsLink = Field(TlsLink(), description="Coordinator -> etcd (backup_config.etcd_endpoints with "
                           "https://): the coordinator's client side; tls_cert and tls_key are presented when "
                           "mutual_tls.")
+    epp: TlsLink = Field(TlsLink(), description="Gateway (Envoy) -> the endpoint picker's ext_proc port "
+                         "(gateway_config.epp_port): its server side; mutual_tls to accept only the gateway.")
 
     def resolved(self, base: Path) -> TlsConfig:
         return TlsConfig(**{name: getattr(self, name).resolved(base) for name in TlsConfig.model_fields})

@@ -14,6 +14,8 @@ from coordinator.cluster.node import ClusterNode
 from coordinator.cluster.standby_gate import StandbyGate
 from coordinator.cluster.wire_formats import ClusterFormats
 from coordinator.config import ConfigError, CoordinatorConfig
+from coordinator.gateway.endpoint_picker import CoordinatorPicker
+from coordinator.gateway.sidecar import SIDECAR, SidecarAdmission, SidecarAnnouncer, served_header
 from coordinator.http.request_gate import InFlightLimit, RequestGate, error_middleware
 from coordinator.workers.health_monitor import HealthMonitor
 from coordinator.workers.silence_watch import SilenceWatch
@@ -43,6 +45,7 @@ from coordinator.http.trust import TRUST, CoordinatorTrust
 from coordinator.workers.vllm.client import VllmClient
 from coordinator.workers.vllm.kv_events import VllmKvEventWatch
 from coordinator.workers.client import WorkerClient
+from security.tls import link_tls
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +131,12 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         standby=None if cluster is None else StandbyGate(cluster.leadership))
     app = web.Application(middlewares=[gate.middleware], client_max_size=config.request_limit.body_limit * 1024 * 1024)
     app[API_KEYS] = api_keys
-    app[ADMISSION] = admission
+    sidecar = config.sidecar_config
+    if sidecar.enabled:  # behind a gateway: its picker admits tenants, the header names the prefill worker
+        app[SIDECAR] = SidecarAdmission(admission)
+        app.on_response_prepare.append(served_header(sidecar.advertise))
+    else:
+        app[ADMISSION] = admission
     state = app[STATE] = CoordinatorState(
         model.modelName, model.fullTextEnabled, tokenizer, limits, client, registry, router, monitor, pipeline,
         heartbeat_interval_s=health.heartbeat_interval_s, media_dir=Path(model.multimodalInputsDir),
@@ -160,6 +168,14 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         pipeline.attempts.formats = state.formats
     if cluster is not None:
         cluster.formats = state.formats
+    if config.gateway_config.enabled:
+        state.picker = CoordinatorPicker(state, admission, api_keys, config.gateway_config)
+        metrics.registry.register(state.picker.metrics)
+    announcer = None
+    if sidecar.enabled and sidecar.announce_to:
+        announcer = SidecarAnnouncer(sidecar, config.gateway_config.sidecar_ttl_s,
+                                     link_tls("tls_config.registration", config.tls_config.registration, "client"),
+                                     trust.registration_token)
 
     async def background(app: web.Application):
         if kv_watch is not None:
@@ -175,7 +191,11 @@ def create_app(config: CoordinatorConfig) -> web.Application:
             state.planner.start()
         if rebalancer is not None:
             rebalancer.rounds.start()
+        if announcer is not None:
+            await announcer.start()
         yield
+        if announcer is not None:
+            await announcer.stop()
         first_probe.cancel()
         if rebalancer is not None:
             await rebalancer.rounds.stop()

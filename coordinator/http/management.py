@@ -42,8 +42,8 @@ from coordinator.errors import ApiError
 from coordinator.requests.failures import WorkerCallError
 from coordinator.state import STATE
 from coordinator.workers.instance_drain import DrainRequest, ResumeRequest, drain_instance, resume_instance
-from coordinator.http.trust import TRUST
-from security.secrets import bearer_value
+from coordinator.gateway.sidecar_directory import SIDECAR_ROUTES
+from coordinator.http.trust import TRUST, require_proof
 
 CREDENTIAL_HEADER = "X-Pdserve-Credential"
 
@@ -60,17 +60,6 @@ class InstanceIdentity(BaseModel):
 
 class Registration(InstanceIdentity):
     metrics_url: str = ""
-
-
-def require_proof(request: web.Request) -> None:
-    """401 unless the caller proved it belongs to the cluster (the token; or mutual TLS, checked at the handshake)."""
-    trust = request.app[TRUST]
-    if trust.registration_needs_token and not trust.registration_token.matches(
-            bearer_value(request.headers.get("Authorization"))):
-        raise ApiError(401, "registration needs proof: send Authorization: Bearer <the token in "
-                       "auth_config.registration_token_file>, or a client certificate of the cluster CA "
-                       "(tls_config.management with mutual_tls)",
-                       headers={"WWW-Authenticate": 'Bearer realm="pdserve-registration"'})
 
 
 def credential_digest(credential: bytes) -> str:
@@ -318,4 +307,5 @@ MANAGEMENT_ROUTES = RouteTable([
     Route("GET", "/health", operations.health, ErrorStyle.TGI),
     Route("GET", "/health/live", operations.live, ErrorStyle.TGI),
     Route("GET", "/metrics", operations.metrics, ErrorStyle.TGI),
+    *SIDECAR_ROUTES,
 ])

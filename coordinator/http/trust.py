@@ -7,7 +7,8 @@ from dataclasses import dataclass, fields
 from aiohttp import web
 
 from coordinator.config import ConfigError, CoordinatorConfig
-from security.secrets import SecretFile, secret_file
+from coordinator.errors import ApiError
+from security.secrets import SecretFile, bearer_value, secret_file
 from security.tls import LinkTls, link_tls
 
 
@@ -17,6 +18,7 @@ class CoordinatorTrust:
 
     predict_tls: LinkTls | None = None
     management_tls: LinkTls | None = None
+    epp_tls: LinkTls | None = None  # the endpoint picker's ext_proc port (gateway_config.epp_port)
     worker_tls: LinkTls | None = None
     worker_secret: SecretFile | None = None
     registration_token: SecretFile | None = None
@@ -28,6 +30,7 @@ class CoordinatorTrust:
         trust = cls(
             predict_tls=link_tls("tls_config.predict", tls.predict, "server"),
             management_tls=link_tls("tls_config.management", tls.management, "server"),
+            epp_tls=link_tls("tls_config.epp", tls.epp, "server"),
             worker_tls=link_tls("tls_config.worker_grpc", tls.worker_grpc, "client"),
             worker_secret=secret_file("auth_config.worker_secret_file", auth.worker_secret_file),
             registration_token=secret_file("auth_config.registration_token_file", auth.registration_token_file),
@@ -59,3 +62,14 @@ class CoordinatorTrust:
 
 
 TRUST = web.AppKey("trust", CoordinatorTrust)
+
+
+def require_proof(request: web.Request) -> None:
+    """401 unless the caller proved it belongs to the cluster (the token; or mutual TLS, checked at the handshake)."""
+    trust = request.app[TRUST]
+    if trust.registration_needs_token and not trust.registration_token.matches(
+            bearer_value(request.headers.get("Authorization"))):
+        raise ApiError(401, "registration needs proof: send Authorization: Bearer <the token in "
+                       "auth_config.registration_token_file>, or a client certificate of the cluster CA "
+                       "(tls_config.management with mutual_tls)",
+                       headers={"WWW-Authenticate": 'Bearer realm="pdserve-registration"'})

@@ -219,7 +219,8 @@ class RequestPipeline:
                                           # prompt logprobs are a prefill worker's
                                           local_prefill=request.sampling.prompt_logprobs is None,
                                           # a worker pulls only blocks whose cache ids are the prompt's ids
-                                          pullable=request.lora is None and not request.media)
+                                          pullable=request.lora is None and not request.media,
+                                          prefill_at=request.prefill_at)
                 try:
                     placement = route(exclude_decode=excluded["decode"] | ({moved_off} if moved_off else set()))
                 except WorkerError:

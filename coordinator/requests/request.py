@@ -72,6 +72,9 @@ class GenerationRequest:
     draft_hints: tuple[bytes, ...] = ()
     no_drafts: bool = False
     held_text_tokens: int = 0  # a continuation: its prompt's last tokens whose text the client has not had yet
+    # A sidecar's request (coordinator/gateway/sidecar.py): the prefill worker the gateway named ("": the decode
+    # worker prefills); None: the router chooses, as a coordinator does.
+    prefill_at: str | None = None
 
     def cache_token_ids(self, generated: list[int] = ()) -> list[int]:
         """The prompt, then the `generated` tokens, as the workers' prefix caches hash them (image placeholders

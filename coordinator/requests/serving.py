@@ -18,6 +18,7 @@ from coordinator.metrics import METRICS, api_label
 from coordinator.requests.pipeline import RequestPipeline
 from coordinator.requests.request import Failed, Finished, GenerationEvent, GenerationRequest, TokenDelta
 from coordinator.http.sse import JSON_OPTIONS, encode_event, open_stream
+from coordinator.gateway.sidecar import SIDECAR
 from coordinator.tenancy.admission import ADMISSION, close_tickets
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,9 @@ async def collect(pipeline: RequestPipeline, request: GenerationRequest) -> Tran
 def admitted(http_request: web.Request, requests: list[GenerationRequest]) -> list[GenerationRequest]:
     """One client request's generations with their tenant's ticket and priority (tenancy/admission.py), when
     the app admits by tenant; 429 past the tenant's limits. `close_tickets` when the client request ends."""
+    sidecar = http_request.app.get(SIDECAR)
+    if sidecar is not None:  # behind a gateway whose picker applied the tenants' limits
+        return sidecar.admit(http_request, requests)
     admission = http_request.app.get(ADMISSION)
     return admission.admit(http_request, requests) if admission is not None else requests
 

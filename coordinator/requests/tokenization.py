@@ -118,9 +118,7 @@ class PromptTokenizer:
         """The template's generation prompt; with `resume`, followed by that partial reply's tokens, so the
         output continues the assistant's turn (no end-of-turn marker after it)."""
         def run() -> list[int]:
-            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                        tokenize=False)
-            ids = self.encode_now(prompt, add_special_tokens=False)
+            ids = self.encode_now(self.chat_text(messages, tools), add_special_tokens=False)
             # Tokenized apart, as the model generated it: no token merges across the turn's header.
             return ids + self.continuation_ids(resume) if resume else ids
 
@@ -128,6 +126,10 @@ class PromptTokenizer:
         ids = await asyncio.to_thread(run)
         note_tokenized(started)
         return ids
+
+    def chat_text(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template's text for `messages`, ending with the generation prompt (blocking)."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
     def continuation_ids(self, text: str) -> list[int]:
         """A partial reply's tokens, as `encode_chat` appends them (no special tokens)."""

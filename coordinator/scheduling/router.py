@@ -44,11 +44,12 @@ class Router:
 
     def route(self, prompt_token_ids: list[int], exclude_decode: set[str] = frozenset(),
               exclude_prefill: set[str] = frozenset(), lora: str | None = None, local_prefill: bool = True,
-              pullable: bool = True) -> Placement:
+              pullable: bool = True, prefill_at: str | None = None) -> Placement:
         """The decode instance first; then, unless the part of the prompt it does not hold is shorter than
         local_prefill_max_tokens (it prefills that itself; never without `local_prefill`), a prefill instance
         (`lora`: the request's adapter; `pullable`: whether a prefill worker may pull its leading blocks from a
-        peer: not under an adapter or with images)."""
+        peer: not under an adapter or with images). `prefill_at`: a sidecar's request, the prefill worker the gateway
+        named ("": none, the decode worker prefills)."""
         policy, registry = self.policy, self.registry
         match = policy.match(prompt_token_ids)
         prompt_len = len(prompt_token_ids)
@@ -57,6 +58,8 @@ class Router:
         if decode is None:
             raise WorkerError(_none_left("decode", registry, exclude_decode))
         decode_cached = match.decode.get(decode.address, 0)
+        if prefill_at is not None:
+            return self._named_prefill(prefill_at, decode, decode_cached, exclude_prefill, local_prefill)
         # Blocks only expected there are not there yet: prefilling locally would compute them all.
         if local_prefill and prompt_len - decode_cached + match.expected.get(decode.address, 0) \
                 < self.local_prefill_max_tokens:
@@ -74,6 +77,20 @@ class Router:
         pull_from, pull_tokens = policy.pull_source(match, prefill.address, prefill_cached,
                                                     exclude_prefill | exclude_decode)
         return Placement(prefill, decode, prefill_cached, decode_cached, pull_from, pull_tokens)
+
+    def _named_prefill(self, address: str, decode: Instance, decode_cached: int, exclude: set[str],
+                       local_prefill: bool) -> Placement:
+        """A sidecar's placement: the prefill worker the gateway named, added on first sight; the decode worker
+        prefills itself when none was named, or the named one failed or is down (a sidecar has no other)."""
+        prefill = None
+        if address and address not in exclude:
+            prefill = self.registry.get("prefill", address) or self.registry.add_static("prefill", address)
+            if not prefill.available:
+                prefill = None
+        if prefill is None and not local_prefill:
+            raise WorkerError(f"this request needs a prefill worker (prompt logprobs) and the gateway named "
+                              f"{'no usable one' if address else 'none'} (header x-prefiller-host-port)")
+        return Placement(prefill, decode, decode_cached_tokens=decode_cached)
 
     def _unpairable(self, decode: Instance) -> set[str] | frozenset[str]:
         """The prefill instances that write no KV layout `decode` reads (a mixed-release cluster pairs only on one

@@ -3,8 +3,9 @@ header), the tenant's limits, and its priority from the headers every API may se
 
 Priority headers, on every API (MindIE's and Triton's `priority` field wins where the body gives one):
   - `x-pdserve-priority: 1..5` (1 first, 5 last, the levels MindIE and Triton use);
-  - `x-gateway-inference-objective: NAME` (Gateway API Inference Extension), mapped to a level by
-    tenancy_config.objectives; `x-pdserve-priority` wins when both are sent.
+  - `x-llm-d-inference-objective: NAME` (Gateway API Inference Extension; older gateways send
+    `x-gateway-inference-objective`), mapped to a level by tenancy_config.objectives; `x-pdserve-priority` wins
+    when both are sent.
 And `x-pdserve-speculative: on|off`: off turns the decode worker's speculative drafting off for the request (no
 draft hints either); on, the default, leaves it to the worker.
 """
@@ -18,6 +19,8 @@ import time
 from aiohttp import web
 
 from coordinator.errors import ApiError
+from coordinator.gateway.endpoint_pick import (FAIRNESS_HEADER, OBJECTIVE_HEADER, OLD_FAIRNESS_HEADER,
+                                               OLD_OBJECTIVE_HEADER)
 from coordinator.requests.limits import ModelLimits
 from coordinator.requests.request import DEFAULT_PRIORITY, GenerationRequest
 from coordinator.tenancy.settings import TenancyConfig
@@ -25,7 +28,6 @@ from coordinator.tenancy.tenants import Tenant, TenantTicket
 from security.api_keys import RESERVED_NAMES, ApiKeyStore, TenantTerms
 
 PRIORITY_HEADER = "x-pdserve-priority"
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
 SPECULATIVE_HEADER = "x-pdserve-speculative"
 KEY_TERMS = web.RequestKey("key_tenant", TenantTerms)  # the API key's tenant, set by the key gate
 ANONYMOUS, OVERFLOW = RESERVED_NAMES  # requests without a key or a trusted header; header names past max_tenants
@@ -93,7 +95,11 @@ class Admission:
         self.config = config
         self.limits = limits
         self.book = TenantBook(config, keys)
-        self.fairness_header = config.fairness_header if config.trust_fairness_header else None
+        # The default name is GIE's older one: the llm-d name is read first, as gateways send either.
+        self.fairness_headers: tuple[str, ...] = ()
+        if config.trust_fairness_header:
+            self.fairness_headers = ((FAIRNESS_HEADER, OLD_FAIRNESS_HEADER)
+                                     if config.fairness_header == OLD_FAIRNESS_HEADER else (config.fairness_header,))
         self.fixed_drafting = fixed_drafting
 
     def admit(self, http_request: web.Request, requests: list[GenerationRequest]) -> list[GenerationRequest]:
@@ -112,14 +118,13 @@ class Admission:
                 for r in requests]
 
     def header_tenant(self, headers) -> str | None:
-        if self.fairness_header is None:
+        header = next((h for h in self.fairness_headers if h in headers), None)
+        if header is None:
             return None
-        name = headers.get(self.fairness_header)
-        if name is None:
-            return None
+        name = headers[header]
         if not _NAME.match(name):
-            raise ApiError(400, f"header {self.fairness_header} must be 1-128 of A-Z a-z 0-9 . _ : @ / - (starting "
-                                "with a letter or digit)", param=self.fairness_header)
+            raise ApiError(400, f"header {header} must be 1-128 of A-Z a-z 0-9 . _ : @ / - (starting "
+                                "with a letter or digit)", param=header)
         return name
 
     def header_priority(self, headers) -> int:
@@ -130,13 +135,14 @@ class Admission:
                 raise ApiError(400, f"header {PRIORITY_HEADER} must be a whole number in [1, 5] (1 first)",
                                param=PRIORITY_HEADER)
             return int(value)
-        objective = headers.get(OBJECTIVE_HEADER)
+        header = OBJECTIVE_HEADER if OBJECTIVE_HEADER in headers else OLD_OBJECTIVE_HEADER
+        objective = headers.get(header)
         if objective is not None:
             level = self.config.objectives.get(objective)
             if level is None:
                 known = ", ".join(sorted(self.config.objectives)) or "none are configured"
-                raise ApiError(400, f"header {OBJECTIVE_HEADER} names an unknown objective; known: {known} "
-                                    "(tenancy_config.objectives)", param=OBJECTIVE_HEADER)
+                raise ApiError(400, f"header {header} names an unknown objective; known: {known} "
+                                    "(tenancy_config.objectives)", param=header)
             return level
         return DEFAULT_PRIORITY
 

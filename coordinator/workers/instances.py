@@ -288,6 +288,10 @@ class InstanceRegistry:
         self._close(instance)
         return instance
 
+    def add_static(self, role: str, address: str) -> Instance:
+        """Add an instance as the config lists one: health-checked, never expected to heartbeat."""
+        return self._pools[role].get(address) or self._add(Instance(role, address))
+
     def heartbeat(self, role: str, address: str) -> bool:
         """False when the instance is unknown (it must register again)."""
         instance = self._pools[role].get(address)

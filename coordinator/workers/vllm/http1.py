@@ -179,7 +179,16 @@ class HttpPool:
 
     def host(self, address: str) -> str:
         """The Host header's value for the instance at `address`."""
-        return self._targets[address][2]
+        return self._target(address)[2]
+
+    def _target(self, address: str) -> tuple[str, int, str]:
+        """Where `address` is dialled: its configured URL's, else the address itself (an instance a gateway named
+        to a sidecar), over TLS when the link has it."""
+        target = self._targets.get(address)
+        if target is None:
+            host, _, port = address.rpartition(":")
+            target = self._targets[address] = (host.strip("[]"), int(port), address)
+        return target
 
     async def send(self, address: str, request: bytes, reader: AnswerReader, deadline: float) -> HttpConnection:
         """Write `request` to the instance on a kept-alive connection; its answer goes to `reader`. A dial is
@@ -198,7 +207,7 @@ class HttpPool:
                 connection.reused = True
                 return connection
             connection.close()
-        host, port, _ = self._targets[address]
+        host, port, _ = self._target(address)
         loop = asyncio.get_running_loop()
         context = self._ssl() if self._ssl is not None else None
         connect_by = loop.time() + CONNECT_TIMEOUT_S

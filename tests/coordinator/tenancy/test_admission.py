@@ -49,6 +49,8 @@ def test_the_keys_tenant_carries_its_terms_and_copies_of_a_prompt_count_once():
     ({"x-pdserve-priority": "1"}, 1),
     ({"x-gateway-inference-objective": "critical"}, 2),
     ({"x-gateway-inference-objective": "critical", "x-pdserve-priority": "4"}, 4),
+    ({"x-llm-d-inference-objective": "batch"}, 5),
+    ({"x-llm-d-inference-objective": "critical", "x-gateway-inference-objective": "batch"}, 2),  # llm-d's first
     ({}, 5),
 ])
 def test_priority_headers_map_onto_levels_1_to_5(headers, level):
@@ -65,6 +67,7 @@ def test_a_body_priority_wins_over_the_headers():
     ({"x-pdserve-priority": "0"}, "x-pdserve-priority"),
     ({"x-pdserve-priority": "high"}, "x-pdserve-priority"),
     ({"x-gateway-inference-objective": "unknown"}, "x-gateway-inference-objective"),
+    ({"x-llm-d-inference-objective": "unknown"}, "x-llm-d-inference-objective"),
     ({"x-pdserve-speculative": "maybe"}, "x-pdserve-speculative"),
     ({"x-pdserve-speculative": ""}, "x-pdserve-speculative"),
 ])
@@ -91,6 +94,16 @@ def test_a_trusted_fairness_header_names_the_tenant_with_the_keys_file_terms_or_
     with pytest.raises(ApiError) as refused:
         tenant("bad name!")
     assert refused.value.status == 400
+
+
+def test_llm_ds_fairness_header_names_the_tenant_before_the_older_gie_name():
+    admission = Admission(TenancyConfig(trust_fairness_header=True), LIMITS)
+    headers = {"x-llm-d-inference-fairness-id": "new", "x-gateway-inference-fairness-id": "old"}
+    assert admission.admit(http(headers), [gen()])[0].ticket.tenant.name == "new"
+    assert admission.admit(http({"x-gateway-inference-fairness-id": "old"}), [gen()])[0].ticket.tenant.name == "old"
+    with pytest.raises(ApiError) as refused:
+        admission.admit(http({"x-llm-d-inference-fairness-id": "bad name!"}), [gen()])
+    assert refused.value.param == "x-llm-d-inference-fairness-id"
 
 
 def test_an_untrusted_fairness_header_is_not_read():

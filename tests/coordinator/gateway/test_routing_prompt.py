@@ -1,0 +1,51 @@
+"""The prompt tokens a gateway request routes on: each API's prompt field, the chat template, the cut of long text."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.gateway.routing_prompt import CUT_TOKENS, ROUTING_CHARS, prompt_of, routing_tokens
+from coordinator.requests.tokenization import PromptTokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return PromptTokenizer(model_dir)
+
+
+@pytest.mark.parametrize("path,body,prompt", [
+    ("/v1/completions", {"prompt": "hi there"}, "hi there"),
+    ("/v1/completions", {"prompt": ["first", "second"]}, "first"),
+    ("/v1/completions", {"prompt": [1, 2, 3]}, [1, 2, 3]),
+    ("/v1/completions", {"prompt": [[4, 5], [6]]}, [4, 5]),
+    ("/generate", {"inputs": "tgi"}, "tgi"),
+    ("/generate", {"prompt": "vllm native"}, "vllm native"),
+    ("/generate_stream", {"inputs": "tgi"}, "tgi"),
+    ("/infer", {"inputs": "mindie"}, "mindie"),
+    ("/v2/models/pdserve-tiny/generate", {"text_input": "triton"}, "triton"),
+    ("/v1/completions", {"prompt": 7}, None),
+    ("/v1/models", {}, None),
+])
+def test_each_apis_prompt_field_is_read(path, body, prompt):
+    assert prompt_of(path, body) == (prompt, None)
+
+
+def test_chat_routes_on_the_templated_messages_as_the_chat_api_tokenizes_them(tokenizer):
+    messages = [{"role": "user", "content": "Hello there"}]
+    ids = asyncio.run(routing_tokens(tokenizer, "/v1/chat/completions", {"messages": messages}))
+    assert ids == asyncio.run(tokenizer.encode_chat(messages))
+
+
+def test_a_long_prompt_routes_on_a_prefix_of_its_tokens(tokenizer):
+    text = "The quick brown fox jumps over the lazy dog. " * (ROUTING_CHARS // 20)
+    ids = asyncio.run(routing_tokens(tokenizer, "/v1/completions", {"prompt": text}))
+    full = tokenizer.encode_now(text)
+    assert 0 < len(ids) < len(full) and full[:len(ids)] == ids
+    assert len(tokenizer.encode_now(text[:ROUTING_CHARS])) - len(ids) == CUT_TOKENS
+
+
+def test_a_body_without_a_readable_prompt_routes_on_load_alone(tokenizer):
+    assert asyncio.run(routing_tokens(tokenizer, "/v1/chat/completions", {"messages": "not a list"})) == []
+    assert asyncio.run(routing_tokens(tokenizer, "/v1/completions", None)) == []

@@ -1,0 +1,61 @@
+"""A sidecar's placement: its own decode worker, the prefill worker the gateway named, or the decode worker alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.config import ConfigError, parse_config
+from coordinator.errors import WorkerError
+from coordinator.gateway.sidecar import sidecar_settings
+from coordinator.scheduling.policies import RoundRobinPolicy
+from coordinator.scheduling.router import Router
+from coordinator.workers.instances import InstanceRegistry, InstanceState
+
+
+def router() -> Router:
+    return Router(InstanceRegistry([], ["10.0.0.1:9000"]), RoundRobinPolicy(), local_prefill_max_tokens=0)
+
+
+def test_the_named_prefill_worker_is_added_on_first_sight_and_used():
+    r = router()
+    placement = r.route([1, 2, 3], prefill_at="10.0.0.2:7000")
+    assert placement.prefill.address == "10.0.0.2:7000" and placement.decode.address == "10.0.0.1:9000"
+    assert r.registry.get("prefill", "10.0.0.2:7000") is placement.prefill
+
+
+def test_no_header_a_failed_or_a_down_prefill_worker_leaves_the_prefill_to_the_decode_worker():
+    r = router()
+    assert r.route([1, 2, 3], prefill_at="").prefill is None
+    assert r.route([1, 2, 3], prefill_at="10.0.0.2:7000").prefill is not None
+    assert r.route([1, 2, 3], prefill_at="10.0.0.2:7000", exclude_prefill={"10.0.0.2:7000"}).prefill is None
+    r.registry.get("prefill", "10.0.0.2:7000").state = InstanceState.UNHEALTHY
+    assert r.route([1, 2, 3], prefill_at="10.0.0.2:7000").prefill is None
+
+
+def test_prompt_logprobs_without_a_named_prefill_worker_are_refused_naming_the_header():
+    with pytest.raises(WorkerError, match="x-prefiller-host-port"):
+        router().route([1, 2, 3], prefill_at="", local_prefill=False)
+
+
+def test_a_lost_decode_worker_has_no_replacement_in_a_sidecar():
+    with pytest.raises(WorkerError, match="no healthy decode instance left"):
+        router().route([1, 2, 3], prefill_at="", exclude_decode={"10.0.0.1:9000"})
+
+
+def test_sidecar_settings_front_one_decode_worker_without_picker_planner_or_etcd():
+    cluster = parse_config({"instances": {"decode": [{"address": "10.0.0.1:9000"}, {"address": "10.0.0.3:9000"}]},
+                            "gateway_config": {"epp_port": 9002},
+                            "digs_scheduler_config": {"algorithm_type": "cache_affinity"}})
+    sidecar = sidecar_settings(cluster, "10.0.0.3:9000", 8000, announce_to="http://epp:1026")
+    assert [i.address for i in sidecar.instances.decode] == ["10.0.0.3:9000"]
+    assert sidecar.http_config.predict_port == 8000 and not sidecar.gateway_config.enabled
+    assert sidecar.digs_scheduler_config.algorithm_type == "round_robin"
+    assert sidecar.sidecar_config.advertise == "127.0.0.1:8000"
+    assert sidecar.sidecar_config.announce_to == "http://epp:1026"
+
+
+def test_a_vllm_sidecar_must_front_a_listed_decode_instance():
+    cluster = parse_config({"instances": {"decode": [{"engine": "vllm", "url": "http://10.0.0.1:8100"}]}})
+    assert sidecar_settings(cluster, "10.0.0.1:8100", 8000).instances.decode[0].url == "http://10.0.0.1:8100"
+    with pytest.raises(ConfigError, match="must be listed in instances.decode"):
+        sidecar_settings(cluster, "10.0.0.9:8100", 8000)
