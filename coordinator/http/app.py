@@ -15,7 +15,7 @@ from coordinator.cluster.standby_gate import StandbyGate
 from coordinator.cluster.wire_formats import ClusterFormats
 from coordinator.config import ConfigError, CoordinatorConfig
 from coordinator.gateway.endpoint_picker import CoordinatorPicker
-from coordinator.gateway.sidecar import SIDECAR, SidecarAdmission, SidecarAnnouncer, served_header
+from coordinator.gateway.sidecar import SIDECAR, SidecarAdmission, SidecarAnnouncer
 from coordinator.http.request_gate import InFlightLimit, RequestGate, error_middleware
 from coordinator.workers.health_monitor import HealthMonitor
 from coordinator.workers.silence_watch import SilenceWatch
@@ -134,7 +134,6 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     sidecar = config.sidecar_config
     if sidecar.enabled:  # behind a gateway: its picker admits tenants, the header names the prefill worker
         app[SIDECAR] = SidecarAdmission(admission)
-        app.on_response_prepare.append(served_header(sidecar.advertise))
     else:
         app[ADMISSION] = admission
     state = app[STATE] = CoordinatorState(

@@ -11,6 +11,8 @@ import signal
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from coordinator.gateway.epp_server import EppServer
+from coordinator.gateway.ext_proc import ExternalProcessorServicer
 from coordinator.http.app import create_app, create_management_app
 from coordinator.http.auth import API_KEYS
 from coordinator.config import CoordinatorConfig, HttpConfig
@@ -135,6 +137,8 @@ async def _serve(config: CoordinatorConfig) -> None:
     _, manage_url = await _listen(manage_runner, manage_app, http.manage_ip, http.manage_port, trust.management_tls,
                                   http)
 
+    epp = await _start_endpoint_picker(app, config) if app[STATE].picker is not None else None
+
     reloads = ReloadOnSighup()
     reloads.add_all(trust.parts())
     if app[API_KEYS] is not None:
@@ -149,8 +153,22 @@ async def _serve(config: CoordinatorConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logger.warning("coordinator draining: no new requests, up to %ss for running ones", http.drain_seconds)
+    if epp is not None:  # the gateway's health checks see it going; its open streams end with their requests
+        await epp.set_ready(False)
     cluster = app[STATE].cluster
     if cluster is not None:
         await cluster.step_down()  # a standby takes over now, not when this one's lease would have expired
     await manage_runner.cleanup()
     await runner.cleanup()
+    if epp is not None:
+        await epp.stop(1.0)
+
+
+async def _start_endpoint_picker(app: web.Application, config: CoordinatorConfig) -> EppServer:
+    """The ext_proc server over the app's picker, listening; its address printed before the ready line."""
+    picker, tls = app[STATE].picker, app[TRUST].epp_tls
+    epp = EppServer(ExternalProcessorServicer(picker, on_picked=picker.metrics.pick_time.observe),
+                    config.http_config.predict_ip, config.gateway_config.epp_port, tls)
+    await epp.start()
+    print(f"pdserve endpoint picker: {'grpcs' if tls is not None else 'grpc'}://{epp.address}", flush=True)
+    return epp
