@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from coordinator.workers.instances import InstanceRegistry
 from coordinator.scheduling.kv_index import KvIndex
+from coordinator.gateway.gie_metrics import GatewayMetrics
+from coordinator.gateway.sidecar_directory import SidecarDirectory
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.planning.planner_loop import PlannerLoop
 from coordinator.requests.draft_corpus import DraftCorpus, SpeculativeConfig
@@ -58,6 +60,7 @@ def coordinator_rows() -> list[list[str]]:
     metrics.watch_planner(PlannerLoop(PlannerConfig(enabled=True), InstanceRegistry(), "round_robin"))
     metrics.watch_tenants(TenantBook(TenancyConfig()))
     metrics.watch_drafts(DraftCorpus(SpeculativeConfig(enabled=True), "model"))
+    metrics.registry.register(GatewayMetrics("pool", InstanceRegistry(), SidecarDirectory(15)))  # the picker's
     return sorted(metric_rows(metrics.registry).values())
 
 

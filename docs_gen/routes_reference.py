@@ -19,6 +19,7 @@ API_OF_MODULE = {
     "coordinator.apis.mindie": "MindIE native",
     "coordinator.apis.triton": "Triton",
     "coordinator.http.management": "management",
+    "coordinator.gateway.sidecar_directory": "management (gateway sidecars)",
 }
 
 ERROR_BODY = {

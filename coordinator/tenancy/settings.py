@@ -16,7 +16,8 @@ class TenancyConfig(BaseModel):
                                         "trusted gateway) rather than by the API key; only behind a gateway that "
                                         "sets it, since any client could.")
     fairness_header: str = Field("x-gateway-inference-fairness-id", min_length=1, max_length=128,
-                                 description="The header naming the tenant when trust_fairness_header.")
+                                 description="The header naming the tenant when trust_fairness_header; with this "
+                                 "default, llm-d's x-llm-d-inference-fairness-id is read first.")
     default_weight: float = Field(1.0, gt=0, le=MAX_WEIGHT, description="Weight of a tenant the keys file does "
                                   "not give one (header-named tenants, clients without keys).")
     default_rpm: int = Field(0, ge=0, le=MAX_LIMIT, description="Requests per minute of such a tenant; 0 = none.")
@@ -29,7 +30,8 @@ class TenancyConfig(BaseModel):
     max_tenants: int = Field(1000, ge=1, le=100_000, description="Distinct header-named tenants kept; past it, "
                              "new names share the tenant `overflow`.")
     objectives: dict[str, int] = Field({}, description="GIE objective names (header "
-                                       "x-gateway-inference-objective) and the priority level 1-5 each maps to; "
+                                       "x-llm-d-inference-objective, or the older x-gateway-inference-objective) "
+                                       "and the priority level 1-5 each maps to; "
                                        "another name is refused with 400.")
     refuse_early: bool = Field(True, description="Refuse at once (503, or 429 on TGI-style APIs, with "
                                "Retry-After) a request the waiting line predicts cannot start before its deadline "
