@@ -153,9 +153,10 @@ def _up(args: argparse.Namespace) -> int:
         print(f"pdserve up: --autoscale needs --prefill and --decode >= 1 and --max-workers >= their sum, got "
               f"{args.prefill}, {args.decode} and {args.max_workers}", file=sys.stderr)
         return 2
-    if args.gateway and (args.tls or args.autoscale):
-        print(f"pdserve up: --gateway {args.gateway} with {'--tls' if args.tls else '--autoscale'}: not supported "
-              "yet (docs/operating/gateway.md)", file=sys.stderr)
+    if args.gateway and args.autoscale:
+        print(f"pdserve up: --gateway {args.gateway} with --autoscale: not supported yet (decode workers the "
+              "autoscaler starts would need their sidecars started with them; docs/operating/gateway.md)",
+              file=sys.stderr)
         return 2
     refusal = _speculative_refusal(args)
     if refusal:

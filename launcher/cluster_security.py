@@ -62,7 +62,18 @@ class ClusterSecurity:
             leaves = {"predict": "server", "management": "server", "worker_grpc": "client" if role == "coordinator"
                       else "server", "registration": "client", "kv_transfer": "server"}
             sections["tls_config"] = {link: _link(self.tls_dir, leaves[link]) for link in LINKS}
+            if role == "coordinator":  # its endpoint picker's port, which Envoy dials with the client certificate
+                sections["tls_config"]["epp"] = _link(self.tls_dir, "server")
         return sections
+
+    def envoy_tls(self) -> dict:
+        """`render_bootstrap`'s TLS arguments for `pdserve up --gateway envoy`: mutual TLS on each of Envoy's links."""
+        if not self.tls_dir:
+            return {}
+        ca, client = str(self.tls_dir / "ca.pem"), (str(self.tls_dir / "client.pem"),
+                                                    str(self.tls_dir / "client-key.pem"))
+        return {"epp_tls": (ca, *client), "sidecar_tls": (ca, *client),
+                "client_tls": (str(self.tls_dir / "server.pem"), str(self.tls_dir / "server-key.pem"), ca)}
 
     def client_ssl_context(self) -> ssl.SSLContext | None:
         """What a local client (the launcher's health check) presents to the coordinator."""

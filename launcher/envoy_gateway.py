@@ -47,33 +47,56 @@ def _lb_endpoints(sidecars: list[str]) -> str:
     return json.dumps(endpoints)
 
 
-def _tls_to_epp(host: str, ca: str, cert: str | None, key: str | None) -> str:
-    """A `transport_socket:` line: verify the picker's certificate (chain and name) and present ours when given."""
+def _san(host: str) -> dict:
     try:
         ipaddress.ip_address(host)
-        san_type = "IP_ADDRESS"
+        return {"san_type": "IP_ADDRESS", "matcher": {"exact": host}}
     except ValueError:
-        san_type = "DNS"
+        return {"san_type": "DNS", "matcher": {"exact": host}}
+
+
+def _certificates(cert: str, key: str) -> list[dict]:
+    return [{"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}]
+
+
+def _upstream_tls(hosts: list[str], ca: str, cert: str | None, key: str | None, alpn: str) -> str:
+    """A `transport_socket:` line: verify the peer's certificate (chain, and one of `hosts` as its name) and present
+    ours when given."""
     common: dict = {
-        "alpn_protocols": ["h2"],
+        "alpn_protocols": [alpn],
         "validation_context": {"trusted_ca": {"filename": ca},
-                               "match_typed_subject_alt_names": [{"san_type": san_type, "matcher": {"exact": host}}]},
+                               "match_typed_subject_alt_names": [_san(h) for h in dict.fromkeys(hosts)]},
     }
     if cert and key:
-        common["tls_certificates"] = [{"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}]
+        common["tls_certificates"] = _certificates(cert, key)
     context = {"@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
                "common_tls_context": common}
-    if san_type == "DNS":
-        context["sni"] = host
+    if len(hosts) == 1 and _san(hosts[0])["san_type"] == "DNS":
+        context["sni"] = hosts[0]
+    return "transport_socket: " + json.dumps({"name": "envoy.transport_sockets.tls", "typed_config": context})
+
+
+def _downstream_tls(cert: str, key: str, client_ca: str | None) -> str:
+    """A `transport_socket:` line for the listener: our certificate, and a client certificate of `client_ca` required
+    when given (mutual TLS)."""
+    common: dict = {"tls_certificates": _certificates(cert, key), "alpn_protocols": ["http/1.1"]}
+    context: dict = {"@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+                     "common_tls_context": common}
+    if client_ca:
+        common["validation_context"] = {"trusted_ca": {"filename": client_ca}}
+        context["require_client_certificate"] = True
     return "transport_socket: " + json.dumps({"name": "envoy.transport_sockets.tls", "typed_config": context})
 
 
 def render_bootstrap(listen_port: int, epp_address: str, sidecars: list[str], *, body_mode: str = "streamed",
                      fail_open: bool = False, epp_tls: tuple[str, str | None, str | None] | None = None,
                      admin_port: int = 0, num_retries: int = 2, buffer_limit_bytes: int = BUFFER_LIMIT_BYTES,
-                     response_body_mode: str = "none") -> str:
+                     response_body_mode: str = "none", client_tls: tuple[str, str, str | None] | None = None,
+                     sidecar_tls: tuple[str, str | None, str | None] | None = None) -> str:
     """The Envoy bootstrap (YAML) of a gateway on 127.0.0.1:`listen_port` (0: any) routing to `sidecars` (`ip:port`)
-    by the picker at `epp_address`; `epp_tls` is (CA, client certificate, key), the certificate for mutual TLS.
+    by the picker at `epp_address`; `epp_tls` and `sidecar_tls` are (CA, client certificate, key), the certificate
+    for mutual TLS; `client_tls` is the listener's (certificate, key, client CA), the CA to require client
+    certificates of.
 
     With `body_mode="streamed"`, Envoy 1.40 fails open only for requests without a body (see the template)."""
     if body_mode not in BODY_MODES:
@@ -87,7 +110,10 @@ def render_bootstrap(listen_port: int, epp_address: str, sidecars: list[str], *,
     epp_host, epp_port = split_address(epp_address)
     return TEMPLATE.read_text().format(
         listen_port=listen_port, admin_port=admin_port, epp_host=epp_host, epp_port=epp_port,
-        epp_transport_socket=_tls_to_epp(epp_host, *epp_tls) if epp_tls else "",
+        epp_transport_socket=_upstream_tls([epp_host], *epp_tls, alpn="h2") if epp_tls else "",
+        listener_transport_socket=_downstream_tls(*client_tls) if client_tls else "",
+        sidecars_transport_socket=(_upstream_tls([split_address(s)[0] for s in sidecars], *sidecar_tls,
+                                                alpn="http/1.1") if sidecar_tls else ""),
         sidecar_endpoints=_lb_endpoints(sidecars), request_body_mode=BODY_MODES[body_mode],
         failure_mode_allow="true" if fail_open else "false", buffer_limit_bytes=buffer_limit_bytes,
         num_retries=num_retries,

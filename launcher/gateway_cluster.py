@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import ssl
 import socket
 import sys
 import tempfile
@@ -49,13 +50,14 @@ def start_sidecars(supervisor: Supervisor, base: list[str], config_file: str, de
     return sidecars
 
 
-def wait_announced(supervisor: Supervisor, management_url: str, token: str, count: int, timeout_s: float) -> None:
+def wait_announced(supervisor: Supervisor, management_url: str, token: str, count: int, timeout_s: float,
+                   context: ssl.SSLContext | None = None) -> None:
     """Until the picker knows `count` live sidecars (each announces itself once it serves)."""
     request = urllib.request.Request(f"{management_url}/v1/sidecars", headers={"Authorization": f"Bearer {token}"})
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(request, timeout=2) as resp:
+            with urllib.request.urlopen(request, timeout=2, context=context) as resp:
                 if sum(s["live"] for s in json.loads(resp.read())["sidecars"]) >= count:
                     return
         except OSError:
@@ -64,29 +66,31 @@ def wait_announced(supervisor: Supervisor, management_url: str, token: str, coun
     raise RuntimeError(f"the endpoint picker did not hear from {count} sidecars within {timeout_s:g}s")
 
 
-def start_envoy(supervisor: Supervisor, run_dir: Path, listen_port: int, epp_url: str, sidecars: list[Child]) -> Child:
+def start_envoy(supervisor: Supervisor, run_dir: Path, listen_port: int, epp_url: str, sidecars: list[Child],
+                tls: dict | None = None) -> Child:
     """Envoy on 127.0.0.1:`listen_port` (0: any; pinned after its first start), routing by the picker at `epp_url`
-    to the sidecars; started and ready."""
+    to the sidecars; `tls`: render_bootstrap's TLS arguments (mutual TLS on each link); started and ready."""
     bootstrap = run_dir / "envoy.yaml"
     endpoints = [urlsplit(s.address).netloc for s in sidecars]
     epp = urlsplit(epp_url).netloc
 
     def write(port: int) -> None:
-        bootstrap.write_text(render_bootstrap(port, epp, endpoints))
+        bootstrap.write_text(render_bootstrap(port, epp, endpoints, **(tls or {})))
 
     def pin_port(child: Child) -> None:  # a restarted Envoy listens where clients already point
         write(urlsplit(child.address).port)
 
     write(listen_port)
     print("pdserve: starting Envoy ...", flush=True)
-    envoy = Child("envoy", [sys.executable, "-m", "launcher.gateway_cluster", str(bootstrap)], GATEWAY_READY,
+    scheme = "https" if tls else "http"
+    envoy = Child("envoy", [sys.executable, "-m", "launcher.gateway_cluster", str(bootstrap), scheme], GATEWAY_READY,
                   on_ready=pin_port)
     supervisor.start([envoy])
     return envoy
 
 
-def run_envoy(bootstrap: str) -> int:
-    """Run Envoy on `bootstrap` until SIGTERM; print the ready line with its listener once it is ready."""
+def run_envoy(bootstrap: str, scheme: str = "http") -> int:
+    """Run Envoy on `bootstrap` until SIGTERM; print the ready line with its listener (`scheme`) once it is ready."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -102,7 +106,7 @@ def run_envoy(bootstrap: str) -> int:
                 print(f"Envoy not ready after {ENVOY_START_TIMEOUT_S:g}s: {envoy.log_tail()}", file=sys.stderr)
                 return 1
             time.sleep(0.05)
-        print(f"{GATEWAY_READY} http://{HOST}:{envoy.listener_port()}", flush=True)
+        print(f"{GATEWAY_READY} {scheme}://{HOST}:{envoy.listener_port()}", flush=True)
         while not stop.wait(0.5):
             envoy.ready()  # raises when Envoy exited: this child exits too, and is restarted
         return 0
@@ -115,4 +119,4 @@ def run_envoy(bootstrap: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_envoy(sys.argv[1]))
+    sys.exit(run_envoy(*sys.argv[1:3]))

@@ -285,11 +285,12 @@ def _start_gateway(options: ClusterOptions, supervisor: Supervisor, base: list[s
               for entry in config["instances"]["decode"]]
     sidecars = start_sidecars(supervisor, base, config_file, decode, coordinator.announced[COORDINATOR_MANAGEMENT])
     envoy = start_envoy(supervisor, security.run_dir, options.predict_port or 0,
-                        coordinator.announced[ENDPOINT_PICKER], sidecars)
+                        coordinator.announced[ENDPOINT_PICKER], sidecars, security.envoy_tls())
     for sidecar in sidecars:
-        _wait_healthy(supervisor, sidecar.address, START_TIMEOUT_S)
+        _wait_healthy(supervisor, sidecar.address, START_TIMEOUT_S, security.client_ssl_context())
     token = (security.run_dir / "registration-token").read_text().strip()
-    wait_announced(supervisor, coordinator.announced[COORDINATOR_MANAGEMENT], token, len(sidecars), START_TIMEOUT_S)
+    wait_announced(supervisor, coordinator.announced[COORDINATOR_MANAGEMENT], token, len(sidecars), START_TIMEOUT_S,
+                   security.client_ssl_context())
     return envoy.address
 
 

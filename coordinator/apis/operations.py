@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from coordinator.apis.response_models import Health, Liveness, ModelList, Reply
+from coordinator.gateway.sidecar import SIDECAR
 from coordinator.http.route_table import ErrorStyle, Route
 from coordinator.metrics import METRICS
 from coordinator.state import STATE
@@ -21,12 +22,13 @@ def models_body(model_name: str, created: int, max_model_len: int, adapters: lis
     }
 
 
-def health_body(instances: dict[str, list[dict]], cluster: dict | None = None) -> tuple[int, dict]:
-    """200 when a prefill and a decode instance are routable ("degraded" if some others are not),
+def health_body(instances: dict[str, list[dict]], cluster: dict | None = None,
+                needed: tuple[str, ...] = ("prefill", "decode")) -> tuple[int, dict]:
+    """200 when an instance of each `needed` role is routable ("degraded" if some others are not),
     else 503; every instance is listed with its state. With etcd, `cluster` (ClusterNode.describe: role,
     etcd) is added, and a standby answers 503 so that a readiness probe sends it no traffic."""
     states = {role: {i["address"]: i["state"] for i in group} for role, group in instances.items()}
-    serving = all("healthy" in group.values() for group in states.values())
+    serving = all("healthy" in states.get(role, {}).values() for role in needed)
     everyone = all(state == "healthy" for group in states.values() for state in group.values())
     status = "healthy" if serving and everyone else "degraded" if serving else "unhealthy"
     body = {"status": status, "instances": states}
@@ -44,11 +46,13 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Every known instance probed now; 200 while at least one prefill and one decode can serve."""
+    """Every known instance probed now; 200 while at least one prefill and one decode can serve (a sidecar: its
+    decode worker, which prefills when no prefill worker is named)."""
     state = request.app[STATE]
     await state.health_monitor.check_all()
     status, body = health_body(state.registry.snapshot(),
-                               state.cluster.describe() if state.cluster is not None else None)
+                               state.cluster.describe() if state.cluster is not None else None,
+                               ("decode",) if request.app.get(SIDECAR) is not None else ("prefill", "decode"))
     return web.json_response(body, status=status)
 
 

@@ -93,12 +93,13 @@ class CoordinatorPicker:
         try:
             ticket = None
             adapter = self.state.loras.select(model, "model") if self.state.loras is not None else None
-            tokens = await routing_tokens(self.state.tokenizer, headers.get(":path", "/").split("?", 1)[0], body)
+            tokens, cut = await routing_tokens(self.state.tokenizer, headers.get(":path", "/").split("?", 1)[0], body)
             ticket = self._admit(headers, len(tokens))
+            # A prompt longer than its routed part is long: never one the decode worker should prefill alone.
             placement = self.state.router.route(
                 lora_cache_tokens(tokens, adapter.digest) if adapter is not None else tokens,
                 exclude_decode=self._unreachable(request.subset), lora=adapter.name if adapter is not None else None,
-                pullable=adapter is None)
+                pullable=adapter is None, local_prefill=not cut)
         except (ApiError, WorkerError) as exc:
             if ticket is not None:
                 ticket.close()

@@ -7,6 +7,7 @@ API's error format. A body the picker cannot read routes on load alone (no token
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 from coordinator.requests.tokenization import PromptTokenizer
 
@@ -32,26 +33,33 @@ def prompt_of(path: str, body: dict) -> tuple[str | list[int] | None, list | Non
     return None, None
 
 
-def _tokens(tokenizer: PromptTokenizer, prompt: str | list[int] | None, messages: list | None) -> list[int]:
+class RoutingPrompt(NamedTuple):
+    """The leading tokens a request routes on; `cut`: its prompt goes on past them."""
+
+    token_ids: list[int]
+    cut: bool = False
+
+
+def _tokens(tokenizer: PromptTokenizer, prompt: str | list[int] | None, messages: list | None) -> RoutingPrompt:
     if isinstance(prompt, list):
-        return prompt
+        return RoutingPrompt(prompt)
     chat = messages is not None
     text = tokenizer.chat_text(messages) if chat else prompt
     if not text:
-        return []
+        return RoutingPrompt([])
     cut = len(text) > ROUTING_CHARS
     ids = tokenizer.encode_now(text[:ROUTING_CHARS], add_special_tokens=not chat)
-    return ids[:-CUT_TOKENS] if cut else ids
+    return RoutingPrompt(ids[:-CUT_TOKENS], True) if cut else RoutingPrompt(ids)
 
 
-async def routing_tokens(tokenizer: PromptTokenizer, path: str, body: object) -> list[int]:
+async def routing_tokens(tokenizer: PromptTokenizer, path: str, body: object) -> RoutingPrompt:
     """The leading prompt tokens of the request at `path` with JSON `body`, as its API would tokenize them."""
     if not isinstance(body, dict):
-        return []
+        return RoutingPrompt([])
     prompt, messages = prompt_of(path, body)
     if prompt is None and messages is None:
-        return []
+        return RoutingPrompt([])
     try:
         return await asyncio.to_thread(_tokens, tokenizer, prompt, messages)
     except Exception:  # a malformed prompt routes on load; the sidecar answers it with its API's error
-        return []
+        return RoutingPrompt([])

@@ -107,13 +107,18 @@ SIDECAR = web.AppKey("sidecar", SidecarAdmission)
 def sidecar_settings(config: CoordinatorConfig, decode: str, port: int, advertise: str = "",
                      announce_to: str = "") -> CoordinatorConfig:
     """A cluster's config made a sidecar's: client APIs on `port` for the decode worker at `decode` (a vLLM instance
-    must be listed in `instances`), prefill where the gateway names it; no picker, planner, etcd or KV index here."""
+    must be listed in `instances`), prefill where the gateway names it; no picker, planner, etcd or KV index here,
+    and no prefill instances listed."""
     listed = [i for i in config.instances.decode if i.address == decode]
     if config.instances.engine == "vllm" and not listed:
         raise ConfigError(f"--decode {decode}: a vLLM decode instance must be listed in instances.decode (its url); "
                           f"listed: {[i.address for i in config.instances.decode]}")
+    if not port and not advertise:
+        raise ConfigError("--port 0: a sidecar announces where it listens before it could tell which port it bound; "
+                          "give a port, or --advertise HOST:PORT")
     data = config.model_dump(by_alias=True)
     data["instances"]["decode"] = [listed[0].model_dump()] if listed else [{"address": decode}]
+    data["instances"]["prefill"] = []  # each request names its own (added on first sight), as in a decode pod
     data["http_config"]["predict_port"] = port
     data["http_config"]["manage_port"] = 0
     data["digs_scheduler_config"]["algorithm_type"] = "round_robin"

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import threading
 from pathlib import Path
 
@@ -33,13 +34,18 @@ class Gateway:
     def __init__(self, up: ServerProcess):
         self.up = up
         self.envoy = up.address
-        args = cmdline(coordinator_pid(up)).split()
-        self.config = json.loads(Path(args[args.index("--config") + 1]).read_text())
+        self.config = self.config_of(up)
         http = self.config["http_config"]
         self.coordinator = f"http://127.0.0.1:{http['predict_port']}"
         self.management = f"http://127.0.0.1:{http['manage_port']}"
         token = Path(self.config["auth_config"]["registration_token_file"]).read_text().strip()
         self.proof = {"Authorization": f"Bearer {token}"}
+
+    @staticmethod
+    def config_of(up: ServerProcess) -> dict:
+        """The coordinator's config file, as `pdserve up` wrote it (ports pinned)."""
+        args = cmdline(coordinator_pid(up)).split()
+        return json.loads(Path(args[args.index("--config") + 1]).read_text())
 
     def sidecars(self) -> list[str]:
         listed = httpx.get(f"{self.management}/v1/sidecars", headers=self.proof, timeout=10).json()["sidecars"]
@@ -195,3 +201,23 @@ def test_requests_keep_being_served_while_a_sidecar_is_killed_and_restarted(gate
     wait_for(lambda: len(gateway.sidecars()) == 2 and sum(" sidecar --config " in cmdline(p)
                                                              for p in descendants(gateway.up.proc.pid)) == 2,
              60, "the sidecar restarted and announced")
+
+
+def test_with_tls_envoy_takes_only_clients_of_the_clusters_ca_and_every_link_is_mutual_tls(model_dir, tmp_path):
+    up = ServerProcess(pdserve_argv("up", "--gateway", "envoy", "--model", str(model_dir), "--tls",
+                                    str(tmp_path / "tls")), "pdserve ready:", timeout_s=240, fork=False)
+    try:
+        assert up.address.startswith("https://")
+        ca = str(tmp_path / "tls" / "ca.pem")
+        context = ssl.create_default_context(cafile=ca)
+        context.load_cert_chain(str(tmp_path / "tls" / "client.pem"), str(tmp_path / "tls" / "client-key.pem"))
+        resp = httpx.post(f"{up.address}/v1/completions", verify=context, timeout=120, json={
+            "model": "pdserve-tiny", "prompt": "Hello there", "max_tokens": 4})
+        assert resp.status_code == 200, resp.text
+        with pytest.raises(httpx.TransportError):  # no client certificate: refused in the handshake
+            httpx.post(f"{up.address}/v1/completions", verify=ssl.create_default_context(cafile=ca), timeout=30,
+                       json={"model": "pdserve-tiny", "prompt": "Hello there", "max_tokens": 4})
+        config = Gateway.config_of(up)
+        assert config["tls_config"]["epp"]["mutual_tls"] and config["tls_config"]["predict"]["mutual_tls"]
+    finally:
+        up.stop(timeout_s=60)

@@ -34,18 +34,19 @@ def test_each_apis_prompt_field_is_read(path, body, prompt):
 
 def test_chat_routes_on_the_templated_messages_as_the_chat_api_tokenizes_them(tokenizer):
     messages = [{"role": "user", "content": "Hello there"}]
-    ids = asyncio.run(routing_tokens(tokenizer, "/v1/chat/completions", {"messages": messages}))
-    assert ids == asyncio.run(tokenizer.encode_chat(messages))
+    ids, cut = asyncio.run(routing_tokens(tokenizer, "/v1/chat/completions", {"messages": messages}))
+    assert ids == asyncio.run(tokenizer.encode_chat(messages)) and not cut
 
 
 def test_a_long_prompt_routes_on_a_prefix_of_its_tokens(tokenizer):
     text = "The quick brown fox jumps over the lazy dog. " * (ROUTING_CHARS // 20)
-    ids = asyncio.run(routing_tokens(tokenizer, "/v1/completions", {"prompt": text}))
+    ids, cut = asyncio.run(routing_tokens(tokenizer, "/v1/completions", {"prompt": text}))
     full = tokenizer.encode_now(text)
+    assert cut
     assert 0 < len(ids) < len(full) and full[:len(ids)] == ids
     assert len(tokenizer.encode_now(text[:ROUTING_CHARS])) - len(ids) == CUT_TOKENS
 
 
 def test_a_body_without_a_readable_prompt_routes_on_load_alone(tokenizer):
-    assert asyncio.run(routing_tokens(tokenizer, "/v1/chat/completions", {"messages": "not a list"})) == []
-    assert asyncio.run(routing_tokens(tokenizer, "/v1/completions", None)) == []
+    assert asyncio.run(routing_tokens(tokenizer, "/v1/chat/completions", {"messages": "not a list"})) == ([], False)
+    assert asyncio.run(routing_tokens(tokenizer, "/v1/completions", None)) == ([], False)

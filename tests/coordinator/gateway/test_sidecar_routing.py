@@ -43,11 +43,12 @@ def test_a_lost_decode_worker_has_no_replacement_in_a_sidecar():
 
 
 def test_sidecar_settings_front_one_decode_worker_without_picker_planner_or_etcd():
-    cluster = parse_config({"instances": {"decode": [{"address": "10.0.0.1:9000"}, {"address": "10.0.0.3:9000"}]},
+    cluster = parse_config({"instances": {"decode": [{"address": "10.0.0.1:9000"}, {"address": "10.0.0.3:9000"}],
+                                          "prefill": [{"address": "10.0.0.2:7000"}]},
                             "gateway_config": {"epp_port": 9002},
                             "digs_scheduler_config": {"algorithm_type": "cache_affinity"}})
     sidecar = sidecar_settings(cluster, "10.0.0.3:9000", 8000, announce_to="http://epp:1026")
-    assert [i.address for i in sidecar.instances.decode] == ["10.0.0.3:9000"]
+    assert [i.address for i in sidecar.instances.decode] == ["10.0.0.3:9000"] and not sidecar.instances.prefill
     assert sidecar.http_config.predict_port == 8000 and not sidecar.gateway_config.enabled
     assert sidecar.digs_scheduler_config.algorithm_type == "round_robin"
     assert sidecar.sidecar_config.advertise == "127.0.0.1:8000"
@@ -59,3 +60,10 @@ def test_a_vllm_sidecar_must_front_a_listed_decode_instance():
     assert sidecar_settings(cluster, "10.0.0.1:8100", 8000).instances.decode[0].url == "http://10.0.0.1:8100"
     with pytest.raises(ConfigError, match="must be listed in instances.decode"):
         sidecar_settings(cluster, "10.0.0.9:8100", 8000)
+
+
+def test_a_sidecar_on_port_0_must_say_where_it_is_reached():
+    with pytest.raises(ConfigError, match="--advertise"):
+        sidecar_settings(parse_config({}), "10.0.0.1:9000", 0)
+    sidecar = sidecar_settings(parse_config({}), "10.0.0.1:9000", 0, advertise="10.0.0.1:8000")
+    assert sidecar.http_config.predict_port == 0
