@@ -232,9 +232,11 @@ def run_local_cluster(options: ClusterOptions) -> int:
         ready_url = coordinator.address
         if options.gateway:
             ready_url = _start_gateway(options, supervisor, base, coordinator, config, files[-1], security)
-        if options.engine == "vllm":
-            supervisor.signal_handlers[signal.SIGUSR2] = lambda: say(
-                "rolling restart: not with --engine vllm: vLLM instances do not drain on SIGTERM; SIGUSR2 ignored")
+        if options.engine == "vllm" or options.gateway:
+            why = ("--engine vllm: vLLM instances do not drain on SIGTERM" if options.engine == "vllm" else
+                   "--gateway: the sidecars and Envoy are not restarted in turn yet")
+            supervisor.signal_handlers[signal.SIGUSR2] = lambda: say(f"rolling restart: not with {why}; SIGUSR2 "
+                                                                     "ignored")
         else:
             _rolling_restart(supervisor, coordinator, config, security)
         print(f"pdserve ready: {ready_url}", flush=True)
