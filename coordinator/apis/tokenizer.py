@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,7 +28,10 @@ async def tokenize(request: web.Request) -> web.Response:
     req = await read_request(request, TokenizeRequest)
     state.limits.check_text(req.inputs, "inputs")
     ids = await state.tokenizer.encode_text(req.inputs)
-    return web.json_response(tokenize_body([state.tokenizer.token_text(i) for i in ids]))
+    # One decode per token: off the event loop for a long input (100,000 tokens took 0.2 s there).
+    texts = await asyncio.to_thread(lambda: [state.tokenizer.token_text(i) for i in ids]) if len(ids) > 512 \
+        else [state.tokenizer.token_text(i) for i in ids]
+    return web.json_response(tokenize_body(texts))
 
 
 # A /v1/ path that answers in TGI's error format, as MindIE's tokenizer does.

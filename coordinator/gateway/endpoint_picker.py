@@ -50,6 +50,7 @@ class CoordinatorPick(EndpointPick):
 
     def served(self, endpoint: str) -> None:
         self.served_by = endpoint
+        self.picker.sidecars.heard_from(endpoint)
         decode = self.picker.decode_behind(endpoint)
         if decode is not None and self.lease is not None and decode is not self.lease.instance:
             self.lease.__exit__(None, None, None)  # a fallback served: its decode worker carries the load
@@ -93,7 +94,8 @@ class CoordinatorPicker:
         try:
             ticket = None
             adapter = self.state.loras.select(model, "model") if self.state.loras is not None else None
-            tokens, cut = await routing_tokens(self.state.tokenizer, headers.get(":path", "/").split("?", 1)[0], body)
+            tokens, cut = await routing_tokens(self.state.tokenizer, headers.get(":path", "/").split("?", 1)[0], body,
+                                               self._held if adapter is None else _nothing_held)
             ticket = self._admit(headers, len(tokens))
             # A prompt longer than its routed part is long: never one the decode worker should prefill alone.
             placement = self.state.router.route(
@@ -116,6 +118,11 @@ class CoordinatorPicker:
         self.metrics.picked(model)
         return CoordinatorPick(self, endpoints, decode, ticket, model, set_headers=set_headers,
                                remove_headers=remove, body=orjson.dumps(body) if changed else None)
+
+    def _held(self, token_ids: list[int]) -> int:
+        """The most leading tokens of `token_ids` a worker's cache holds, by the KV index (0 without one)."""
+        match = self.state.router.policy.match(token_ids)
+        return max([*match.prefill.values(), *match.decode.values()], default=0)
 
     def _admit(self, headers: dict[str, str], prompt_tokens: int) -> TenantTicket:
         terms = None
@@ -142,6 +149,10 @@ class CoordinatorPicker:
                          if i is not chosen and i.available and not i.held and i.address not in unreachable),
                         key=decode_load)
         return [self.sidecars.endpoint_of(i.address) for i in others[: self.fallbacks]]
+
+
+def _nothing_held(token_ids: list[int]) -> int:
+    return 0  # under an adapter the cache holds salted ids: its window is not widened
 
 
 def _body(raw: bytes, rewrite: str | None) -> tuple[object, bool]:

@@ -93,12 +93,15 @@ class SidecarAnnouncer:
 
     async def _run(self) -> None:
         while True:
+            heard = False
             try:
-                if await self._post("announce") == 200:
-                    self.announced.set()
+                heard = await self._post("announce") == 200
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 logger.warning("endpoint picker %s unreachable: %s", self.url, exc)
-            await asyncio.sleep(self.interval_s if self.announced.is_set() else 0.5)
+            if heard:
+                self.announced.set()
+            # A missed announcement is sent again soon: a busy sidecar must not lapse from the picker's directory.
+            await asyncio.sleep(self.interval_s if heard else 0.5)
 
 
 SIDECAR = web.AppKey("sidecar", SidecarAdmission)

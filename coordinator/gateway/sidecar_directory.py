@@ -40,6 +40,12 @@ class SidecarDirectory:
         self._announced[decode] = (endpoint, self.clock())
         self._decode_of[endpoint] = decode
 
+    def heard_from(self, endpoint: str) -> None:
+        """The gateway reports that the sidecar at `endpoint` served a request: it is alive, as an announcement says."""
+        decode = self._decode_of.get(endpoint)
+        if decode is not None:
+            self._announced[decode] = (endpoint, self.clock())
+
     def withdraw(self, decode: str, endpoint: str) -> bool:
         if self._announced.get(decode, ("",))[0] != endpoint:
             return False

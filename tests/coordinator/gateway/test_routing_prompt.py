@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from coordinator.gateway.routing_prompt import CUT_TOKENS, ROUTING_CHARS, prompt_of, routing_tokens
+from coordinator.gateway.routing_prompt import CUT_TOKENS, FIRST_CHARS, MAX_CHARS, prompt_of, routing_tokens
 from coordinator.requests.tokenization import PromptTokenizer
 
 
@@ -38,13 +38,30 @@ def test_chat_routes_on_the_templated_messages_as_the_chat_api_tokenizes_them(to
     assert ids == asyncio.run(tokenizer.encode_chat(messages)) and not cut
 
 
-def test_a_long_prompt_routes_on_a_prefix_of_its_tokens(tokenizer):
-    text = "The quick brown fox jumps over the lazy dog. " * (ROUTING_CHARS // 20)
+def test_a_long_prompt_no_cache_holds_routes_on_its_first_window_of_tokens(tokenizer):
+    text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(MAX_CHARS // 200))
     ids, cut = asyncio.run(routing_tokens(tokenizer, "/v1/completions", {"prompt": text}))
     full = tokenizer.encode_now(text)
     assert cut
     assert 0 < len(ids) < len(full) and full[:len(ids)] == ids
-    assert len(tokenizer.encode_now(text[:ROUTING_CHARS])) - len(ids) == CUT_TOKENS
+    assert len(tokenizer.encode_now(text[:FIRST_CHARS])) - len(ids) == CUT_TOKENS
+
+
+def test_the_window_widens_while_a_cache_holds_the_prompt_through_its_end(tokenizer):
+    text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(MAX_CHARS // 200))
+    full = tokenizer.encode_now(text)
+    holds = 3 * len(tokenizer.encode_now(text[:FIRST_CHARS]))  # past the first window, inside the second
+    asked = []
+
+    def held(ids):
+        asked.append(len(ids))
+        return min(len(ids), holds)
+
+    ids, cut = asyncio.run(routing_tokens(tokenizer, "/v1/completions", {"prompt": text}, held))
+    assert cut and len(asked) == 2 and full[:len(ids)] == ids
+    assert len(ids) == len(tokenizer.encode_now(text[:FIRST_CHARS * 4])) - CUT_TOKENS
+    everything, cut = asyncio.run(routing_tokens(tokenizer, "/v1/completions", {"prompt": text}, len))
+    assert everything == full[:len(everything)] and len(everything) > len(ids)
 
 
 def test_a_body_without_a_readable_prompt_routes_on_load_alone(tokenizer):

@@ -36,3 +36,15 @@ def test_without_an_announcement_the_sidecar_port_on_the_workers_host_is_used():
     directory = SidecarDirectory(ttl_s=15, sidecar_port=8000, clock=FakeClock())
     assert directory.endpoint_of("10.0.0.7:9000") == "10.0.0.7:8000"
     assert SidecarDirectory(ttl_s=15).endpoint_of("10.0.0.7:9000") is None
+
+
+def test_a_sidecar_the_gateway_reports_serving_stays_picked_without_announcing():
+    clock = FakeClock()
+    directory = SidecarDirectory(ttl_s=15, clock=clock)
+    directory.announce("10.0.0.1:9000", "10.0.0.1:8000")
+    clock.now += 14
+    directory.heard_from("10.0.0.1:8000")
+    directory.heard_from("10.0.0.9:8000")  # never announced: nothing to renew
+    clock.now += 14
+    assert directory.endpoint_of("10.0.0.1:9000") == "10.0.0.1:8000"
+    assert directory.decode_of("10.0.0.9:8000") is None
