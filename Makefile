@@ -68,9 +68,10 @@ vllm-env:
 test-unit: $(TESTING)
 	$(BIN)/python -m pytest -q -m "not system" -n 2 --dist loadgroup
 
-# Regenerate proto/worker_pb2*.py after editing proto/worker.proto (tests fail when they are stale).
+# Regenerate proto/*_pb2*.py after editing proto/*.proto (tests fail when they are stale).
 proto: $(TESTING)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. proto/worker.proto
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. proto/ext_proc.proto
 
 # Regenerate docs/reference/*.md from the code (config models, CLI parsers, metrics, route tables); a unit test
 # (tests/docs_gen/test_pages.py) fails when they are stale.

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from coordinator.gateway.ext_proc import SERVICE as EXT_PROC_SERVICE, ExternalProcessorServicer, ext_proc_handler
 from security.tls import LinkTls
-
-EXT_PROC_SERVICE = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
 READINESS = "readiness"  # the health name a readiness probe asks
 _OPTIONS = [
     # Envoy holds one stream per request open for the request's whole life; keepalive pings find dead ones.
@@ -24,7 +21,7 @@ class EppServer:
 
     Health: "" (liveness) is SERVING while the server runs; READINESS and the ext_proc service follow `ready`."""
 
-    def __init__(self, servicer: ep_grpc.ExternalProcessorServicer, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, servicer: ExternalProcessorServicer, host: str = "127.0.0.1", port: int = 0,
                  tls: LinkTls | None = None, *, ready: bool = True):
         self._servicer = servicer
         self.host = host
@@ -41,7 +38,7 @@ class EppServer:
     async def start(self) -> int:
         """Bind and serve; returns the bound port (also `self.port`)."""
         server = grpc.aio.server(options=_OPTIONS)
-        ep_grpc.add_ExternalProcessorServicer_to_server(self._servicer, server)
+        server.add_generic_rpc_handlers((ext_proc_handler(self._servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         target = f"{self.host}:{self.port}"
         try:

@@ -19,27 +19,38 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from envoy.config.core.v3 import base_pb2
-from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from coordinator.errors import ApiError
 from coordinator.gateway.endpoint_pick import (DESTINATION_HEADER, LB_NAMESPACE, MAX_BODY_CHUNK, SERVED_KEY,
                                                SUBSET_HEADER, SUBSET_NAMESPACE, EndpointPick, EndpointPicker,
                                                GatewayRequest, PickRefused)
+from proto import ext_proc_pb2 as ep
 
 logger = logging.getLogger(__name__)
 
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # Envoy calls /SERVICE/Process
+ProcessingMode = ep.ProcessingMode
 FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 # Modes where Envoy holds the whole body and sends it in one message after the headers are answered.
 _BUFFERED = (ProcessingMode.BUFFERED, ProcessingMode.BUFFERED_PARTIAL)
 _CONTINUE = ep.CommonResponse()
 
 
-class ExternalProcessorServicer(ep_grpc.ExternalProcessorServicer):
+def ext_proc_handler(servicer: ExternalProcessorServicer) -> grpc.GenericRpcHandler:
+    """The servicer's Process as Envoy's ExternalProcessor service, for a gRPC server."""
+    return grpc.method_handlers_generic_handler(SERVICE, {"Process": grpc.stream_stream_rpc_method_handler(
+        servicer.Process, request_deserializer=ep.ProcessingRequest.FromString,
+        response_serializer=ep.ProcessingResponse.SerializeToString)})
+
+
+def process_call(channel: grpc.aio.Channel):
+    """A client's ExternalProcessor.Process call on `channel`, as Envoy makes it (tests and benchmarks)."""
+    return channel.stream_stream(f"/{SERVICE}/Process", request_serializer=ep.ProcessingRequest.SerializeToString,
+                                 response_deserializer=ep.ProcessingResponse.FromString)
+
+
+class ExternalProcessorServicer:
     """Answers each ext_proc stream with the picker's choice.
 
     `body_mode` is the request body mode assumed when Envoy's first message carries no protocol_config (Envoys
@@ -183,7 +194,7 @@ class _RequestStream:
         body = json.dumps({"error": {"message": message, "type": error_type, "param": None, "code": status}})
         values = {"content-type": "application/json", **headers}
         return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
+            status=ep.HttpStatus(code=status),
             headers=ep.HeaderMutation(set_headers=[_header(k, v) for k, v in values.items()]),
             body=body.encode(), details=f"endpoint_pick_refused_{status}"))
 
@@ -224,9 +235,9 @@ def _streamed_body(body: bytes, end_of_stream: bool, response: bool = False) -> 
     return answers
 
 
-def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
-    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-                                      append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+def _header(key: str, value: str) -> ep.HeaderValueOption:
+    return ep.HeaderValueOption(header=ep.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=ep.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
 def _header_dict(headers) -> dict[str, str]:

@@ -17,17 +17,15 @@ import aiohttp
 import grpc
 import pytest
 from aiohttp import web
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.gateway.endpoint_pick import (DESTINATION_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_HEADER,
                                                SUBSET_NAMESPACE, EndpointPick, GatewayRequest, PickRefused)
 from coordinator.gateway.epp_server import EXT_PROC_SERVICE, READINESS, EppServer
-from coordinator.gateway.ext_proc import ExternalProcessorServicer
+from coordinator.gateway.ext_proc import ExternalProcessorServicer, process_call
 from launcher.envoy_gateway import EnvoyProcess, render_bootstrap
 from security.settings import TlsLink
+from proto import ext_proc_pb2 as ep
 from security.tls import LinkTls
 from tests.certificates import make_pki
 from tests.helpers import wait_until
@@ -315,11 +313,11 @@ async def test_subset_hint_in_envoy_metadata_reaches_the_picker(epp, picker, sid
     """Gateways pass the hint as filter metadata, a list (spoken to the picker directly: the bootstrap sets none)."""
     picker.endpoints = [sidecars.addresses[0]]
     request = ep.ProcessingRequest(request_headers=ep.HttpHeaders(
-        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/models")]),
+        headers=ep.HeaderMap(headers=[ep.HeaderValue(key=":path", raw_value=b"/v1/models")]),
         end_of_stream=True))
     request.metadata_context.filter_metadata[SUBSET_NAMESPACE].update({SUBSET_HEADER: sidecars.addresses})
     async with grpc.aio.insecure_channel(epp.address) as channel:
-        answers = [a async for a in ep_grpc.ExternalProcessorStub(channel).Process(iter([request]))]
+        answers = [a async for a in process_call(channel)(iter([request]))]
     assert picker.requests[0].subset == sidecars.addresses
     (answer,) = answers
     assert answer.request_headers.response.header_mutation.set_headers[0].header.raw_value.decode() == \
