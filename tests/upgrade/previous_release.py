@@ -1,8 +1,8 @@
 """Release N-1 beside this tree: a git worktree of the previous release's commit, run with this interpreter and its
 dependencies but its own sources, so tests can mix its processes with this tree's (release N).
 
-"Its own install": pyproject's dependencies are the same in both releases (`same_dependencies` checks it), so N-1
-needs no venv of its own, only its sources first on the path: its processes start in the worktree with
+"Its own install": every requirement of N-1's pyproject is this tree's too (`same_dependencies` checks it; what
+this tree adds, e.g. the gateway's Envoy wheel, N-1 does not import), so N-1 needs no venv of its own, only its sources first on the path: its processes start in the worktree with
 PYTHONPATH=<worktree>, which Python puts before site-packages and the editable install's finder (that finder is
 on sys.meta_path after the PathFinder). They are spawned with subprocess, never forked from the fork server
 (tests/fork_server.py), whose children run this tree's code.
@@ -67,13 +67,22 @@ def dependencies(pyproject: str) -> tuple:
     return project.get("dependencies", []), project.get("optional-dependencies", {}), project.get("requires-python")
 
 
+def _covered(theirs: tuple, ours: tuple) -> bool:
+    """Whether every requirement of `theirs` (runtime, each extra, Python) is one `ours` states the same way: an
+    environment installed for ours then runs theirs (what ours adds beside them does not matter)."""
+    (runtime, extras, python), (our_runtime, our_extras, our_python) = theirs, ours
+    return (set(runtime) <= set(our_runtime) and python == our_python
+            and all(set(reqs) <= set(our_extras.get(name, ())) for name, reqs in extras.items()))
+
+
 def same_dependencies(commit: str) -> str:
-    """Why `commit` cannot run on this tree's environment (its pyproject's dependencies differ); empty if it can."""
+    """Why `commit` cannot run on this tree's environment (a requirement of its pyproject this tree's does not state
+    alike); empty if it can."""
     shown = git("show", f"{commit}:pyproject.toml")
     if shown.returncode != 0:
         return f"no pyproject.toml at {commit}: {shown.stderr.strip()}"
     theirs, ours = dependencies(shown.stdout), dependencies((REPO / "pyproject.toml").read_text())
-    if theirs != ours:
+    if not _covered(theirs, ours):
         return (f"pyproject.toml's dependencies differ between {commit} and this tree, so release N-1 cannot share "
                 f"this venv: give it an install of its own\n  {commit}: {theirs}\n  this tree: {ours}")
     return ""
