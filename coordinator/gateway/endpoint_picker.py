@@ -22,7 +22,7 @@ from coordinator.errors import ApiError, WorkerError
 from coordinator.gateway.endpoint_pick import (MODEL_REWRITE_HEADER, PREFILLER_HEADER, EndpointPick,
                                                GatewayRequest, PickRefused)
 from coordinator.gateway.gie_metrics import GatewayMetrics
-from coordinator.gateway.routing_prompt import routing_tokens
+from coordinator.gateway.routing_prompt import RoutingPrompts
 from coordinator.gateway.settings import GatewayConfig
 from coordinator.gateway.sidecar_directory import SidecarDirectory
 from coordinator.scheduling.policies import decode_load
@@ -78,6 +78,7 @@ class CoordinatorPicker:
         self.keys = keys
         self.fallbacks = config.fallbacks
         self.sidecars = SidecarDirectory(config.sidecar_ttl_s, config.sidecar_port)
+        self.prompts = RoutingPrompts(state.tokenizer)
         self.metrics = GatewayMetrics(config.pool_name, state.registry, self.sidecars)
 
     def decode_behind(self, endpoint: str) -> Instance | None:
@@ -94,8 +95,8 @@ class CoordinatorPicker:
         try:
             ticket = None
             adapter = self.state.loras.select(model, "model") if self.state.loras is not None else None
-            tokens, cut = await routing_tokens(self.state.tokenizer, headers.get(":path", "/").split("?", 1)[0], body,
-                                               self._held if adapter is None else _nothing_held)
+            tokens, cut = await self.prompts.tokens(headers.get(":path", "/").split("?", 1)[0], body,
+                                                    self._held if adapter is None else _nothing_held)
             ticket = self._admit(headers, len(tokens))
             # A prompt longer than its routed part is long: never one the decode worker should prefill alone.
             placement = self.state.router.route(

@@ -6,13 +6,17 @@ import asyncio
 
 import pytest
 
-from coordinator.gateway.routing_prompt import CUT_TOKENS, FIRST_CHARS, MAX_CHARS, prompt_of, routing_tokens
+from coordinator.gateway.routing_prompt import CUT_TOKENS, FIRST_CHARS, MAX_CHARS, RoutingPrompts, prompt_of
 from coordinator.requests.tokenization import PromptTokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir):
     return PromptTokenizer(model_dir)
+
+
+def routing_tokens(tokenizer, path, body, held=lambda ids: 0):
+    return RoutingPrompts(tokenizer).tokens(path, body, held)
 
 
 @pytest.mark.parametrize("path,body,prompt", [
@@ -39,7 +43,7 @@ def test_chat_routes_on_the_templated_messages_as_the_chat_api_tokenizes_them(to
 
 
 def test_a_long_prompt_no_cache_holds_routes_on_its_first_window_of_tokens(tokenizer):
-    text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(MAX_CHARS // 200))
+    text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(MAX_CHARS // 20))
     ids, cut = asyncio.run(routing_tokens(tokenizer, "/v1/completions", {"prompt": text}))
     full = tokenizer.encode_now(text)
     assert cut
@@ -48,7 +52,7 @@ def test_a_long_prompt_no_cache_holds_routes_on_its_first_window_of_tokens(token
 
 
 def test_the_window_widens_while_a_cache_holds_the_prompt_through_its_end(tokenizer):
-    text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(MAX_CHARS // 200))
+    text = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(MAX_CHARS // 20))
     full = tokenizer.encode_now(text)
     holds = 3 * len(tokenizer.encode_now(text[:FIRST_CHARS]))  # past the first window, inside the second
     asked = []
@@ -60,8 +64,20 @@ def test_the_window_widens_while_a_cache_holds_the_prompt_through_its_end(tokeni
     ids, cut = asyncio.run(routing_tokens(tokenizer, "/v1/completions", {"prompt": text}, held))
     assert cut and len(asked) == 2 and full[:len(ids)] == ids
     assert len(ids) == len(tokenizer.encode_now(text[:FIRST_CHARS * 4])) - CUT_TOKENS
-    everything, cut = asyncio.run(routing_tokens(tokenizer, "/v1/completions", {"prompt": text}, len))
-    assert everything == full[:len(everything)] and len(everything) > len(ids)
+    widest, cut = asyncio.run(routing_tokens(tokenizer, "/v1/completions", {"prompt": text}, len))
+    assert cut and widest == full[:len(widest)]  # held everywhere: as far as MAX_CHARS, no further
+    assert len(widest) == len(tokenizer.encode_now(text[:MAX_CHARS])) - CUT_TOKENS
+
+
+def test_a_window_tokenized_before_is_found_again_by_its_text_and_the_store_stays_bounded(tokenizer):
+    prompts = RoutingPrompts(tokenizer, max_tokens=3_000)
+    first = "".join(f"Shared system prompt, line {i}.\n" for i in range(400))
+    ids = asyncio.run(prompts.tokens("/v1/completions", {"prompt": first + "question one"}))
+    again = asyncio.run(prompts.tokens("/v1/completions", {"prompt": first + "question two"}))
+    assert again == ids and (prompts.hits, prompts.misses) == (1, 1)  # the same first window
+    for i in range(8):
+        asyncio.run(prompts.tokens("/v1/completions", {"prompt": f"{i} " * 5000}))
+    assert prompts._tokens <= 3_000
 
 
 def test_a_body_without_a_readable_prompt_routes_on_load_alone(tokenizer):
