@@ -110,6 +110,7 @@ sys.path.insert(0, str(REPO))
 import aiohttp  # noqa: E402
 
 from bench.coordinator import pin_self  # noqa: E402
+from coordinator.gateway.routing_prompt import FIRST_CHARS, MAX_CHARS  # noqa: E402
 from bench.epp_direct import Announcer, cpu_seconds, direct_windows, exact_ms, percentile  # noqa: E402
 from bench.epp_direct import closed_loop as ext_proc_loop  # noqa: E402
 from bench.routing import (MODEL_NAME, PREFILL_CACHE_TOKENS, SIM_ARGS, START_TIMEOUT_S, Fleet, Proc,  # noqa: E402
@@ -703,9 +704,9 @@ def epp_direct_part(args, model_dir: str, log_dir: Path) -> tuple[str, list[str]
               "likewise: the load generator on the other CPUs, with the workers).",
               f"The picker's CPU per request, one at a time in this process: orjson.loads of a "
               f"{len(bodies[0]) / 1000:.0f} KB body {parse_ms:.1f} ms; the routing prompt {tokens_ms:.1f} ms with no "
-              f"cache holding the prompt (its leading 4,096 characters), {held_ms:.1f} ms with every window held (4 "
-              f"KB, 16 KB, 64 KB, then the whole prompt: what the picks' expected KV entries make of a shared "
-              f"leading part)."]
+              f"cache holding the prompt (its leading 4,096 characters), {held_ms:.1f} ms with every window held (from "
+              f"{FIRST_CHARS:,} characters, four times wider each, up to {MAX_CHARS:,}: what the picks' expected KV "
+              f"entries make of a shared leading part), both with no window kept from an earlier pick."]
     if errors:
         kinds = collections.Counter(error_kind(e) for e in errors)
         lines += ["", "Errors:", f"- {len(errors)} failed: " + "; ".join(

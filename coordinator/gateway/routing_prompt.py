@@ -22,7 +22,7 @@ import xxhash
 from coordinator.requests.tokenization import PromptTokenizer
 
 FIRST_CHARS = 4_096
-MAX_CHARS = 65_536  # a prompt's text past this does not sway the pick (a window costs about 5 ms here)
+MAX_CHARS = 16_384  # a prompt's text past this does not sway the pick (each window costs hashing in the KV index too)
 HELD_MARGIN = 256  # tokens: a cache holding the window but its last block (of up to 256 positions) holds it
 CUT_TOKENS = 4  # tokens dropped at a cut: the last ones may merge differently with the text that follows
 INLINE_CHARS = 8_192  # a window this short is tokenized on the event loop (a thread hop costs more)
