@@ -31,7 +31,7 @@ from coordinator.tenancy.admission import Admission
 from coordinator.tenancy.tenants import TenantTicket
 from coordinator.workers.instances import Instance, Lease
 from kv_events.block_hash import lora_cache_tokens
-from security.api_keys import ApiKeyStore
+from security.api_keys import ApiKeyStore, TenantTerms
 
 
 class CoordinatorPick(EndpointPick):
@@ -92,20 +92,23 @@ class CoordinatorPicker:
         headers = request.headers
         body, changed = _body(request.body, headers.get(MODEL_REWRITE_HEADER))
         model = str(body.get("model") or self.state.model_name) if isinstance(body, dict) else self.state.model_name
+        ticket = None
         try:
-            ticket = None
+            terms = self._key_terms(headers)  # first: a request without a valid key costs no tokenizing
             adapter = self.state.loras.select(model, "model") if self.state.loras is not None else None
             tokens, cut = await self.prompts.tokens(headers.get(":path", "/").split("?", 1)[0], body,
                                                     self._held if adapter is None else _nothing_held)
-            ticket = self._admit(headers, len(tokens))
+            ticket = self.admission.book.tenant(terms, self.admission.header_tenant(headers)).admit(len(tokens), 0)
             # A prompt longer than its routed part is long: never one the decode worker should prefill alone.
             placement = self.state.router.route(
                 lora_cache_tokens(tokens, adapter.digest) if adapter is not None else tokens,
                 exclude_decode=self._unreachable(request.subset), lora=adapter.name if adapter is not None else None,
                 pullable=adapter is None, local_prefill=not cut)
-        except (ApiError, WorkerError) as exc:
+        except BaseException as exc:
             if ticket is not None:
                 ticket.close()
+            if not isinstance(exc, ApiError):
+                raise
             refusal = _refusal(exc, request.subset)
             self.metrics.refused(model, refusal.status)
             raise refusal from None
@@ -125,15 +128,15 @@ class CoordinatorPicker:
         match = self.state.router.policy.match(token_ids)
         return max([*match.prefill.values(), *match.decode.values()], default=0)
 
-    def _admit(self, headers: dict[str, str], prompt_tokens: int) -> TenantTicket:
-        terms = None
-        if self.keys is not None:
-            why, terms = self.keys.identify(headers.get("authorization"))
-            if why is not None:
-                raise ApiError(401, f"API key {why}: send Authorization: Bearer <key>",
-                               headers={"WWW-Authenticate": 'Bearer realm="pdserve"'})
-        tenant = self.admission.book.tenant(terms, self.admission.header_tenant(headers))
-        return tenant.admit(prompt_tokens, 0)
+    def _key_terms(self, headers: dict[str, str]) -> TenantTerms | None:
+        """The tenant terms of the request's API key (None without a keys file); 401 for a missing or wrong key."""
+        if self.keys is None:
+            return None
+        why, terms = self.keys.identify(headers.get("authorization"))
+        if why is not None:
+            raise ApiError(401, f"API key {why}: send Authorization: Bearer <key>",
+                           headers={"WWW-Authenticate": 'Bearer realm="pdserve"'})
+        return terms
 
     def _unreachable(self, subset: list[str] | None) -> set[str]:
         """Decode workers the gateway cannot be sent to: without a sidecar, or outside the subset hint."""
