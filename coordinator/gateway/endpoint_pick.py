@@ -5,7 +5,8 @@ The protocol's names (Gateway API Inference Extension, proposal 004; llm-d's EPP
     dynamic metadata namespace LB_NAMESPACE under the same key;
   - a subset hint in LB_NAMESPACE/SUBSET_HINT_KEY (or the header SUBSET_HEADER): only endpoints in it may be picked;
   - the endpoint that served the request, read back from LB_NAMESPACE/SERVED_KEY (or the response header SERVED_KEY);
-  - the prefill worker for the decode pod's sidecar in PREFILLER_HEADER (absent: the decode worker prefills).
+  - the prefill worker for the decode pod's sidecar in PREFILLER_HEADER (absent: the decode worker prefills), and
+    pdserve's own KV_PULL_HEADER: where that worker pulls the prompt's leading blocks from (absent: nowhere).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"  # its SUBSET_HEADER key: the hint as Envoy's GIE configs pass it
 PREFILLER_HEADER = "x-prefiller-host-port"
+KV_PULL_HEADER = "x-pdserve-kv-pull"  # `host:port tokens`: the peer the named prefill worker pulls leading blocks from
 OBJECTIVE_HEADER = "x-llm-d-inference-objective"
 FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"
 MODEL_REWRITE_HEADER = "x-llm-d-model-name-rewrite"
@@ -44,7 +46,7 @@ class EndpointPick:
     endpoints: list[str]
     set_headers: dict[str, str] = field(default_factory=dict)
     remove_headers: list[str] = field(default_factory=list)
-    body: bytes | None = None  # the request body to send on instead of the one received (a model rewrite); None: unchanged
+    body: bytes | None = None  # the body to send on instead of the one received (a model rewrite); None: as received
 
     @property
     def destination(self) -> str:

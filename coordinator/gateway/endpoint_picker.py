@@ -7,8 +7,10 @@ A gateway request's life in the picker:
      x-llm-d-model-name-rewrite), and the router chooses decode and prefill workers as for the coordinator's own
      requests, among decode workers with a sidecar (sidecar_directory.py) inside the subset hint; 503 when none.
   3. The pick names the decode worker's sidecar, then fallbacks (least loaded first), and the prefill worker in
-     x-prefiller-host-port (removed when the decode worker prefills). The decode worker is leased while it runs.
-  4. The gateway reports the served endpoint: a fallback's decode worker takes the lease over.
+     x-prefiller-host-port (removed when the decode worker prefills). The decode worker is leased while it runs, the
+     prefill worker (with the prompt tokens it must compute) until the response starts.
+  4. The gateway reports the served endpoint as the response starts (with the first token): the prefill lease ends,
+     and a fallback's decode worker takes the decode lease over.
   5. Its ext_proc stream closes: the lease and the tenant's hold end.
 """
 
@@ -19,13 +21,14 @@ import time
 import orjson
 
 from coordinator.errors import ApiError, WorkerError
-from coordinator.gateway.endpoint_pick import (MODEL_REWRITE_HEADER, PREFILLER_HEADER, EndpointPick,
+from coordinator.gateway.endpoint_pick import (KV_PULL_HEADER, MODEL_REWRITE_HEADER, PREFILLER_HEADER, EndpointPick,
                                                GatewayRequest, PickRefused)
 from coordinator.gateway.gie_metrics import GatewayMetrics
 from coordinator.gateway.routing_prompt import RoutingPrompts
 from coordinator.gateway.settings import GatewayConfig
 from coordinator.gateway.sidecar_directory import SidecarDirectory
 from coordinator.scheduling.policies import decode_load
+from coordinator.scheduling.router import Placement
 from coordinator.state import CoordinatorState
 from coordinator.tenancy.admission import Admission
 from coordinator.tenancy.tenants import TenantTicket
@@ -37,19 +40,31 @@ from security.api_keys import ApiKeyStore, TenantTerms
 class CoordinatorPick(EndpointPick):
     """A pick holding its decode worker's lease and its tenant's ticket until the request ends."""
 
-    def __init__(self, picker: CoordinatorPicker, endpoints: list[str], decode: Instance,
+    def __init__(self, picker: CoordinatorPicker, endpoints: list[str], placement: Placement, prompt_tokens: int,
                  ticket: TenantTicket | None, model: str, **changes):
         super().__init__(endpoints, **changes)
         self.picker = picker
         self.model = model
         self.ticket = ticket
         self.started = time.monotonic()
-        self.lease: Lease | None = picker.registry.lease(decode)
+        self.lease: Lease | None = picker.registry.lease(placement.decode)
         self.lease.__enter__()
+        # The prefill worker's load is what it must compute, until the response starts (with the first token).
+        self.prefill_lease: Lease | None = None
+        if placement.prefill is not None:
+            self.prefill_lease = picker.registry.lease(placement.prefill, prompt_tokens=max(
+                0, prompt_tokens - placement.prefill_covered_tokens))
+            self.prefill_lease.__enter__()
         self.served_by = ""
+
+    def _prefill_done(self) -> None:
+        if self.prefill_lease is not None:
+            self.prefill_lease.__exit__(None, None, None)
+            self.prefill_lease = None
 
     def served(self, endpoint: str) -> None:
         self.served_by = endpoint
+        self._prefill_done()
         self.picker.sidecars.heard_from(endpoint)
         decode = self.picker.decode_behind(endpoint)
         if decode is not None and self.lease is not None and decode is not self.lease.instance:
@@ -58,6 +73,7 @@ class CoordinatorPick(EndpointPick):
             self.lease.__enter__()
 
     def close(self) -> None:
+        self._prefill_done()
         if self.lease is not None:
             self.lease.__exit__(None, None, None)
             self.lease = None
@@ -114,13 +130,15 @@ class CoordinatorPicker:
             raise refusal from None
         decode = placement.decode
         endpoints = [self.sidecars.endpoint_of(decode.address)] + self._fallbacks(decode, request.subset)
-        set_headers, remove = {}, []
+        # A client's own headers must not choose a prefill worker or a pull: each is set or removed.
+        set_headers = {}
         if placement.prefill is not None:
             set_headers[PREFILLER_HEADER] = placement.prefill.address
-        else:
-            remove.append(PREFILLER_HEADER)  # a client's own header must not choose a prefill worker
+            if placement.pull_from:
+                set_headers[KV_PULL_HEADER] = f"{placement.pull_from} {placement.pull_tokens}"
+        remove = [h for h in (PREFILLER_HEADER, KV_PULL_HEADER) if h not in set_headers]
         self.metrics.picked(model)
-        return CoordinatorPick(self, endpoints, decode, ticket, model, set_headers=set_headers,
+        return CoordinatorPick(self, endpoints, placement, len(tokens), ticket, model, set_headers=set_headers,
                                remove_headers=remove, body=orjson.dumps(body) if changed else None)
 
     def _held(self, token_ids: list[int]) -> int:

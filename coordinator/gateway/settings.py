@@ -12,7 +12,7 @@ class _Section(BaseModel):
 
 
 class GatewayConfig(_Section):
-    """The endpoint picker (EPP) a Gateway API inference gateway asks over Envoy's ext_proc (docs/operating/gateway.md)."""
+    """The endpoint picker (EPP) a Gateway API inference gateway asks over Envoy's ext_proc (operating/gateway.md)."""
 
     epp_port: int = Field(-1, ge=-1, le=65535, description="Port of the endpoint picker's ext_proc gRPC server (with "
                           "grpc.health.v1) on http_config.predict_ip; 0 picks a free one; -1: no endpoint picker "

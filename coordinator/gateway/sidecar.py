@@ -19,11 +19,11 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from coordinator.gateway.endpoint_pick import PREFILLER_HEADER
+from coordinator.gateway.endpoint_pick import KV_PULL_HEADER, PREFILLER_HEADER
 from coordinator.gateway.settings import SidecarConfig
 from coordinator.config import ConfigError, CoordinatorConfig, check_host_port, parse_config
 from coordinator.errors import ApiError
-from coordinator.requests.request import GenerationRequest
+from coordinator.requests.request import GenerationRequest, NamedPrefill
 from coordinator.tenancy.admission import Admission
 from security.secrets import SecretFile
 from security.tls import LinkTls
@@ -42,14 +42,32 @@ class SidecarAdmission:
         headers = http_request.headers
         priority = self.admission.header_priority(headers)
         no_drafts = self.admission.header_no_drafts(headers)
-        prefill_at = headers.get(PREFILLER_HEADER, "").strip()
-        if prefill_at:
-            try:
-                check_host_port(prefill_at)
-            except ValueError as exc:
-                raise ApiError(400, f"header {PREFILLER_HEADER} {exc}", param=PREFILLER_HEADER) from None
-        return [dataclasses.replace(r, priority=r.priority or priority, no_drafts=no_drafts, prefill_at=prefill_at)
+        named = named_prefill(headers)
+        return [dataclasses.replace(r, priority=r.priority or priority, no_drafts=no_drafts, prefill_at=named)
                 for r in requests]
+
+
+def named_prefill(headers) -> NamedPrefill:
+    """Where the picker placed the prefill (x-prefiller-host-port, x-pdserve-kv-pull); 400 naming a bad header."""
+    address = headers.get(PREFILLER_HEADER, "").strip()
+    if address:
+        _checked(PREFILLER_HEADER, address, check_host_port)
+    pull = headers.get(KV_PULL_HEADER, "").strip()
+    if not pull or not address:
+        return NamedPrefill(address)
+    pull_from, _, tokens = pull.partition(" ")
+    _checked(KV_PULL_HEADER, pull_from, check_host_port)
+    if not tokens.strip().isdigit():
+        raise ApiError(400, f"header {KV_PULL_HEADER} must be host:port and a whole number of tokens, got {pull!r}",
+                       param=KV_PULL_HEADER)
+    return NamedPrefill(address, pull_from, int(tokens))
+
+
+def _checked(header: str, value: str, check) -> None:
+    try:
+        check(value)
+    except ValueError as exc:
+        raise ApiError(400, f"header {header} {exc}", param=header) from None
 
 
 class SidecarAnnouncer:

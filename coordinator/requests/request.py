@@ -52,6 +52,16 @@ class MediaInput:
     source: str
 
 
+@dataclass(frozen=True)
+class NamedPrefill:
+    """A prefill placed by the gateway's picker: the prefill worker ("": the decode worker prefills) and the peer it
+    pulls the prompt's leading `pull_tokens` positions from ("": none)."""
+
+    address: str = ""
+    pull_from: str = ""
+    pull_tokens: int = 0
+
+
 @dataclass
 class GenerationRequest:
     """A tokenized request, ready for routing. `max_tokens` None means the model default."""
@@ -72,9 +82,9 @@ class GenerationRequest:
     draft_hints: tuple[bytes, ...] = ()
     no_drafts: bool = False
     held_text_tokens: int = 0  # a continuation: its prompt's last tokens whose text the client has not had yet
-    # A sidecar's request (coordinator/gateway/sidecar.py): the prefill worker the gateway named ("": the decode
-    # worker prefills); None: the router chooses, as a coordinator does.
-    prefill_at: str | None = None
+    # A sidecar's request (coordinator/gateway/sidecar.py): where the gateway's picker placed its prefill; None: the
+    # router chooses, as a coordinator does.
+    prefill_at: NamedPrefill | None = None
 
     def cache_token_ids(self, generated: list[int] = ()) -> list[int]:
         """The prompt, then the `generated` tokens, as the workers' prefix caches hash them (image placeholders

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from coordinator.errors import WorkerError
+from coordinator.requests.request import NamedPrefill
 from coordinator.workers.instances import Instance, InstanceRegistry
 from coordinator.scheduling.policies import RoundRobinPolicy
 
@@ -44,12 +45,12 @@ class Router:
 
     def route(self, prompt_token_ids: list[int], exclude_decode: set[str] = frozenset(),
               exclude_prefill: set[str] = frozenset(), lora: str | None = None, local_prefill: bool = True,
-              pullable: bool = True, prefill_at: str | None = None) -> Placement:
+              pullable: bool = True, prefill_at: NamedPrefill | None = None) -> Placement:
         """The decode instance first; then, unless the part of the prompt it does not hold is shorter than
         local_prefill_max_tokens (it prefills that itself; never without `local_prefill`), a prefill instance
         (`lora`: the request's adapter; `pullable`: whether a prefill worker may pull its leading blocks from a
-        peer: not under an adapter or with images). `prefill_at`: a sidecar's request, the prefill worker the gateway
-        named ("": none, the decode worker prefills)."""
+        peer: not under an adapter or with images). `prefill_at`: a sidecar's request, the prefill the gateway's
+        picker placed."""
         policy, registry = self.policy, self.registry
         match = policy.match(prompt_token_ids)
         prompt_len = len(prompt_token_ids)
@@ -78,11 +79,12 @@ class Router:
                                                     exclude_prefill | exclude_decode)
         return Placement(prefill, decode, prefill_cached, decode_cached, pull_from, pull_tokens)
 
-    def _named_prefill(self, address: str, decode: Instance, decode_cached: int, exclude: set[str],
+    def _named_prefill(self, named: NamedPrefill, decode: Instance, decode_cached: int, exclude: set[str],
                        local_prefill: bool) -> Placement:
-        """A sidecar's placement: the prefill worker the gateway named, added on first sight; the decode worker
-        prefills itself when none was named, or the named one failed or is down (a sidecar has no other)."""
-        prefill = None
+        """A sidecar's placement: the prefill worker the gateway named, added on first sight, pulling where the picker
+        said; the decode worker prefills itself when none was named, or the named one failed or is down (a sidecar
+        has no other)."""
+        address, prefill = named.address, None
         if address and address not in exclude:
             prefill = self.registry.get("prefill", address) or self.registry.add_static("prefill", address)
             if not prefill.available:
@@ -90,7 +92,10 @@ class Router:
         if prefill is None and not local_prefill:
             raise WorkerError(f"this request needs a prefill worker (prompt logprobs) and the gateway named "
                               f"{'no usable one' if address else 'none'} (header x-prefiller-host-port)")
-        return Placement(prefill, decode, decode_cached_tokens=decode_cached)
+        if prefill is None:
+            return Placement(None, decode, decode_cached_tokens=decode_cached)
+        return Placement(prefill, decode, decode_cached_tokens=decode_cached, pull_from=named.pull_from,
+                         pull_tokens=named.pull_tokens)
 
     def _unpairable(self, decode: Instance) -> set[str] | frozenset[str]:
         """The prefill instances that write no KV layout `decode` reads (a mixed-release cluster pairs only on one

@@ -55,11 +55,16 @@ def test_a_pick_names_a_sidecar_then_the_other_as_fallback_and_the_prefill_worke
     chosen = pick(picker, request())
     assert sorted(chosen.endpoints) == [SIDECAR_A, SIDECAR_B] and chosen.destination == ",".join(chosen.endpoints)
     assert chosen.set_headers == {"x-prefiller-host-port": PREFILL} and chosen.body is None
-    decode = picker.decode_behind(chosen.endpoints[0])
+    assert chosen.remove_headers == ["x-pdserve-kv-pull"]  # nothing to pull: a client's own is removed
+    decode, prefill = picker.decode_behind(chosen.endpoints[0]), picker.registry.get("prefill", PREFILL)
     assert decode.outstanding_requests == 1
+    prompt_tokens = len(picker.state.tokenizer.encode_now("Hello there"))
+    assert (prefill.outstanding_requests, prefill.outstanding_prompt_tokens) == (1, prompt_tokens)
+    chosen.served(chosen.endpoints[0])  # the response started: the prefill is done
+    assert (prefill.outstanding_requests, decode.outstanding_requests) == (0, 1)
     chosen.close()
     chosen.close()
-    assert decode.outstanding_requests == 0
+    assert decode.outstanding_requests == 0 and prefill.outstanding_prompt_tokens == 0
 
 
 def test_the_fallback_that_served_carries_the_lease(picker):
@@ -103,4 +108,4 @@ def test_a_model_rewrite_sends_the_body_on_with_the_new_model_and_an_unknown_mod
 def test_a_client_cannot_name_the_prefill_worker_when_the_decode_worker_prefills(picker):
     picker.state.router.local_prefill_max_tokens = 10_000  # every prompt here is short: prefilled where it decodes
     chosen = pick(picker, request(**{"x-prefiller-host-port": "10.6.6.6:1"}))
-    assert "x-prefiller-host-port" in chosen.remove_headers and not chosen.set_headers
+    assert chosen.remove_headers == ["x-prefiller-host-port", "x-pdserve-kv-pull"] and not chosen.set_headers

@@ -6,8 +6,10 @@ import pytest
 
 from coordinator.config import ConfigError, parse_config
 from coordinator.errors import WorkerError
-from coordinator.gateway.sidecar import sidecar_settings
+from coordinator.errors import ApiError
+from coordinator.gateway.sidecar import named_prefill, sidecar_settings
 from coordinator.scheduling.policies import RoundRobinPolicy
+from coordinator.requests.request import NamedPrefill
 from coordinator.scheduling.router import Router
 from coordinator.workers.instances import InstanceRegistry, InstanceState
 
@@ -18,28 +20,55 @@ def router() -> Router:
 
 def test_the_named_prefill_worker_is_added_on_first_sight_and_used():
     r = router()
-    placement = r.route([1, 2, 3], prefill_at="10.0.0.2:7000")
+    placement = r.route([1, 2, 3], prefill_at=NamedPrefill("10.0.0.2:7000"))
     assert placement.prefill.address == "10.0.0.2:7000" and placement.decode.address == "10.0.0.1:9000"
     assert r.registry.get("prefill", "10.0.0.2:7000") is placement.prefill
 
 
 def test_no_header_a_failed_or_a_down_prefill_worker_leaves_the_prefill_to_the_decode_worker():
     r = router()
-    assert r.route([1, 2, 3], prefill_at="").prefill is None
-    assert r.route([1, 2, 3], prefill_at="10.0.0.2:7000").prefill is not None
-    assert r.route([1, 2, 3], prefill_at="10.0.0.2:7000", exclude_prefill={"10.0.0.2:7000"}).prefill is None
+    assert r.route([1, 2, 3], prefill_at=NamedPrefill()).prefill is None
+    assert r.route([1, 2, 3], prefill_at=NamedPrefill("10.0.0.2:7000")).prefill is not None
+    assert r.route([1, 2, 3], prefill_at=NamedPrefill("10.0.0.2:7000"), exclude_prefill={"10.0.0.2:7000"}).prefill is None
     r.registry.get("prefill", "10.0.0.2:7000").state = InstanceState.UNHEALTHY
-    assert r.route([1, 2, 3], prefill_at="10.0.0.2:7000").prefill is None
+    assert r.route([1, 2, 3], prefill_at=NamedPrefill("10.0.0.2:7000")).prefill is None
+
+
+def test_the_pull_the_picker_named_goes_with_the_named_prefill_worker_only():
+    r = router()
+    placement = r.route([1, 2, 3], prefill_at=NamedPrefill("10.0.0.2:7000", "10.0.0.4:7000", 32))
+    assert (placement.pull_from, placement.pull_tokens) == ("10.0.0.4:7000", 32)
+    local = r.route([1, 2, 3], prefill_at=NamedPrefill("10.0.0.2:7000", "10.0.0.4:7000", 32),
+                    exclude_prefill={"10.0.0.2:7000"})
+    assert local.prefill is None and local.pull_from == ""
+
+
+@pytest.mark.parametrize("headers,param", [
+    ({"x-prefiller-host-port": "nowhere"}, "x-prefiller-host-port"),
+    ({"x-prefiller-host-port": "10.0.0.2:7000", "x-pdserve-kv-pull": "10.0.0.4:7000"}, "x-pdserve-kv-pull"),
+    ({"x-prefiller-host-port": "10.0.0.2:7000", "x-pdserve-kv-pull": "peer 32"}, "x-pdserve-kv-pull"),
+])
+def test_a_bad_placement_header_is_a_400_naming_it(headers, param):
+    with pytest.raises(ApiError) as refused:
+        named_prefill(headers)
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_placement_headers_read_as_the_picker_wrote_them():
+    assert named_prefill({}) == NamedPrefill()
+    assert named_prefill({"x-pdserve-kv-pull": "10.0.0.4:7000 32"}) == NamedPrefill()  # no prefill worker: no pull
+    assert named_prefill({"x-prefiller-host-port": "10.0.0.2:7000", "x-pdserve-kv-pull": "10.0.0.4:7000 32"}) == \
+        NamedPrefill("10.0.0.2:7000", "10.0.0.4:7000", 32)
 
 
 def test_prompt_logprobs_without_a_named_prefill_worker_are_refused_naming_the_header():
     with pytest.raises(WorkerError, match="x-prefiller-host-port"):
-        router().route([1, 2, 3], prefill_at="", local_prefill=False)
+        router().route([1, 2, 3], prefill_at=NamedPrefill(), local_prefill=False)
 
 
 def test_a_lost_decode_worker_has_no_replacement_in_a_sidecar():
     with pytest.raises(WorkerError, match="no healthy decode instance left"):
-        router().route([1, 2, 3], prefill_at="", exclude_decode={"10.0.0.1:9000"})
+        router().route([1, 2, 3], prefill_at=NamedPrefill(), exclude_decode={"10.0.0.1:9000"})
 
 
 def test_sidecar_settings_front_one_decode_worker_without_picker_planner_or_etcd():
