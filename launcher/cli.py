@@ -153,6 +153,14 @@ def _up(args: argparse.Namespace) -> int:
         print(f"pdserve up: --autoscale needs --prefill and --decode >= 1 and --max-workers >= their sum, got "
               f"{args.prefill}, {args.decode} and {args.max_workers}", file=sys.stderr)
         return 2
+    if args.gateway:
+        from launcher.envoy_gateway import envoy_binary
+
+        try:
+            envoy_binary()
+        except FileNotFoundError as exc:
+            print(f"pdserve up: --gateway {args.gateway}: {exc}", file=sys.stderr)
+            return 2
     if args.gateway and args.autoscale:
         print(f"pdserve up: --gateway {args.gateway} with --autoscale: not supported yet (decode workers the "
               "autoscaler starts would need their sidecars started with them; docs/operating/gateway.md)",
