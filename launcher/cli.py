@@ -9,7 +9,7 @@ import shlex
 import signal
 import sys
 
-from launcher.gateway_commands import add_sidecar_parser
+from launcher.gateway_commands import add_sidecar_parser, gateway_refusal
 from launcher.logs import setup_logging
 from launcher.simulated_worker import add_simulation_flags, simulated_backend
 from worker.engine.speculative.config import METHODS as SPECULATIVE_METHODS, SpeculativeConfig
@@ -18,27 +18,39 @@ SPECULATIVE_DEFAULTS = SpeculativeConfig()  # the worker flags' defaults are the
 
 
 def _coordinator(args: argparse.Namespace) -> int:
+    def configured():
+        from coordinator.config import load_config
+
+        config = load_config(args.config)
+        if args.predict_ip is not None:
+            config.http_config.predict_ip = args.predict_ip
+        if args.predict_port is not None:
+            config.http_config.predict_port = args.predict_port
+        if args.epp_port is not None:
+            config.gateway_config.epp_port = args.epp_port
+        return config
+
+    return serve_coordinator("coordinator", configured)
+
+
+def serve_coordinator(what: str, configured) -> int:
+    """Run a coordinator process (`what`: coordinator or sidecar) on the config `configured()` makes; 2 with the
+    reason when its config is invalid or it cannot start."""
     from coordinator.http.server import run_coordinator
-    from coordinator.config import ConfigError, load_config
+    from coordinator.config import ConfigError
     from security.secrets import SecretError
     from security.tls import TlsError
     from telemetry.tracing import TracingSetupError
 
     try:
-        config = load_config(args.config)
+        config = configured()
     except ConfigError as exc:
-        print(f"pdserve coordinator: invalid config:\n{exc}", file=sys.stderr)
+        print(f"pdserve {what}: invalid config:\n{exc}", file=sys.stderr)
         return 2
-    if args.predict_ip is not None:
-        config.http_config.predict_ip = args.predict_ip
-    if args.predict_port is not None:
-        config.http_config.predict_port = args.predict_port
-    if args.epp_port is not None:
-        config.gateway_config.epp_port = args.epp_port
     try:
         run_event_loop(run_coordinator(config))
     except (ConfigError, TlsError, SecretError, TracingSetupError) as exc:
-        print(f"pdserve coordinator: cannot start:\n{exc}", file=sys.stderr)
+        print(f"pdserve {what}: cannot start:\n{exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -153,18 +165,9 @@ def _up(args: argparse.Namespace) -> int:
         print(f"pdserve up: --autoscale needs --prefill and --decode >= 1 and --max-workers >= their sum, got "
               f"{args.prefill}, {args.decode} and {args.max_workers}", file=sys.stderr)
         return 2
-    if args.gateway:
-        from launcher.envoy_gateway import envoy_binary
-
-        try:
-            envoy_binary()
-        except FileNotFoundError as exc:
-            print(f"pdserve up: --gateway {args.gateway}: {exc}", file=sys.stderr)
-            return 2
-    if args.gateway and args.autoscale:
-        print(f"pdserve up: --gateway {args.gateway} with --autoscale: not supported yet (decode workers the "
-              "autoscaler starts would need their sidecars started with them; docs/operating/gateway.md)",
-              file=sys.stderr)
+    refusal = gateway_refusal(args)
+    if refusal:
+        print(f"pdserve up: {refusal}", file=sys.stderr)
         return 2
     refusal = _speculative_refusal(args)
     if refusal:

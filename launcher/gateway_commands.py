@@ -1,9 +1,8 @@
-"""`pdserve sidecar`: a decode pod's sidecar behind a Gateway API inference gateway (coordinator/gateway/sidecar.py)."""
+"""`pdserve sidecar` (a decode pod's sidecar: coordinator/gateway/sidecar.py) and `pdserve up --gateway`'s checks."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_sidecar_parser(sub) -> None:
@@ -20,25 +19,32 @@ def add_sidecar_parser(sub) -> None:
     p.set_defaults(func=run_sidecar)
 
 
-def run_sidecar(args: argparse.Namespace) -> int:
-    from coordinator.config import ConfigError, load_config
-    from coordinator.gateway.sidecar import sidecar_settings
-    from coordinator.http.server import run_coordinator
-    from launcher.cli import run_event_loop
-    from security.secrets import SecretError
-    from security.tls import TlsError
+def gateway_refusal(args: argparse.Namespace) -> str:
+    """Why `pdserve up` cannot run --gateway as asked; empty when it can (or without --gateway)."""
+    if not args.gateway:
+        return ""
+    if args.autoscale:
+        return (f"--gateway {args.gateway} with --autoscale: not supported yet (decode workers the autoscaler starts "
+                "would need their sidecars started with them; docs/operating/gateway.md)")
+    from launcher.envoy_gateway import envoy_binary
 
     try:
+        envoy_binary()
+    except FileNotFoundError as exc:
+        return f"--gateway {args.gateway}: {exc}"
+    return ""
+
+
+def run_sidecar(args: argparse.Namespace) -> int:
+    def configured():
+        from coordinator.config import load_config
+        from coordinator.gateway.sidecar import sidecar_settings
+
         config = load_config(args.config)
         if args.predict_ip is not None:
             config.http_config.predict_ip = args.predict_ip
-        config = sidecar_settings(config, args.decode, args.port, args.advertise, args.announce)
-    except ConfigError as exc:
-        print(f"pdserve sidecar: invalid config:\n{exc}", file=sys.stderr)
-        return 2
-    try:
-        run_event_loop(run_coordinator(config))
-    except (ConfigError, TlsError, SecretError) as exc:
-        print(f"pdserve sidecar: cannot start:\n{exc}", file=sys.stderr)
-        return 2
-    return 0
+        return sidecar_settings(config, args.decode, args.port, args.advertise, args.announce)
+
+    from launcher.cli import serve_coordinator
+
+    return serve_coordinator("sidecar", configured)

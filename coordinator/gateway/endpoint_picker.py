@@ -98,11 +98,13 @@ class CoordinatorPicker:
         self.metrics = GatewayMetrics(config.pool_name, state.registry, self.sidecars)
 
     def decode_behind(self, endpoint: str) -> Instance | None:
-        """The decode worker whose sidecar is at `endpoint`."""
-        for instance in self.registry.pool("decode"):
-            if self.sidecars.endpoint_of(instance.address) == endpoint:
-                return instance
-        return None
+        """The decode worker whose sidecar is at `endpoint`: by its announcement, else the one on its host (a
+        sidecar found by gateway_config.sidecar_port)."""
+        announced = self.sidecars.decode_of(endpoint)
+        if announced is not None:
+            return self.registry.get("decode", announced)
+        return next((i for i in self.registry.pool("decode") if self.sidecars.endpoint_of(i.address) == endpoint),
+                    None)
 
     async def pick(self, request: GatewayRequest) -> EndpointPick:
         headers = request.headers
@@ -115,10 +117,11 @@ class CoordinatorPicker:
             tokens, cut = await self.prompts.tokens(headers.get(":path", "/").split("?", 1)[0], body,
                                                     self._held if adapter is None else _nothing_held)
             ticket = self.admission.book.tenant(terms, self.admission.header_tenant(headers)).admit(len(tokens), 0)
+            unreachable = self._unreachable(request.subset)
             # A prompt longer than its routed part is long: never one the decode worker should prefill alone.
             placement = self.state.router.route(
                 lora_cache_tokens(tokens, adapter.digest) if adapter is not None else tokens,
-                exclude_decode=self._unreachable(request.subset), lora=adapter.name if adapter is not None else None,
+                exclude_decode=unreachable, lora=adapter.name if adapter is not None else None,
                 pullable=adapter is None, local_prefill=not cut)
         except BaseException as exc:
             if ticket is not None:
@@ -129,7 +132,7 @@ class CoordinatorPicker:
             self.metrics.refused(model, refusal.status)
             raise refusal from None
         decode = placement.decode
-        endpoints = [self.sidecars.endpoint_of(decode.address)] + self._fallbacks(decode, request.subset)
+        endpoints = [self.sidecars.endpoint_of(decode.address)] + self._fallbacks(decode, unreachable)
         # A client's own headers must not choose a prefill worker or a pull: each is set or removed.
         set_headers = {}
         if placement.prefill is not None:
@@ -163,10 +166,9 @@ class CoordinatorPicker:
                 if (endpoint := self.sidecars.endpoint_of(i.address)) is None
                 or (allowed is not None and endpoint not in allowed)}
 
-    def _fallbacks(self, chosen: Instance, subset: list[str] | None) -> list[str]:
+    def _fallbacks(self, chosen: Instance, unreachable: set[str]) -> list[str]:
         if not self.fallbacks:
             return []
-        unreachable = self._unreachable(subset)
         others = sorted((i for i in self.registry.pool("decode")
                          if i is not chosen and i.available and not i.held and i.address not in unreachable),
                         key=decode_load)

@@ -53,7 +53,7 @@ class RoutingPrompt(NamedTuple):
     cut: bool = False
 
 
-def _window(tokenizer: PromptTokenizer, text: str, chars: int, chat: bool) -> list[int]:
+def _tokenize_window(tokenizer: PromptTokenizer, text: str, chars: int, chat: bool) -> list[int]:
     ids = tokenizer.encode_now(text[:chars], add_special_tokens=not chat)
     return ids[:-CUT_TOKENS] if len(text) > chars else ids
 
@@ -103,9 +103,9 @@ class RoutingPrompts:
             return found.tolist()
         self.misses += 1
         if min(chars, len(text)) <= INLINE_CHARS:
-            ids = _window(self.tokenizer, text, chars, chat)
+            ids = _tokenize_window(self.tokenizer, text, chars, chat)
         else:
-            ids = await asyncio.to_thread(_window, self.tokenizer, text, chars, chat)
+            ids = await asyncio.to_thread(_tokenize_window, self.tokenizer, text, chars, chat)
         self._keep(key, array("l", ids))
         return ids
 

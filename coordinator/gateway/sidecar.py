@@ -51,21 +51,21 @@ def named_prefill(headers) -> NamedPrefill:
     """Where the picker placed the prefill (x-prefiller-host-port, x-pdserve-kv-pull); 400 naming a bad header."""
     address = headers.get(PREFILLER_HEADER, "").strip()
     if address:
-        _checked(PREFILLER_HEADER, address, check_host_port)
+        _host_port(PREFILLER_HEADER, address)
     pull = headers.get(KV_PULL_HEADER, "").strip()
     if not pull or not address:
         return NamedPrefill(address)
     pull_from, _, tokens = pull.partition(" ")
-    _checked(KV_PULL_HEADER, pull_from, check_host_port)
+    _host_port(KV_PULL_HEADER, pull_from)
     if not tokens.strip().isdigit():
         raise ApiError(400, f"header {KV_PULL_HEADER} must be host:port and a whole number of tokens, got {pull!r}",
                        param=KV_PULL_HEADER)
     return NamedPrefill(address, pull_from, int(tokens))
 
 
-def _checked(header: str, value: str, check) -> None:
+def _host_port(header: str, value: str) -> None:
     try:
-        check(value)
+        check_host_port(value)
     except ValueError as exc:
         raise ApiError(400, f"header {header} {exc}", param=header) from None
 

@@ -63,11 +63,8 @@ class SidecarDirectory:
         return None
 
     def decode_of(self, endpoint: str) -> str | None:
-        """The decode worker behind the sidecar at `endpoint` (a served endpoint the gateway reports)."""
-        decode = self._decode_of.get(endpoint)
-        if decode is None and self.sidecar_port and endpoint.endswith(f":{self.sidecar_port}"):
-            return None  # found by the caller among the decode workers on that host
-        return decode
+        """The decode worker behind the announced sidecar at `endpoint` (a served endpoint the gateway reports)."""
+        return self._decode_of.get(endpoint)
 
     def describe(self) -> list[dict]:
         now = self.clock()
