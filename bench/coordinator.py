@@ -104,7 +104,8 @@ sys.path.insert(0, str(REPO))
 import aiohttp  # noqa: E402
 
 from coordinator.requests.request import GenerationRequest, SamplingOptions  # noqa: E402
-from coordinator.workers.client import WorkerClient, sampling_to_pb  # noqa: E402
+from coordinator.workers.client import WorkerClient  # noqa: E402
+from coordinator.workers.request_messages import sampling_to_pb  # noqa: E402
 from bench.cpu_quota import CpuQuota, check_available  # noqa: E402
 from bench.stream_client import StreamClient  # noqa: E402
 from launcher.cli import run_event_loop  # noqa: E402

@@ -46,7 +46,7 @@ class InstanceCollector:
         tokens = GaugeMetricFamily("pdserve_instance_outstanding_prompt_tokens",
                                    "Prompt tokens sent to the prefill instance and not yet prefilled.",
                                    labels=["role", "address"])
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode", "encode"):
             for i in self.instances.instances(role):
                 healthy.add_metric([role, i.address, i.state.value], 1.0 if i.available else 0.0)
                 requests.add_metric([role, i.address], i.outstanding_requests)

@@ -66,6 +66,23 @@ def wait_announced(supervisor: Supervisor, management_url: str, token: str, coun
     raise RuntimeError(f"the endpoint picker did not hear from {count} sidecars within {timeout_s:g}s")
 
 
+def wait_routable(supervisor: Supervisor, management_url: str, token: str, role: str, count: int, timeout_s: float,
+                  context: ssl.SSLContext | None = None) -> None:
+    """Until the coordinator lists `count` healthy instances of `role` (registered workers it routes to)."""
+    request = urllib.request.Request(f"{management_url}/v1/instances", headers={"Authorization": f"Bearer {token}"})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(request, timeout=2, context=context) as resp:
+                listed = json.loads(resp.read()).get(role, [])
+                if sum(i["state"] == "healthy" for i in listed) >= count:
+                    return
+        except OSError:
+            pass
+        supervisor.run_for(0.2)
+    raise RuntimeError(f"the coordinator did not route to {count} {role} workers within {timeout_s:g}s")
+
+
 def start_envoy(supervisor: Supervisor, run_dir: Path, listen_port: int, epp_url: str, sidecars: list[Child],
                 tls: dict | None = None) -> Child:
     """Envoy on 127.0.0.1:`listen_port` (0: any; pinned after its first start), routing by the picker at `epp_url`

@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from launcher.cluster_security import ClusterSecurity
-from launcher.gateway_cluster import ENDPOINT_PICKER, start_envoy, start_sidecars, wait_announced
+from launcher.gateway_cluster import ENDPOINT_PICKER, start_envoy, start_sidecars, wait_announced, wait_routable
 from launcher.supervisor import Child, GaveUp, RestartPolicy, StartFailed, Stopped, Supervisor, say
 
 HOST = "127.0.0.1"
@@ -62,6 +62,7 @@ class ClusterOptions:
     speculative: str | None = None  # --speculative ngram|suffix: the decode workers (instances) draft tokens
     num_speculative_tokens: int | None = None  # --num-speculative-tokens; None: the decode worker's default
     gateway: str | None = None  # --gateway envoy: behind Envoy, the picker and sidecars (launcher/gateway_cluster.py)
+    num_encode: int = 0  # --encoders: encode workers (a vision-language model's image encoder), registered
 
     def threads_per_worker(self) -> int:
         """Each worker's torch threads: workers sharing a machine's cores, rather than each taking them all."""
@@ -70,7 +71,7 @@ class ClusterOptions:
         return max(1, (os.cpu_count() or 1) // (self.most_workers()))
 
     def most_workers(self) -> int:
-        return max(self.max_workers or 0, self.num_prefill + self.num_decode)
+        return max(self.max_workers or 0, self.num_prefill + self.num_decode) + self.num_encode
 
     def speculative_flags(self, role: str) -> list[str]:
         """The `pdserve worker` flags that turn its speculative decoding on: for a decode worker, and under
@@ -229,6 +230,7 @@ def run_local_cluster(options: ClusterOptions) -> int:
         config = _cluster_config(options, *_instance_lists(workers), model_dir, security)
         coordinator = _start_coordinator(supervisor, base, config, files)
         _wait_healthy(supervisor, coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
+        _start_encoders(options, supervisor, base, model_dir, security, coordinator)
         ready_url = coordinator.address
         if options.gateway:
             ready_url = _start_gateway(options, supervisor, base, coordinator, config, files[-1], security)
@@ -316,6 +318,7 @@ def _run_autoscaled(options: ClusterOptions, supervisor: Supervisor, base: list[
     print(f"pdserve: starting {len(workers)} workers (autoscaled up to {options.most_workers()}) ...", flush=True)
     supervisor.start(list(workers))
     _wait_healthy(supervisor, coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
+    _start_encoders(options, supervisor, base, model_dir, security, coordinator)
     token = (security.run_dir / "registration-token").read_text().strip()
     scaler = LocalAutoscaler(supervisor, management, token, security.client_ssl_context(), new_worker, workers,
                              options.most_workers(), say)
@@ -324,6 +327,22 @@ def _run_autoscaled(options: ClusterOptions, supervisor: Supervisor, base: list[
     # Paused while a rolling restart runs: the workers it stops and starts are not for the autoscaler to act on.
     supervisor.every(options.autoscale_interval_s, lambda: None if restart.running else scaler.tick())
     print(f"pdserve ready: {coordinator.address}", flush=True)
+
+
+def _start_encoders(options: ClusterOptions, supervisor: Supervisor, base: list[str], model_dir: str,
+                    security: ClusterSecurity, coordinator: Child) -> None:
+    """--encoders N: encode workers registering with the coordinator, started and routable (the autoscaler and
+    the planner leave them be: their count is the operator's)."""
+    if not options.num_encode:
+        return
+    management = coordinator.announced[COORDINATOR_MANAGEMENT]
+    print(f"pdserve: starting {options.num_encode} encode workers ...", flush=True)
+    supervisor.start([Child(f"encode worker {i}", _worker_argv(options, base, "encode", model_dir, security)
+                            + ["--coordinator", management], WORKER_READY, on_ready=_pin_worker_port)
+                      for i in range(options.num_encode)])
+    token = (security.run_dir / "registration-token").read_text().strip()
+    wait_routable(supervisor, management, token, "encode", options.num_encode, START_TIMEOUT_S,
+                  security.client_ssl_context())
 
 
 def _rolling_restart(supervisor: Supervisor, coordinator: Child, config: dict, security: ClusterSecurity,

@@ -43,12 +43,15 @@ FORMATS: Mapping[str, FormatRange] = {
     "token_records": FormatRange(1, 1),    # the token channel's frames (proto/token_channel.py)
     "kv_events": FormatRange(1, 1),        # KvEvents.Watch's stored/removed/cleared events
     "etcd_records": FormatRange(1, 1),     # instance, leadership and replica records coordinators keep in etcd
+    # 1: MediaItem.encoder (a prefill worker pulls an image's encoder output from an encode worker); 0: reads none
+    "embeddings": FormatRange(0, 1),
 }
 # DecodeRequest.held_text_tokens' bound (decode request format 3), checked by the worker, kept to by the coordinator:
 # a character's bytes or a stop string's prefix, never more.
 MAX_HELD_TEXT_TOKENS = 256
 
-PREVIOUS_FORMATS: Mapping[str, FormatRange] = {**FORMATS, "decode_request": FormatRange(1, 1)}
+PREVIOUS_FORMATS: Mapping[str, FormatRange] = {**FORMATS, "decode_request": FormatRange(1, 1),
+                                               "embeddings": FormatRange(0, 0)}
 
 
 @dataclass(frozen=True)

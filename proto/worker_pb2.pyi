@@ -26,6 +26,7 @@ class FailureReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAILURE_REASON_DRAINING: _ClassVar[FailureReason]
     FAILURE_REASON_PREEMPTED: _ClassVar[FailureReason]
     FAILURE_REASON_LORA_UNAVAILABLE: _ClassVar[FailureReason]
+    FAILURE_REASON_EMBEDDINGS_UNAVAILABLE: _ClassVar[FailureReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
@@ -40,6 +41,7 @@ FAILURE_REASON_KV_LEASE_EXPIRED: FailureReason
 FAILURE_REASON_DRAINING: FailureReason
 FAILURE_REASON_PREEMPTED: FailureReason
 FAILURE_REASON_LORA_UNAVAILABLE: FailureReason
+FAILURE_REASON_EMBEDDINGS_UNAVAILABLE: FailureReason
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "has_seed", "max_tokens", "stop", "skip_special_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output", "return_logprobs", "top_logprobs", "guided", "logit_bias", "typical_p", "return_prompt_logprobs", "prompt_top_logprobs")
@@ -163,20 +165,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., decode_address: _Optional[str] = ..., kv_data_address: _Optional[str] = ..., kv_transfer_token: _Optional[str] = ..., traceparent: _Optional[str] = ..., decode_cached_tokens: _Optional[int] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., kv_layout_version: _Optional[int] = ..., pull_from: _Optional[str] = ..., pull_tokens: _Optional[int] = ...) -> None: ...
 
 class MediaItem(_message.Message):
-    __slots__ = ("kind", "data", "content_hash", "offset", "num_tokens", "source")
+    __slots__ = ("kind", "data", "content_hash", "offset", "num_tokens", "source", "encoder")
     KIND_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_FIELD_NUMBER: _ClassVar[int]
     kind: str
     data: bytes
     content_hash: bytes
     offset: int
     num_tokens: int
     source: str
-    def __init__(self, kind: _Optional[str] = ..., data: _Optional[bytes] = ..., content_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+    encoder: str
+    def __init__(self, kind: _Optional[str] = ..., data: _Optional[bytes] = ..., content_hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., num_tokens: _Optional[int] = ..., source: _Optional[str] = ..., encoder: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "prefill_time_ms", "kv_bytes", "kv_transfer_ms", "forward_ms", "token_channel_address")
@@ -543,3 +547,69 @@ class SwitchRoleResponse(_message.Message):
     role: str
     in_flight: int
     def __init__(self, previous_role: _Optional[str] = ..., role: _Optional[str] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "media", "traceparent")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    media: _containers.RepeatedCompositeFieldContainer[MediaItem]
+    traceparent: str
+    def __init__(self, request_id: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class EncodedItem(_message.Message):
+    __slots__ = ("content_hash", "rows", "hidden", "cached")
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    content_hash: bytes
+    rows: int
+    hidden: int
+    cached: bool
+    def __init__(self, content_hash: _Optional[bytes] = ..., rows: _Optional[int] = ..., hidden: _Optional[int] = ..., cached: _Optional[bool] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[EncodedItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[EncodedItem, _Mapping]]] = ...) -> None: ...
+
+class PullEmbeddingsRequest(_message.Message):
+    __slots__ = ("request_id", "content_hash")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    content_hash: bytes
+    def __init__(self, request_id: _Optional[str] = ..., content_hash: _Optional[bytes] = ...) -> None: ...
+
+class EmbeddingsHeader(_message.Message):
+    __slots__ = ("content_hash", "rows", "hidden", "dtype", "num_bytes")
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    content_hash: bytes
+    rows: int
+    hidden: int
+    dtype: str
+    num_bytes: int
+    def __init__(self, content_hash: _Optional[bytes] = ..., rows: _Optional[int] = ..., hidden: _Optional[int] = ..., dtype: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class EmbeddingsChunk(_message.Message):
+    __slots__ = ("data", "checksum")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    checksum: int
+    def __init__(self, data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class EmbeddingsMessage(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: EmbeddingsHeader
+    chunk: EmbeddingsChunk
+    def __init__(self, header: _Optional[_Union[EmbeddingsHeader, _Mapping]] = ..., chunk: _Optional[_Union[EmbeddingsChunk, _Mapping]] = ...) -> None: ...

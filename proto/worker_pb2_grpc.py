@@ -576,3 +576,167 @@ class WorkerControl:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class EncoderServiceStub:
+    """Served by encode workers; calls carry the worker secret.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Encode = channel.unary_unary(
+                '/pdserve.v1.EncoderService/Encode',
+                request_serializer=proto_dot_worker__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.EncodeResponse.FromString,
+                _registered_method=True)
+        self.PullEmbeddings = channel.unary_stream(
+                '/pdserve.v1.EncoderService/PullEmbeddings',
+                request_serializer=proto_dot_worker__pb2.PullEmbeddingsRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.EmbeddingsMessage.FromString,
+                _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/pdserve.v1.EncoderService/Health',
+                request_serializer=proto_dot_worker__pb2.HealthRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.HealthResponse.FromString,
+                _registered_method=True)
+
+
+class EncoderServiceServicer:
+    """Served by encode workers; calls carry the worker secret.
+    """
+
+    def Encode(self, request, context):
+        """Encode the images (those its cache lacks, with other requests' in one forward); the answer comes once every
+        item's output is held. INVALID_ARGUMENT naming the item for one that does not decode or fit the model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullEmbeddings(self, request, context):
+        """One image's encoder output as a header and checksummed chunks; NOT_FOUND when it is not held (evicted).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Health(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EncoderServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=proto_dot_worker__pb2.EncodeRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.EncodeResponse.SerializeToString,
+            ),
+            'PullEmbeddings': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullEmbeddings,
+                    request_deserializer=proto_dot_worker__pb2.PullEmbeddingsRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.EmbeddingsMessage.SerializeToString,
+            ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=proto_dot_worker__pb2.HealthRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.HealthResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.EncoderService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.EncoderService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class EncoderService:
+    """Served by encode workers; calls carry the worker secret.
+    """
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EncoderService/Encode',
+            proto_dot_worker__pb2.EncodeRequest.SerializeToString,
+            proto_dot_worker__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullEmbeddings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.EncoderService/PullEmbeddings',
+            proto_dot_worker__pb2.PullEmbeddingsRequest.SerializeToString,
+            proto_dot_worker__pb2.EmbeddingsMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.EncoderService/Health',
+            proto_dot_worker__pb2.HealthRequest.SerializeToString,
+            proto_dot_worker__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

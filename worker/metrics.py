@@ -17,6 +17,42 @@ class WorkerMetrics:
 
     def __init__(self, role: str, engine):
         self.registry = r = CollectorRegistry()
+        if role == "encode":
+            self._encoder_gauges(engine)
+        else:
+            self._pool_gauges(role, engine)
+        vision = getattr(engine, "vision", None) or getattr(getattr(engine, "runner", None), "vision", None)
+        if vision is not None:
+            r.register(EncoderCacheCounters(vision.cache))
+        self.encoded_images = Counter("pdserve_worker_encoded_images_total", "Encode worker: images of Encode calls, "
+                                      "by outcome: encoded (by its vision tower) or cached (its output was held).",
+                                      ["outcome"], registry=r)
+        self.embedding_pulls = Counter("pdserve_worker_embedding_pulls_total", "Images' encoder outputs moved between "
+                                       "workers, by outcome: pulled (a prefill worker took them from an encode "
+                                       "worker), failed (the pull failed: the coordinator sent the file instead) or "
+                                       "served (an encode worker sent them).", ["outcome"], registry=r)
+        self.embedding_bytes = Counter("pdserve_worker_embedding_bytes_total", "Bytes of images' encoder outputs: "
+                                       "sent (encode worker) or received and verified (prefill worker).", ["side"],
+                                       registry=r)
+        for outcome in ("encoded", "cached"):
+            self.encoded_images.labels(outcome)
+        for outcome in ("pulled", "failed", "served"):
+            self.embedding_pulls.labels(outcome)
+        for side in ("sent", "received"):
+            self.embedding_bytes.labels(side)
+        self._transfer_counters()
+
+    def _encoder_gauges(self, engine) -> None:
+        r = self.registry
+        Gauge("pdserve_worker_encoder_queue_images", "Encode worker: images waiting for a vision forward.",
+              registry=r).set_function(lambda: engine.num_waiting)
+        Gauge("pdserve_worker_encoder_running_images", "Encode worker: images in the vision forward now.",
+              registry=r).set_function(lambda: engine.num_running)
+        Gauge("pdserve_worker_encoder_cached_images", "Encode worker: images whose encoder output it holds.",
+              registry=r).set_function(lambda: len(engine.vision.cache))
+
+    def _pool_gauges(self, role: str, engine) -> None:
+        r = self.registry
         budget = engine.admission.budget
         Gauge("pdserve_worker_kv_budget_used_tokens", "KV budget held now, in token positions.",
               registry=r).set_function(lambda: budget.used)
@@ -44,9 +80,9 @@ class WorkerMetrics:
             r.register(LoraInfo(engine.loras))
         if role == "decode":
             r.register(SpeculativeCounters(engine))
-        vision = getattr(getattr(engine, "runner", None), "vision", None)
-        if vision is not None:
-            r.register(EncoderCacheCounters(vision.cache))
+
+    def _transfer_counters(self) -> None:
+        r = self.registry
         # side: send (prefill: first byte to the decode worker's ack) or receive (decode: header to last block,
         # verified); transport: tcp (the raw-TCP data port) or grpc (the KvReceiver stream).
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes_total", "KV cache bytes sent (prefill) or received "
@@ -98,7 +134,7 @@ class ProcessMetrics:
         self.model_loads = Counter("pdserve_worker_model_loads_total", "Checkpoints loaded by this process: 1 for a "
                                    "real worker however often it switches roles, 0 for a simulated one.",
                                    registry=self.registry)
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode"):  # an encode worker does not switch
             self.role_switches.labels(role)
 
     def serve(self, host: str, port: int) -> int:

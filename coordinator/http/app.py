@@ -27,6 +27,7 @@ from coordinator.http.management import MANAGEMENT_ROUTES
 from coordinator.requests.media import MediaFetcher
 from coordinator.metrics import METRICS, CoordinatorMetrics
 from coordinator.requests.draft_corpus import DraftCorpus
+from coordinator.requests.encoding import EncoderCounters, ImageEncoding
 from coordinator.requests.pipeline import RequestPipeline
 from coordinator.planning.planner_loop import PlannerLoop
 from coordinator.scheduling.decode_rebalance import DecodeRebalancer
@@ -110,6 +111,12 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     exceptions = config.exception_config
     pipeline = RequestPipeline(client, router, registry, limits, queue, exceptions.first_token_timeout,
                                exceptions.infer_timeout, metrics, exceptions.max_retry, exceptions.max_migrations)
+    # Encode workers' cached images (their KV events, one per image) route each image of a request (encoding.py).
+    embeddings_watch = None
+    if engine == "pdserve":
+        embeddings_watch = KvEventWatch(KvIndex(), client, roles=("encode",))
+        pipeline.encoding = ImageEncoding(client, registry, embeddings_watch.index, exceptions.first_token_timeout,
+                                          EncoderCounters(metrics.registry))
 
     async def forget(instance):
         await client.forget(instance.address)
@@ -179,6 +186,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
     async def background(app: web.Application):
         if kv_watch is not None:
             kv_watch.start(registry)
+        if embeddings_watch is not None:
+            embeddings_watch.start(registry)
         monitor.start()
         # One probe of every configured instance now, not after the first interval: its release and wire formats
         # (and its load) are known from the start. Not awaited: an instance that is down must not delay start-up.
@@ -204,8 +213,9 @@ def create_app(config: CoordinatorConfig) -> web.Application:
             await cluster.stop()
         await silence.stop()
         await monitor.stop()
-        if kv_watch is not None:
-            await kv_watch.stop()
+        for watch in (kv_watch, embeddings_watch):
+            if watch is not None:
+                await watch.stop()
         await client.close()
         await state.media.close()
 

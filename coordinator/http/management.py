@@ -53,7 +53,7 @@ class InstanceIdentity(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["prefill", "decode"]
+    role: Literal["prefill", "decode", "encode"]
     address: Annotated[str, AfterValidator(check_host_port)] = Field(
         description="host:port of the worker's gRPC server")
 

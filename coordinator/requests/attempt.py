@@ -22,8 +22,8 @@ from coordinator.requests.request import (Finished, FinishReason, GenerationEven
                                          TokenListener)
 from coordinator.requests.trace import GenerationTrace
 from coordinator.scheduling.router import Placement
-from coordinator.workers.client import (FINISH_FROM_PB, DecodeAccepted, DecodeCall, PrefillResult, WorkerClient,
-                                       sampling_to_pb)
+from coordinator.workers.client import FINISH_FROM_PB, DecodeAccepted, DecodeCall, PrefillResult, WorkerClient
+from coordinator.workers.request_messages import sampling_to_pb
 from proto import worker_pb2 as pb
 from telemetry import tracing
 
@@ -41,12 +41,13 @@ class AttemptFailed(Exception):
     the decode instance the stream was moved off)."""
 
     def __init__(self, error: WorkerError, blame: Instance | None = None, retryable: bool = False,
-                 rebalanced: bool = False):
+                 rebalanced: bool = False, embeddings_lost: bool = False):
         super().__init__(error.message)
         self.error = error
         self.blame = blame
         self.retryable = retryable and blame is not None
         self.rebalanced = rebalanced
+        self.embeddings_lost = embeddings_lost  # the prefill worker could not pull an image's output: send files
 
 
 @dataclasses.dataclass
@@ -248,6 +249,9 @@ class AttemptRunner:
     def _in_formats(self, request: GenerationRequest, placement: Placement) -> GenerationRequest:
         """The request as its decode worker reads it: draft hints only where the cluster writes decode requests
         of version 2 (an older worker would drop them; a new format waits for the whole cluster)."""
+        prefill = placement.prefill
+        if any(m.encoder for m in request.media) and (prefill is None or prefill.versions.range("embeddings").newest < 1):
+            request = request.with_encoders({})  # a decode worker prefilling, or an older prefill worker: the files
         version = None
         if self.formats is not None:  # None: vLLM instances, or a pipeline built outside an app
             version = self.formats.version_with("decode_request", placement.decode.versions)
@@ -405,6 +409,8 @@ class AttemptRunner:
             return AttemptFailed(deadline_error(clocks.timeout))
         if kind is FailureKind.MOVED:  # the decode worker asked for it: go on elsewhere, nothing counted against it
             return AttemptFailed(failure.error(), placement.decode, retryable=True)
+        if kind is FailureKind.EMBEDDINGS_LOST:  # the encode worker's loss: the same instances, with the files
+            return AttemptFailed(failure.error(), placement.prefill, retryable=True, embeddings_lost=True)
         if kind is FailureKind.ELSEWHERE:  # that instance cannot serve this request (its adapter): another may
             return AttemptFailed(failure.error(), placement.instance(failure.stage), retryable=True)
         role = kind.blamed_role(failure.stage)

@@ -23,6 +23,10 @@ passed) is classified by its status code alone.
                    adapter: no adapters there, its folder missing or
                    changed there), either stage (the request moves off
                    that instance; the worker serves other requests)
+  EMBEDDINGS_LOST  prefill: EMBEDDINGS_UNAVAILABLE (an image's encoder     yes    nobody      -
+                   output could not be pulled from its encode worker):
+                   at once with the files, on the same instances, not
+                   counted as a retry
 """
 
 from __future__ import annotations
@@ -52,10 +56,12 @@ class FailureKind(enum.Enum):
     WORKER_FAULT = "worker_fault"
     MOVED = "moved"
     ELSEWHERE = "elsewhere"
+    EMBEDDINGS_LOST = "embeddings_lost"
 
     def blamed_role(self, stage: str) -> str | None:
         """The role of the instance at fault when `stage` ("prefill" or "decode") failed; None: nobody."""
-        if self in (FailureKind.REQUEST_FAULT, FailureKind.DEADLINE, FailureKind.MOVED, FailureKind.ELSEWHERE):
+        if self in (FailureKind.REQUEST_FAULT, FailureKind.DEADLINE, FailureKind.MOVED, FailureKind.ELSEWHERE,
+                    FailureKind.EMBEDDINGS_LOST):
             return None
         if self is FailureKind.KV_SEND_FAILED:
             return "decode"
@@ -82,6 +88,7 @@ _KIND_OF_REASON = {
     ("prefill", pb.FAILURE_REASON_DRAINING): FailureKind.WORKER_GONE,
     ("decode", pb.FAILURE_REASON_LORA_UNAVAILABLE): FailureKind.ELSEWHERE,
     ("prefill", pb.FAILURE_REASON_LORA_UNAVAILABLE): FailureKind.ELSEWHERE,
+    ("prefill", pb.FAILURE_REASON_EMBEDDINGS_UNAVAILABLE): FailureKind.EMBEDDINGS_LOST,
 }
 
 

@@ -44,6 +44,7 @@ from proto.wire_versions import MAX_HELD_TEXT_TOKENS
 if TYPE_CHECKING:
     from coordinator.planning.planner_loop import PlannerLoop
     from coordinator.requests.draft_corpus import DraftCorpus
+    from coordinator.requests.encoding import ImageEncoding
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class RequestPipeline:
         self.attempts = AttemptRunner(client, registry, limits, first_token_timeout, self.metrics)
         self.planner: PlannerLoop | None = None  # with planner_config.enabled: told of every finished request
         self.drafts: DraftCorpus | None = None  # with speculative_config.enabled: hints out, finished outputs in
+        self.encoding: ImageEncoding | None = None  # images to encode workers, where there are any
         self.service = ServiceTimes()
 
     async def generate(self, request: GenerationRequest,
@@ -113,8 +115,13 @@ class RequestPipeline:
         deadline = request.arrived_at + timeout
         trace = GenerationTrace(self.metrics)
         ticket = request.ticket
+        # Its images go to encode workers now, while it waits its turn (encoding.py).
+        encoding = self.encoding.start(request) if self.encoding is not None else None
         try:
             await self._wait_turn(request, max_tokens, deadline, timeout, trace)
+            if encoding is not None:
+                request = await encoding.placed(request, trace)
+                encoding = None
             request = self._with_drafting(request)
             progress = Progress()
             if ticket is not None:
@@ -134,6 +141,8 @@ class RequestPipeline:
                 if live is not None and not live.finished:  # failed, or its client left
                     self.planner.abandoned(live)
         finally:
+            if encoding is not None:  # it left the line early
+                encoding.cancel()
             trace.finish()
 
     def _with_drafting(self, request: GenerationRequest) -> GenerationRequest:
@@ -251,6 +260,12 @@ class RequestPipeline:
                 last = failed
                 if not failed.retryable:
                     raise failed.error from None
+                if failed.embeddings_lost and any(m.encoder for m in request.media):
+                    self.encoding.counters.count("pull_failed", sum(1 for m in request.media if m.encoder))
+                    request = request.with_encoders({})  # once: the files now, on the same instances
+                    logger.warning("request %s: %s; sending the images' files instead", request.request_id,
+                                   failed.error.message)
+                    continue
                 if failed.rebalanced:  # not a failure: its own count, and the instance stays a candidate
                     moves, moved_off, migrating = moves + 1, failed.blame.address, True
                     self.metrics.rebalanced()

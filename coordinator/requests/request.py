@@ -50,6 +50,7 @@ class MediaInput:
     offset: int
     num_tokens: int
     source: str
+    encoder: str = ""  # the encode worker holding its encoder output (requests/encoding.py): pulled, not encoded
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,14 @@ class GenerationRequest:
         if generated:
             ids = ids + list(generated)
         return lora_cache_tokens(ids, self.lora.digest) if self.lora is not None else ids
+
+    def with_encoders(self, encoders: dict[int, str]) -> GenerationRequest:
+        """The request with each image in `encoders` (content hash → encode worker) named to be pulled from there;
+        an image left out keeps no encoder: its file is sent."""
+        if not self.media:
+            return self
+        media = tuple(dataclasses.replace(m, encoder=encoders.get(m.content_hash, "")) for m in self.media)
+        return dataclasses.replace(self, media=media) if media != self.media else self
 
     def continued(self, token_ids: list[int], attempt: int, held_text_tokens: int = 0) -> GenerationRequest:
         """The same request resumed on other workers after `token_ids` were already generated:

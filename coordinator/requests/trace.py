@@ -27,7 +27,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from telemetry import tracing
 
 PHASES = ("tokenize", "queue", "route", "decode_admission", "prefill", "prefill_queue", "prefill_forward",
-          "kv_transfer", "first_token", "decode")
+          "kv_transfer", "first_token", "decode", "encode")
+# encode: a request's images on encode workers, from its arrival in the line until its turn waited for them too
 # The phases that follow one another without overlap (prefill and its parts run inside first_token).
 SEQUENTIAL_PHASES = ("tokenize", "queue", "route", "decode_admission", "first_token", "decode")
 

@@ -220,6 +220,11 @@ class KvIndex:
             mask ^= low
 
     # inspection ------------------------------------------------------------------------------------------
+    def holders(self, key: int) -> list[str]:
+        """The instances whose pool holds `key` (an encode worker's index: an image's content hash)."""
+        mask = self._holders.get(key, 0)
+        return [self._slots[slot].address for slot in range(mask.bit_length()) if mask >> slot & 1]
+
     def blocks_of(self, address: str, medium: str = "pool") -> int:
         holder = self._by_address.get(address)
         return 0 if holder is None else len(holder.blocks if medium == "pool" else holder.tier)

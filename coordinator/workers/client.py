@@ -17,8 +17,8 @@ import grpc
 
 from coordinator.requests.failures import CALL_DEADLINE_DETAILS, WorkerCallError, WorkerFailure
 from coordinator.workers.instances import ReportedLoad
-from coordinator.requests.request import FinishReason, GenerationRequest, MediaInput
-from kv_events.block_hash import hash_to_bytes
+from coordinator.requests.request import FinishReason, GenerationRequest
+from coordinator.workers.request_messages import add_draft_hints, hints_size, lora_to_pb, media_to_pb, sampling_to_pb
 from coordinator.workers.token_channels import TokenChannel, TokenChannels
 from kv_transfer.grpc_transport import GRPC_OPTIONS
 from proto import worker_pb2 as pb
@@ -30,6 +30,8 @@ from security.grpc_auth import ChannelCache, secret_metadata
 from security.secrets import SecretFile
 from security.tls import LinkTls
 
+HEALTH_STUBS = {"prefill": pb_grpc.PrefillServiceStub, "decode": pb_grpc.DecodeServiceStub,
+                "encode": pb_grpc.EncoderServiceStub}
 FINISH_FROM_PB = {
     pb.FINISH_REASON_EOS: FinishReason.EOS,
     pb.FINISH_REASON_STOP_STRING: FinishReason.STOP_STRING,
@@ -66,63 +68,6 @@ class HealthReport:
     load: ReportedLoad | None  # None: not read (a vLLM instance under a policy that does not route on load)
     draining: bool
     versions: WireVersions | None = None  # its release and wire formats (None: a vLLM instance, which has none)
-
-
-def sampling_to_pb(request: GenerationRequest, max_tokens: int) -> pb.SamplingParams:
-    s = request.sampling
-    guided = None
-    if s.guided is not None:
-        guided = pb.GuidedDecoding(grammar=s.guided.grammar, generated_token_ids=list(s.guided.generated))
-    return pb.SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed or 0,
-        has_seed=s.seed is not None,
-        max_tokens=max_tokens,
-        stop=list(s.stop),
-        skip_special_tokens=s.skip_special_tokens,
-        repetition_penalty=s.repetition_penalty,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        min_tokens=s.min_tokens,
-        include_stop_str_in_output=s.include_stop_str_in_output,
-        return_logprobs=s.logprobs is not None,
-        top_logprobs=s.logprobs or 0,
-        guided=guided,
-        logit_bias=dict(s.logit_bias),
-        typical_p=s.typical_p,
-        return_prompt_logprobs=s.prompt_logprobs is not None,
-        prompt_top_logprobs=s.prompt_logprobs or 0,
-    )
-
-
-def media_to_pb(media: tuple[MediaInput, ...], with_data: bool) -> list[pb.MediaItem]:
-    """A prompt's images as MediaItems: with their files for a prefill, identities only for a decode worker fed
-    by a transfer."""
-    return [pb.MediaItem(kind=m.kind, data=m.data if with_data else b"", content_hash=hash_to_bytes(m.content_hash),
-                         offset=m.offset, num_tokens=m.num_tokens, source=m.source) for m in media]
-
-
-def lora_to_pb(request: GenerationRequest) -> pb.LoraAdapter | None:
-    """The request's adapter as the workers load it (None: the base model, the field left out)."""
-    lora = request.lora
-    if lora is None:
-        return None
-    return pb.LoraAdapter(name=lora.name, path=lora.path, digest=hash_to_bytes(lora.digest))
-
-
-def add_draft_hints(message: pb.DecodeRequest, hints: tuple[bytes, ...]) -> None:
-    """Draft hints (each an encoded pb.DraftHint) added to a DecodeRequest."""
-    for hint in hints:
-        message.draft_hints.add().MergeFromString(hint)
-
-
-def hints_size(hints: tuple[bytes, ...]) -> int:
-    """What draft hints add to a DecodeRequest's size, at most (each a tag and a length before it)."""
-    return sum(len(hint) + 6 for hint in hints) if hints else 0
 
 
 def prefill_result_from_pb(reply: pb.PrefillResponse) -> PrefillResult:
@@ -394,8 +339,7 @@ class WorkerClient:
             reply = await ask_on_channel(token_channel, probe, pb.TokenChannelRequest(health=probe), "health",
                                          timeout, role)
             return report_from_pb(reply)
-        channel, stub = self._stub(
-            pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub, address)
+        channel, stub = self._stub(HEALTH_STUBS[role], address)
         try:
             reply = await stub.Health(pb.HealthRequest(), timeout=timeout, metadata=secret_metadata(self._secret))
         except grpc.aio.AioRpcError as exc:
@@ -403,6 +347,16 @@ class WorkerClient:
         except asyncio.CancelledError as exc:
             raise self._lost.instead(exc, channel, role, address) from None
         return report_from_pb(reply)
+
+    async def encode(self, address: str, request: pb.EncodeRequest, timeout: float) -> pb.EncodeResponse:
+        """Have the encode worker at `address` encode (or find cached) the request's images."""
+        channel, stub = self._stub(pb_grpc.EncoderServiceStub, address)
+        try:
+            return await stub.Encode(request, timeout=timeout, metadata=secret_metadata(self._secret))
+        except grpc.aio.AioRpcError as exc:
+            raise _call_error("encode", address, exc) from None
+        except asyncio.CancelledError as exc:
+            raise self._lost.instead(exc, channel, "encode", address) from None
 
     async def probe(self, address: str, role: str, timeout: float = 2.0) -> None:
         """A liveness check (the silence watch's): the Health answer, whose load comes with it at no extra cost."""

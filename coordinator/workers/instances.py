@@ -26,7 +26,8 @@ from typing import Protocol
 
 from proto.wire_versions import PREVIOUS, WireVersions
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "encode")
+KV_ROLES = ("prefill", "decode")  # the roles whose caches hold KV blocks (an encode worker's holds images)
 
 
 class InstanceState(enum.Enum):

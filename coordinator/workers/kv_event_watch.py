@@ -24,7 +24,7 @@ import logging
 
 import grpc
 
-from coordinator.workers.instances import ROLES, Instance, InstanceRegistry
+from coordinator.workers.instances import KV_ROLES, Instance, InstanceRegistry
 from coordinator.scheduling.kv_index import KvIndex
 from coordinator.workers.token_channels import TokenChannel
 from coordinator.workers.client import WorkerClient
@@ -45,13 +45,15 @@ class InstanceFollowers:
     """One task per routable instance that `_follows` says to follow, started as the pools admit the instance and
     cancelled as they evict it (its entries in `index` dropped); a subclass says how to follow one (`_follow`)."""
 
-    def __init__(self, index: KvIndex):
+    def __init__(self, index: KvIndex, roles: tuple[str, ...] = KV_ROLES):
         self.index = index
+        self.roles = roles  # whose instances it follows: KV caches, or encode workers' images
         self._tasks: dict[str, asyncio.Task] = {}
 
     def start(self, registry: InstanceRegistry) -> None:
-        """Follow every routable instance from now on (the pools admit and evict them as they change)."""
-        for role in ROLES:
+        """Follow every routable instance of its roles from now on (the pools admit and evict them as they
+        change)."""
+        for role in self.roles:
             registry.pool(role).watch(self)
 
     async def stop(self) -> None:
@@ -90,8 +92,8 @@ class KvEventWatch(InstanceFollowers):
     """One subscription per routable worker, fed into `index` (life cycle above)."""
 
     def __init__(self, index: KvIndex, client: WorkerClient, retry_s: float = RETRY_S,
-                 max_retry_s: float = MAX_RETRY_S):
-        super().__init__(index)
+                 max_retry_s: float = MAX_RETRY_S, roles: tuple[str, ...] = KV_ROLES):
+        super().__init__(index, roles)
         self.client = client
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s

@@ -15,11 +15,11 @@ from coordinator.apis.tgi import TgiRequest
 from coordinator.apis.triton import TritonGenerateRequest
 from coordinator.apis.vllm_native import VllmGenerateRequest
 from coordinator.requests.request import GenerationRequest, SamplingOptions
-from coordinator.workers.client import sampling_to_pb
+from coordinator.workers.request_messages import sampling_to_pb
 from proto import worker_pb2 as pb
 from proto.sampling import DEFAULT_SAMPLING, SamplingRules
 from worker.engine.sequence import SamplingParams
-from worker.service.servicers import sampling_from_pb
+from worker.service.request_checks import sampling_from_pb
 
 SHARED = [f.name for f in dataclasses.fields(SamplingRules)]
 

@@ -13,7 +13,7 @@ from proto.token_channel import (ChannelState, FrameReader, TokenRecords, encode
                                  token_record)
 from worker.engine.sequence import StopCause, TokenLogprobs, TokenOutput
 from worker.engine.errors import InvalidRequest
-from worker.service.servicers import MAX_TOP_LOGPROBS, checked_sampling
+from worker.service.request_checks import MAX_TOP_LOGPROBS, checked_sampling
 from worker.service.token_events import relayed
 from worker.service.token_channel import CoordinatorConnection, TokenChannelListener
 

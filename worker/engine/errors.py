@@ -18,5 +18,10 @@ class SequencePreempted(Exception):
     coordinator continues it on other workers."""
 
 
+class EmbeddingsUnavailable(Exception):
+    """An image's encoder output could not be pulled from the encode worker the coordinator named (gone, evicted
+    since, or a stream refused): the coordinator sends the image's file instead."""
+
+
 class RequestFailed(Exception):
     """The worker failed the request itself (a forward raised)."""

@@ -28,6 +28,7 @@ class MediaSpan:
     num_tokens: int
     data: bytes = b""
     source: str = ""  # the client's field it came from, for error messages
+    encoder: str = ""  # the encode worker holding its encoder output (pulled instead of encoding `data`)
 
     @property
     def end(self) -> int:
@@ -40,7 +41,8 @@ class MediaSpan:
 
 def spans_from_pb(items: Sequence, prompt_len: int, with_data: bool) -> tuple[MediaSpan, ...]:
     """A request's MediaItems, checked: known kinds, 16-byte hashes, in prompt order inside the prompt without
-    overlapping; with `with_data`, each carries the file its hash names."""
+    overlapping; with `with_data`, each carries the file its hash names, or names the encode worker holding its
+    encoder output."""
     spans: list[MediaSpan] = []
     for i, item in enumerate(items):
         where = item.source or f"media.{i}"
@@ -54,6 +56,10 @@ def spans_from_pb(items: Sequence, prompt_len: int, with_data: bool) -> tuple[Me
                                  f"be non-empty, after the previous item's (from {low}) and inside the prompt of "
                                  f"{prompt_len} tokens")
         content_hash = hash_from_bytes(item.content_hash)
+        if with_data and item.encoder and not item.data:
+            spans.append(MediaSpan(item.kind, content_hash, item.offset, item.num_tokens, b"", item.source,
+                                   item.encoder))
+            continue
         if with_data and media_content_hash(item.data) != content_hash:
             raise InvalidRequest(f"{where}: its data does not match its content_hash" if item.data
                                  else f"{where}: the {item.kind}'s data is missing")

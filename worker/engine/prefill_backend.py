@@ -14,6 +14,7 @@ from worker.engine.errors import DuplicateRequestError, InvalidRequest
 from worker.engine.kv_budget import KvAdmission, KvBudget
 from worker.engine.load import WorkerLoad
 from kv_events.block_hash import lora_cache_tokens
+from kv_transfer.embeddings import EmbeddingsShape
 from worker.engine.lora import LoadedLora, LoraResidency
 from worker.engine.media import MediaSpan, cache_token_ids, refuse_media
 from worker.engine.messages import PrefillEvent
@@ -114,12 +115,18 @@ class PrefillBackend(abc.ABC):
         """Raise InvalidRequest if this backend cannot honour `sampling`; may compile a grammar, so the
         servicer calls it off the event loop."""
 
-    def prepare_media(self, media: tuple[MediaSpan, ...]) -> Any:
-        """What the forwards need of `media` (decoded and preprocessed images); InvalidRequest unless this backend's
-        model can take them (each item decodes and fits its span). Called off the event loop; a text model takes
-        none."""
+    def prepare_media(self, media: tuple[MediaSpan, ...], pulled: dict[int, bytearray] | None = None) -> Any:
+        """What the forwards need of `media` (decoded and preprocessed images, and the encoder outputs `pulled`
+        from encode workers by content hash); InvalidRequest unless this backend's model can take them (each item
+        decodes and fits its span). Called off the event loop; a text model takes none."""
         refuse_media(media, self.model_name)
         return None
+
+    def embeddings_wanted(self, media: tuple[MediaSpan, ...]) -> list[tuple[MediaSpan, EmbeddingsShape]]:
+        """The items naming an encode worker whose output this worker does not hold, each with the shape its model
+        takes (what to pull); InvalidRequest for a model that takes no media."""
+        refuse_media(media, self.model_name)
+        return []
 
     @abc.abstractmethod
     def kv_layout(self, job: PrefillJob) -> KvLayout:

@@ -10,7 +10,8 @@ import grpc
 from kv_transfer.base import KvTransferError
 from proto import worker_pb2 as pb
 from proto.failure_reason import reason_metadata
-from worker.engine.errors import DuplicateRequestError, InvalidRequest, RequestFailed, SequencePreempted
+from worker.engine.errors import (DuplicateRequestError, EmbeddingsUnavailable, InvalidRequest, RequestFailed,
+                                  SequencePreempted)
 from worker.engine.kv_budget import KvCapacityError
 from worker.engine.lora import LoraUnavailable
 
@@ -22,11 +23,13 @@ STATUS_CODES: dict[type[Exception], grpc.StatusCode] = {
     RequestFailed: grpc.StatusCode.INTERNAL,
     SequencePreempted: grpc.StatusCode.ABORTED,
     LoraUnavailable: grpc.StatusCode.UNAVAILABLE,  # this worker cannot load the adapter: another may
+    EmbeddingsUnavailable: grpc.StatusCode.FAILED_PRECONDITION,  # the encode worker's fault: the file instead
 }
 # What the code alone leaves open for the coordinator: DATA_LOSS from a KV stream says the prefill side is at fault.
 FAILURE_REASONS: dict[type[Exception], int] = {KvTransferError: pb.FAILURE_REASON_KV_CORRUPT,
                                                SequencePreempted: pb.FAILURE_REASON_PREEMPTED,
-                                               LoraUnavailable: pb.FAILURE_REASON_LORA_UNAVAILABLE}
+                                               LoraUnavailable: pb.FAILURE_REASON_LORA_UNAVAILABLE,
+                                               EmbeddingsUnavailable: pb.FAILURE_REASON_EMBEDDINGS_UNAVAILABLE}
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:

@@ -9,7 +9,8 @@ from security.settings import AuthConfig, TlsConfig
 from worker.engine.speculative.config import SpeculativeConfig
 from worker.simulated.cost_model import CostModel, KvShape
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode")  # a role switch's; an encode worker keeps its role
+ALL_ROLES = (*ROLES, "encode")
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class ModelBackend:
     dtype: str = "auto"
     device: str = "auto"  # auto: the first CUDA device when there is one, else the CPU
     threads: int | None = None  # torch intra-op threads; None: torch's default (one per core)
-    encoder_cache_images: int = 32  # a vision-language model's encoder outputs kept by image content hash; 0: off
+    # a vision-language model's encoder outputs kept by image content hash; 0: off; None: 32, 256 on an encode worker
+    encoder_cache_images: int | None = None
     max_loras: int | None = None  # LoRA adapters resident at once; None: 4 on a text model, 0 on a vision one
     max_lora_rank: int = 16  # the largest adapter rank it loads
     attention: str = "auto"  # kernel | torch | auto (model_runner.resolve_attention)
@@ -56,6 +58,7 @@ class WorkerOptions:
     max_prefill_tokens: int = 2048
     max_prefill_batch_size: int = 16
     max_running: int = 64
+    max_encode_batch_images: int = 16  # encode: images of concurrent requests in one vision forward
     kv_data_port: int = 0  # decode: raw-TCP KV receiver port; 0 picks one, -1 disables (gRPC PushKv only)
     # the token channel listener (a decode worker's carries coordinators' decode requests and their tokens, one
     # frame per step; a prefill worker's their prefills); 0 picks one, -1 disables (a gRPC call per request)
@@ -72,8 +75,10 @@ class WorkerOptions:
     auth: AuthConfig = field(default_factory=AuthConfig)  # the worker secret and registration token files
 
     def __post_init__(self):
-        if self.role not in ROLES:
-            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if self.role not in ALL_ROLES:
+            raise ValueError(f"role must be one of {', '.join(ALL_ROLES)}, got {self.role!r}")
+        if self.max_encode_batch_images < 1:
+            raise ValueError(f"--max-encode-batch-images must be >= 1, got {self.max_encode_batch_images}")
         if self.kv_tier_gb < 0:
             raise ValueError(f"--kv-tier-gb must be >= 0, got {self.kv_tier_gb}")
         if self.kv_tier_gb and isinstance(self.backend, ModelBackend) and not self.kv_tier_dir:

@@ -25,6 +25,8 @@ from worker.engine.decode_backend import DecodeBackend
 from worker.engine.prefill_backend import PrefillBackend
 from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate
+from worker.service.embedding_pull import EmbeddingPuller
+from worker.service.encoder_servicer import EncoderServicer
 from worker.service.kv_event_log import KvEventLog, KvEventsServicer
 from worker.service.kv_peer import KvPeerServicer, PeerPuller
 from worker.service.lifecycle import ProcessPorts, serve_until_stopped
@@ -109,15 +111,21 @@ async def _serve_round(options: WorkerOptions, trust: WorkerTrust, engine, ports
     # Every coordinator this worker serves follows its prefix cache, on a token channel or a Watch stream.
     kv_events = KvEventLog(engine.pool, options.role, asyncio.get_running_loop())
     pb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events), server)
-    pb_grpc.add_KvPeerServicer_to_server(KvPeerServicer(engine, options.kv_chunk_bytes, metrics), server)
+    if options.role != "encode":  # an encode worker's cache holds images, not KV blocks
+        pb_grpc.add_KvPeerServicer_to_server(KvPeerServicer(engine, options.kv_chunk_bytes, metrics), server)
     gate.on_drain(kv_events.close)
     closers = []
-    if options.role == "prefill":
+    if options.role == "encode":
+        pb_grpc.add_EncoderServiceServicer_to_server(EncoderServicer(engine, metrics, gate, options.kv_chunk_bytes),
+                                                     server)
+    elif options.role == "prefill":
         grpc_sender = GrpcKvSender(chunk_bytes=options.kv_chunk_bytes, timeout_s=options.kv_lease_timeout_s,
                                    tls=trust.grpc_client)
         tcp_sender = TcpKvSender(options.kv_chunk_bytes, tls=trust.kv_client)
         puller = PeerPuller(engine, grpc_sender.channels, trust.worker_secret, metrics, options.kv_trans_timeout_s)
-        servicer = PrefillServicer(engine, grpc_sender, tcp_sender, options.kv_lease_timeout_s, metrics, gate, puller)
+        embeddings = EmbeddingPuller(grpc_sender.channels, trust.worker_secret, metrics, options.kv_trans_timeout_s)
+        servicer = PrefillServicer(engine, grpc_sender, tcp_sender, options.kv_lease_timeout_s, metrics, gate, puller,
+                                   embeddings)
         await open_token_channels(servicer, "prefill", options, trust, closers, kv_events)
         pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
         closers.append(grpc_sender.close)

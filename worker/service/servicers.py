@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
 
 import grpc
 
@@ -21,18 +20,15 @@ from kv_transfer.wire import KV_LAYOUT_VERSION, header, layout_mismatch, make_tr
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
 from proto.failure_reason import reason_metadata
-from proto.sampling import DEFAULT_SAMPLING
 from proto.wire_versions import MAX_HELD_TEXT_TOKENS, add_to_health
 from worker.engine.decode_backend import DecodeBackend, DecodeHandle
-from worker.engine.errors import InvalidRequest
 from worker.engine.load import WorkerLoad
-from worker.engine.lora import LoadedLora, lora_from_pb, refuse_lora
-from worker.engine.media import MediaSpan, spans_from_pb
 from worker.engine.messages import KvLayerReady, PrefillDone, PrefillEvent, PrefillFailed
 from worker.engine.prefill_backend import PrefillBackend, PrefillJob
-from worker.engine.sequence import SamplingParams
 from worker.metrics import WorkerMetrics
 from worker.service.drain import DrainGate, refuse_if_draining
+from worker.service.embedding_pull import EmbeddingPuller
+from worker.service.request_checks import checked_lora, checked_media, checked_sampling
 from worker.service.kv_peer import PeerPuller
 from worker.service.errors import abort_with, engine_errors_as_status
 from worker.service.request_spans import (DecodeTimes, PrefillTimes, failure_text, record_decode, record_prefill,
@@ -45,72 +41,6 @@ MAX_DRAFT_HINTS = 16
 MAX_DRAFT_HINT_TOKENS = 8192
 
 logger = logging.getLogger(__name__)
-
-def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_p=msg.top_p or DEFAULT_SAMPLING.top_p,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.has_seed else None,
-        max_tokens=msg.max_tokens,
-        stop=tuple(msg.stop),
-        skip_special_tokens=msg.skip_special_tokens,
-        repetition_penalty=msg.repetition_penalty or DEFAULT_SAMPLING.repetition_penalty,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        min_tokens=msg.min_tokens,
-        include_stop_str_in_output=msg.include_stop_str_in_output,
-        return_logprobs=msg.return_logprobs,
-        top_logprobs=msg.top_logprobs,
-        grammar=msg.guided.grammar if msg.HasField("guided") else None,
-        grammar_generated=tuple(msg.guided.generated_token_ids),
-        logit_bias=tuple(sorted(msg.logit_bias.items())),
-        typical_p=msg.typical_p or DEFAULT_SAMPLING.typical_p,
-        prompt_logprobs=msg.prompt_top_logprobs if msg.return_prompt_logprobs else None,
-    )
-
-
-MAX_TOP_LOGPROBS = 20  # alternatives per position a request may ask for (worker.proto)
-
-
-async def checked_sampling(engine: PrefillBackend | DecodeBackend, msg: pb.SamplingParams) -> SamplingParams:
-    """The request's sampling rules once its backend accepts them (InvalidRequest otherwise); a grammar is
-    compiled on a thread, so neither the event loop nor the engine waits for it."""
-    sampling = sampling_from_pb(msg)
-    for name, count in (("top_logprobs", sampling.top_logprobs), ("prompt_top_logprobs", sampling.prompt_logprobs)):
-        if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
-            raise InvalidRequest(f"{name}={count} must be in [0, {MAX_TOP_LOGPROBS}]")
-    if sampling.grammar is None:
-        engine.check_sampling(sampling)
-    else:
-        await asyncio.to_thread(engine.check_sampling, sampling)
-    return sampling
-
-
-async def checked_media(engine: PrefillBackend | DecodeBackend, items, prompt_len: int,
-                        with_data: bool) -> tuple[tuple[MediaSpan, ...], Any]:
-    """The request's media once its backend takes them (InvalidRequest otherwise), and what it made of them; with
-    their data, they are decoded and preprocessed on a thread."""
-    media = spans_from_pb(items, prompt_len, with_data)
-    if media and with_data:
-        return media, await asyncio.to_thread(engine.prepare_media, media)
-    return media, None
-
-
-async def checked_lora(engine: PrefillBackend | DecodeBackend, msg: pb.LoraAdapter) -> LoadedLora | None:
-    """The request's adapter pinned on this worker (loaded first when needed, waiting while every place is
-    pinned); None for the base model. InvalidRequest when this backend serves none, LoraUnavailable when this
-    worker cannot load it. The caller releases it (the backend's `release`, or `loras.release` if it never got
-    there)."""
-    ref = lora_from_pb(msg)
-    if ref is None:
-        return None
-    if engine.loras is None:
-        refuse_lora(ref, "this worker (started with --max-loras 0, or a simulated one)")
-    return await engine.loras.acquire(ref)
-
 
 def load_to_pb(load: WorkerLoad, draining: bool) -> pb.HealthResponse:
     health = pb.HealthResponse(
@@ -186,9 +116,11 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
     """Prefill, then push the KV cache to the decode worker the coordinator chose."""
 
     def __init__(self, engine: PrefillBackend, grpc_sender: GrpcKvSender, tcp_sender: TcpKvSender,
-                 lease_timeout_s: float, metrics: WorkerMetrics, gate: DrainGate, puller: PeerPuller | None = None):
+                 lease_timeout_s: float, metrics: WorkerMetrics, gate: DrainGate, puller: PeerPuller | None = None,
+                 embeddings: EmbeddingPuller | None = None):
         self.engine = engine
         self.puller = puller
+        self.embeddings = embeddings  # images' encoder outputs from encode workers
         self.token_channel_address = ""  # its token channel listener, named in every answer once it listens
         self.grpc_sender = grpc_sender
         self.tcp_sender = tcp_sender
@@ -234,7 +166,8 @@ class PrefillServicer(AnswersHealth, pb_grpc.PrefillServiceServicer):
             await self.puller.pull(request)  # into the prefix cache, where the prefill below finds them
         async with engine_errors_as_status(context):
             sampling = await checked_sampling(self.engine, request.sampling)
-            media, prepared = await checked_media(self.engine, request.media, len(request.prompt_token_ids), True)
+            media, prepared = await checked_media(self.engine, request.media, len(request.prompt_token_ids), True,
+                                                  self.embeddings, request.request_id)
             lora = await checked_lora(self.engine, request.lora)
             try:
                 job = await self.engine.submit(request.request_id, list(request.prompt_token_ids), sampling,

@@ -12,6 +12,7 @@ from proto import worker_pb2 as pb
 SERVICES_OF_ROLE = {  # the pdserve services a worker of each role serves, by their full names
     "prefill": ("PrefillService", "KvEvents"),
     "decode": ("DecodeService", "KvReceiver", "KvEvents"),
+    "encode": ("EncoderService", "KvEvents"),
 }
 
 

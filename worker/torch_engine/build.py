@@ -21,16 +21,23 @@ def paged_pool(runner: ModelRunner, tokens: int, block_size: int = 16, prefix_ca
     return runner.block_pool
 
 
-def build_engine(options, runner: ModelRunner | None = None) -> PrefillEngine | DecodeEngine:
+def build_engine(options, runner: ModelRunner | None = None):
     """`options` is a WorkerOptions whose backend is a ModelBackend; `runner`, the model a role switch keeps (its
-    KV cache is allocated again), else the checkpoint is loaded."""
+    KV cache is allocated again), else the checkpoint is loaded. An encode worker's EncodeEngine loads the vision
+    tower alone."""
     if options.backend.threads:
         import torch
 
         torch.set_num_threads(options.backend.threads)
     backend = options.backend
+    if options.role == "encode":
+        from worker.torch_engine.encode_engine import EncodeEngine
+
+        return EncodeEngine(backend.model_dir, backend.dtype, backend.device, backend.encoder_cache_images,
+                            options.max_encode_batch_images)
     if runner is None:
-        runner = ModelRunner(backend.model_dir, backend.dtype, backend.device, backend.encoder_cache_images,
+        cache_images = 32 if backend.encoder_cache_images is None else backend.encoder_cache_images
+        runner = ModelRunner(backend.model_dir, backend.dtype, backend.device, cache_images,
                              backend.max_loras, backend.max_lora_rank, backend.attention)
     tokens = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token(), runner.device.type)
     pool = paged_pool(runner, tokens, options.block_size, options.prefix_caching)

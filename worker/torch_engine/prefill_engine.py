@@ -50,8 +50,11 @@ class PrefillEngine(PrefillBackend):
     def check_sampling(self, sampling: SamplingParams) -> None:
         self.guidance.check(sampling)
 
-    def prepare_media(self, media):
-        return self.runner.prepare_media(media)
+    def prepare_media(self, media, pulled=None):
+        return self.runner.prepare_media(media, pulled)
+
+    def embeddings_wanted(self, media):
+        return self.runner.embeddings_wanted(media)
 
     def kv_layout(self, job: PrefillJob) -> KvLayout:
         # An unsupported dtype keeps its torch name, which the stream header refuses.

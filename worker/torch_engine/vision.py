@@ -25,20 +25,29 @@ from dataclasses import dataclass, field
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from worker.engine.errors import InvalidRequest
+from kv_events.block_hash import ROOT_HASH
+from kv_transfer.codec import DTYPE_NAMES
+from kv_transfer.embeddings import EmbeddingsShape
+from worker.engine.errors import EmbeddingsUnavailable, InvalidRequest
 from worker.engine.media import MediaSpan
 
 IMAGE_FORMATS = ("JPEG", "PNG")
 
 
 class EncoderCache:
-    """Vision tower outputs by content hash, least recently used dropped first; 0 entries = off."""
+    """Vision tower outputs by content hash, least recently used dropped first; 0 entries = off. On an encode worker
+    its changes are KV events (`registered_blocks`, a `listener`, as the block pool's), one per image."""
+
+    block_size = 1  # an event stands for one image, whatever its rows
 
     def __init__(self, max_items: int):
         self.max_items = max_items
         self._items: OrderedDict[int, torch.Tensor] = OrderedDict()
         self.hits = 0
         self.misses = 0
+        self.listener = None  # a KvEventLog: hears of every image stored and removed
+        self.tier = None  # no KV tier behind it
+        self._lock = threading.Lock()  # a snapshot (the event loop) against a put (an engine thread)
 
     def get(self, content_hash: int) -> torch.Tensor | None:
         found = self._items.get(content_hash)
@@ -49,16 +58,36 @@ class EncoderCache:
         self.hits += 1
         return found
 
+    def peek(self, content_hash: int) -> torch.Tensor | None:
+        """The output held for `content_hash`, neither counted as a lookup nor made more recent (a peer's pull)."""
+        return self._items.get(content_hash)
+
     def put(self, content_hash: int, features: torch.Tensor) -> None:
         if self.max_items <= 0:
             return
-        self._items[content_hash] = features
-        self._items.move_to_end(content_hash)
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
+        with self._lock:
+            if content_hash not in self._items and self.listener is not None:
+                self.listener.stored(content_hash, ROOT_HASH, features.shape[0])
+            self._items[content_hash] = features
+            self._items.move_to_end(content_hash)
+            while len(self._items) > self.max_items:
+                evicted, _ = self._items.popitem(last=False)
+                if self.listener is not None:
+                    self.listener.removed(evicted)
+
+    def registered_blocks(self, listener=None) -> list[tuple[int, int, int]]:
+        """(hash, parent, medium) of every image held, as KvEventLog's snapshot reads a block pool's; with
+        `listener`, it hears of every change from now on (one atomic step, as the block pool's)."""
+        with self._lock:
+            if listener is not None:
+                self.listener = listener
+            return [(h, ROOT_HASH, 0) for h in self._items]
 
     def __contains__(self, content_hash: int) -> bool:
         return content_hash in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def decode_image(span: MediaSpan) -> Image.Image:
@@ -102,10 +131,27 @@ class VisionEncoder:
         counted = self.processor._get_num_multimodal_tokens(image_sizes=[(image.height, image.width)])
         return int(counted["num_image_tokens"][0])
 
-    def prepare(self, media: Sequence[MediaSpan]) -> PreparedMedia:
-        """Decode and preprocess every image the encoder cache lacks; InvalidRequest for a bad one."""
+    @property
+    def embeddings_dtype(self) -> str:
+        return DTYPE_NAMES.get(self.model.dtype, str(self.model.dtype))
+
+    def shape_for(self, span: MediaSpan) -> EmbeddingsShape:
+        """The encoder output this model takes for `span`: a row per placeholder, the language model's width."""
+        return EmbeddingsShape(span.num_tokens, self.model.config.get_text_config().hidden_size,
+                               self.embeddings_dtype)
+
+    def wanted(self, media: Sequence[MediaSpan]) -> list[tuple[MediaSpan, EmbeddingsShape]]:
+        """Items naming an encode worker whose output the cache lacks, with their shapes (what to pull)."""
+        return [(span, self.shape_for(span)) for span in media if span.encoder and span.content_hash not in self.cache]
+
+    def prepare(self, media: Sequence[MediaSpan], pulled: dict[int, bytearray] | None = None) -> PreparedMedia:
+        """Decode and preprocess every image the encoder cache lacks, and take the outputs `pulled` from encode
+        workers (kept in the cache too); InvalidRequest for a bad one."""
         prepared = PreparedMedia()
         for span in media:
+            if span.encoder:
+                prepared.features[span.content_hash] = self._adopt(span, (pulled or {}).get(span.content_hash))
+                continue
             with self._lock:
                 if span.content_hash in self.cache or span.content_hash in prepared.pixels:
                     continue
@@ -120,6 +166,22 @@ class VisionEncoder:
                                      f"prompt holds {span.num_tokens} placeholders for it")
             prepared.pixels[span.content_hash] = pixels
         return prepared
+
+    def _adopt(self, span: MediaSpan, data: bytearray | None) -> torch.Tensor:
+        """A pulled output as this model's tensor (its shape was checked on receipt), cached; without `data`, the
+        cache's (held when the pull was planned)."""
+        if data is None:
+            with self._lock:
+                held = self.cache.get(span.content_hash)
+            if held is None:
+                raise EmbeddingsUnavailable(f"{span.name}: its embeddings were dropped from this worker's cache "
+                                            "before its forward")
+            return held
+        shape = self.shape_for(span)
+        features = torch.frombuffer(data, dtype=self.model.dtype).view(shape.rows, shape.hidden).to(self.device)
+        with self._lock:
+            self.cache.put(span.content_hash, features)
+        return features
 
     def _pixels(self, image: Image.Image) -> torch.Tensor:
         return self.image_processor(images=[image], return_tensors="pt")["pixel_values"]

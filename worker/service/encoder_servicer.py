@@ -1,0 +1,56 @@
+"""EncoderServicer: an encode worker's gRPC side (EncoderService): Encode calls onto the engine, its cached outputs
+streamed to the prefill workers that pull them (kv_transfer/embeddings.py), Health."""
+
+from __future__ import annotations
+
+import grpc
+
+from kv_events.block_hash import hash_from_bytes, hash_to_bytes
+from kv_transfer.codec import tensor_bytes
+from kv_transfer.embeddings import EMBEDDING_CHUNK_BYTES, embeddings_messages
+from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
+from worker.engine.media import spans_from_pb
+from worker.service.drain import DrainGate, refuse_if_draining
+from worker.service.errors import engine_errors_as_status
+from worker.service.servicers import AnswersHealth
+
+
+class EncoderServicer(AnswersHealth, pb_grpc.EncoderServiceServicer):
+    """Protobuf ↔ the EncodeEngine (worker/torch_engine/encode_engine.py)."""
+
+    def __init__(self, engine, metrics, gate: DrainGate, chunk_bytes: int = EMBEDDING_CHUNK_BYTES):
+        self.engine = engine
+        self.metrics = metrics
+        self.gate = gate
+        self.chunk_bytes = min(chunk_bytes, EMBEDDING_CHUNK_BYTES)
+
+    async def Encode(self, request: pb.EncodeRequest, context: grpc.aio.ServicerContext) -> pb.EncodeResponse:
+        await refuse_if_draining(self.gate, context)
+        with self.gate.request():
+            async with engine_errors_as_status(context):
+                # Items come in prompt order; the prompt itself stays with the coordinator.
+                prompt_len = max((item.offset + item.num_tokens for item in request.media), default=0)
+                media = spans_from_pb(request.media, prompt_len, with_data=True)
+                outputs = await self.engine.encode(media)
+        reply = pb.EncodeResponse()
+        for span, (features, cached) in zip(media, outputs):
+            self.metrics.encoded_images.labels("cached" if cached else "encoded").inc()
+            reply.items.add(content_hash=hash_to_bytes(span.content_hash), rows=features.shape[0],
+                            hidden=features.shape[1], cached=cached)
+        return reply
+
+    async def PullEmbeddings(self, request: pb.PullEmbeddingsRequest, context: grpc.aio.ServicerContext):
+        features = self.engine.held(hash_from_bytes(request.content_hash)) if len(request.content_hash) == 16 else None
+        if features is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "this encode worker does not hold that image's output "
+                                "(never encoded here, or evicted since)")
+        rows, hidden = features.shape
+        data = tensor_bytes(features.contiguous().cpu())
+        sent = 0
+        for message in embeddings_messages(request.content_hash, rows, hidden, self.engine.vision.embeddings_dtype,
+                                           data, self.chunk_bytes):
+            sent += len(message.chunk.data)
+            yield message
+        self.metrics.embedding_pulls.labels("served").inc()
+        self.metrics.embedding_bytes.labels("sent").inc(sent)
