@@ -186,10 +186,10 @@ class PlannerCollector:
                                     labels=["role"])
         current = GaugeMetricFamily("pdserve_planner_current_instances", "Routable instances of the role, as the "
                                     "planner counts them.", labels=["role"])
-        for role, count in zip(("prefill", "decode"), planner.current()):
+        for role, count in planner.describe_counts("current").items():
             current.add_metric([role], count)
         if planner.deciding and planner.damper.desired is not None:
-            for role, count in zip(("prefill", "decode"), planner.damper.desired):
+            for role, count in planner.describe_counts("desired").items():
                 desired.add_metric([role], count)
         decisions = CounterMetricFamily("pdserve_planner_decisions", "Planner decisions by reason: meets_slo, "
                                         "best_effort, warming_up, cannot_simulate, or held (new counts waiting on the "

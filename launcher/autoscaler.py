@@ -6,7 +6,8 @@ Every tick, once the last actions are done, one kind of action moves the workers
   2. Both under (or one under, the other right): start the workers short, up to --max-workers.
   3. One role over, the other not under: stop its least busy worker (SIGTERM: it deregisters and drains first),
      one at a time.
-Never below one worker of a role. An action is done when the coordinator lists the worker in its new role (a
+Encode workers (`--encoders`, the planner's `encode` count) are started and stopped, never switched: their model
+part is another. Never below one worker of a role. An action is done when the coordinator lists the worker in its new role (a
 start or a switch) or its process has exited (a stop); one not done within ACTION_TIMEOUT_S is given up.
 """
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from launcher.supervisor import Child, Supervisor
 from worker.service.options import ROLES
 
+SCALED_ROLES = (*ROLES, "encode")
 logger = logging.getLogger(__name__)
 
 ACTION_TIMEOUT_S = 180.0
@@ -47,18 +49,20 @@ def next_actions(desired: dict, workers: dict[Child, str], listed: dict, max_wor
     """The actions of one tick (the module docstring's rules): (kind, child or None, role), where role is the role
     a switched or started worker ends in, or the one a stopped worker leaves. `listed`: role -> address -> the
     coordinator's entry (GET /v1/instances)."""
+    roles = [role for role in SCALED_ROLES if role in desired]
     by_role = {role: [c for c, r in workers.items() if r == role and c.ready_at is not None
-                      and c.address in listed[role]] for role in ROLES}
-    have = {role: sum(1 for r in workers.values() if r == role) for role in ROLES}
-    short = {role: desired[role] - have[role] for role in ROLES}
-    over = [role for role in ROLES if short[role] < 0 and have[role] > 1]
-    under = [role for role in ROLES if short[role] > 0]
+                      and c.address in listed.get(role, {})] for role in roles}
+    have = {role: sum(1 for r in workers.values() if r == role) for role in roles}
+    short = {role: desired[role] - have[role] for role in roles}
+    over = [role for role in roles if short[role] < 0 and have[role] > 1]
+    under = [role for role in roles if short[role] > 0]
 
     def least_busy(role: str) -> list[Child]:
         return sorted(by_role[role], key=lambda c: listed[role][c.address].get("outstanding_requests", 0))
 
-    if over and under and by_role[over[0]]:
-        source, target = over[0], under[0]
+    switch_over, switch_under = [r for r in over if r in ROLES], [r for r in under if r in ROLES]
+    if switch_over and switch_under and by_role[switch_over[0]]:
+        source, target = switch_over[0], switch_under[0]
         count = min(-short[source], short[target], have[source] - 1)
         return [("switch", child, target) for child in least_busy(source)[:count]]
     if under and len(workers) < max_workers:
@@ -102,7 +106,7 @@ class LocalAutoscaler:
         except (OSError, ValueError) as exc:  # the coordinator restarting: the next tick tries again
             logger.warning("autoscale: cannot read the plan: %s", exc)
             return
-        listed = {role: {i["address"]: i for i in instances.get(role, [])} for role in ROLES}
+        listed = {role: {i["address"]: i for i in instances.get(role, [])} for role in SCALED_ROLES}
         self.pending = [action for action in self.pending if not self._done(action, listed)]
         if self.pending:
             return
@@ -159,5 +163,6 @@ class LocalAutoscaler:
 
     def _begin(self, kind: str, child: Child, role: str, what: str) -> None:
         self.pending.append(Action(kind, child, role, time.monotonic()))
-        counts = {r: sum(1 for x in self.workers.values() if x == r) for r in ROLES}
-        self.say(f"autoscale: {what} (workers: {counts['prefill']} prefill + {counts['decode']} decode)")
+        counts = {r: sum(1 for x in self.workers.values() if x == r) for r in SCALED_ROLES}
+        encoders = f" + {counts['encode']} encode" if counts["encode"] else ""
+        self.say(f"autoscale: {what} (workers: {counts['prefill']} prefill + {counts['decode']} decode{encoders})")

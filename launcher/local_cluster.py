@@ -314,12 +314,15 @@ def _run_autoscaled(options: ClusterOptions, supervisor: Supervisor, base: list[
         return Child(f"{role} worker {next(numbers)}", argv, WORKER_READY, on_ready=_pin_worker_port)
 
     workers = {new_worker(role): role for role, count in (("prefill", options.num_prefill),
-                                                          ("decode", options.num_decode)) for _ in range(count)}
+                                                          ("decode", options.num_decode),
+                                                          ("encode", options.num_encode)) for _ in range(count)}
     print(f"pdserve: starting {len(workers)} workers (autoscaled up to {options.most_workers()}) ...", flush=True)
     supervisor.start(list(workers))
     _wait_healthy(supervisor, coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
-    _start_encoders(options, supervisor, base, model_dir, security, coordinator)
     token = (security.run_dir / "registration-token").read_text().strip()
+    if options.num_encode:
+        wait_routable(supervisor, management, token, "encode", options.num_encode, START_TIMEOUT_S,
+                      security.client_ssl_context())
     scaler = LocalAutoscaler(supervisor, management, token, security.client_ssl_context(), new_worker, workers,
                              options.most_workers(), say)
     restart = _rolling_restart(supervisor, coordinator, config, security,
@@ -331,8 +334,7 @@ def _run_autoscaled(options: ClusterOptions, supervisor: Supervisor, base: list[
 
 def _start_encoders(options: ClusterOptions, supervisor: Supervisor, base: list[str], model_dir: str,
                     security: ClusterSecurity, coordinator: Child) -> None:
-    """--encoders N: encode workers registering with the coordinator, started and routable (the autoscaler and
-    the planner leave them be: their count is the operator's)."""
+    """--encoders N: encode workers registering with the coordinator, started and routable."""
     if not options.num_encode:
         return
     management = coordinator.announced[COORDINATOR_MANAGEMENT]

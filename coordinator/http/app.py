@@ -160,6 +160,8 @@ def create_app(config: CoordinatorConfig) -> web.Application:
         except ProfileError as exc:  # the message names the file
             raise ConfigError(f"planner_config: {exc}") from None
         metrics.watch_planner(state.planner)
+        if pipeline.encoding is not None:
+            pipeline.encoding.on_encoded = state.planner.encoded
     # vLLM instances take no draft hints (they draft from the request alone, if at all): no corpus for them.
     if config.speculative_config.enabled and engine != "vllm":
         pipeline.drafts = DraftCorpus(config.speculative_config, model.modelName)

@@ -19,6 +19,7 @@ from coordinator.requests.attempt import Progress
 from coordinator.requests.request import GenerationRequest
 from coordinator.requests.trace import GenerationTrace
 from coordinator.workers.instances import InstanceRegistry
+from planner.encoders import EncoderDemand
 from planner.live import LiveRequest, LiveWorkload
 from planner.online import REASONS, Damper, Decision, decide
 from planner.settings import PlannerConfig
@@ -40,6 +41,8 @@ class PlannerLoop:
         self.policy = "round_robin" if policy == "round_robin" else "load_balance"
         self.live = LiveWorkload(config)
         self.damper = Damper(config)
+        self.encoders = EncoderDemand(config)  # encode workers: counted apart (planner/encoders.py)
+        self.encode_desired: int | None = None
         self.last: Decision | None = None
         self.decided_at = 0.0
         self.decisions = {reason: 0 for reason in (*REASONS, "held")}
@@ -72,6 +75,10 @@ class PlannerLoop:
     def abandoned(self, live: LiveRequest) -> None:
         self.live.abandon(live)
 
+    def encoded(self, busy_s: float, images: int) -> None:
+        """An Encode call answered (requests/encoding.py): its time on the encode worker, the images it encoded."""
+        self.encoders.record(time.monotonic(), busy_s, images)
+
     # the decisions --------------------------------------------------------------------------------------------
     @property
     def deciding(self) -> bool:
@@ -80,6 +87,9 @@ class PlannerLoop:
 
     def current(self) -> tuple[int, int]:
         return len(self.registry.available("prefill")), len(self.registry.available("decode"))
+
+    def current_encoders(self) -> int:
+        return len(self.registry.available("encode"))
 
     def _kv_capacity(self) -> int:
         capacities = [i.reported.kv_capacity_tokens for i in self.registry.instances("decode")
@@ -100,13 +110,18 @@ class PlannerLoop:
             self.policy, shape == routable)
         self.last, self.decided_at = decision, time.time()
         changed = self.damper.offer(decision, now)
+        encoders = self.current_encoders()
+        encode_desired = self.encoders.decide(now, encoders, self.config.max_instances - sum(shape) - encoders)
+        if encode_desired != self.encode_desired and self.encode_desired is not None:
+            logger.info("planner: desired %d encode workers (now %d): %.2f busy over the last %gs", encode_desired,
+                        encoders, self.encoders.busy_share(now), self.config.window_s)
+        self.encode_desired = encode_desired or None
         held = not changed and self.damper.held(decision)
         self.decisions["held" if held else decision.reason] += 1
         if changed:
             prefill, decode = self.damper.desired
             entry = {"at": round(self.decided_at, 3), "prefill": prefill, "decode": decode,
-                     "current": dict(zip(("prefill", "decode"), self.current())), "reason": decision.reason,
-                     "message": decision.message}
+                     "current": self.describe_counts("current"), "reason": decision.reason, "message": decision.message}
             self.history.append(entry)
             logger.info("planner: desired %d prefill + %d decode (now %d + %d): %s", prefill, decode,
                         *self.current(), decision.message)
@@ -122,15 +137,24 @@ class PlannerLoop:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def describe_counts(self, which: str) -> dict[str, int]:
+        """The `current` (routable) or `desired` count of each role; encode only where there are encode workers."""
+        if which == "desired" and desired is None:
+            return {}
+        counts = dict(zip(("prefill", "decode"), self.current() if which == "current" else desired))
+        encoders = self.current_encoders()
+        if encoders or self.encode_desired:
+            counts["encode"] = encoders if which == "current" else self.encode_desired or 0
+        return counts
+
     def describe(self) -> dict:
         """GET /v1/plan."""
         decision = self.last
-        desired = self.damper.desired
         answer = {
             "enabled": True, "deciding": self.deciding,
             "slo": self.live.slo.model_dump(),
-            "current": dict(zip(("prefill", "decode"), self.current())),
-            "desired": None if desired is None else {"prefill": desired[0], "decode": desired[1]},
+            "current": self.describe_counts("current"),
+            "desired": self.describe_counts("desired") or None,
             "decisions": dict(self.decisions), "history": list(self.history),
             "profile_points": {"prefill": len(self.live.prefill_points), "decode": len(self.live.decode_points)},
         }

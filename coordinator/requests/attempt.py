@@ -247,11 +247,16 @@ class AttemptRunner:
                     prefill_task.exception()  # retrieved, so a failed prefill is never reported as unhandled
 
     def _in_formats(self, request: GenerationRequest, placement: Placement) -> GenerationRequest:
-        """The request as its decode worker reads it: draft hints only where the cluster writes decode requests
-        of version 2 (an older worker would drop them; a new format waits for the whole cluster)."""
-        prefill = placement.prefill
-        if any(m.encoder for m in request.media) and (prefill is None or prefill.versions.range("embeddings").newest < 1):
-            request = request.with_encoders({})  # a decode worker prefilling, or an older prefill worker: the files
+        """The request as its workers read it: draft hints only where the cluster writes decode requests of
+        version 2 (an older worker would drop them; a new format waits for the whole cluster); images named to an
+        encode worker only where it writes embeddings 1 (else, and to a decode worker prefilling, their files)."""
+        if any(m.encoder for m in request.media):
+            prefill = placement.prefill
+            embeddings = 0 if prefill is None or self.formats is None else self.formats.version_with(
+                "embeddings", prefill.versions)
+            self.metrics.wire_format("embeddings", embeddings)
+            if embeddings < 1:
+                request = request.with_encoders({})
         version = None
         if self.formats is not None:  # None: vLLM instances, or a pipeline built outside an app
             version = self.formats.version_with("decode_request", placement.decode.versions)

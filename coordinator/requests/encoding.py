@@ -68,6 +68,7 @@ class ImageEncoding:
         self.index = index
         self.timeout_s = timeout_s
         self.counters = counters or EncoderCounters()
+        self.on_encoded = None  # the planner's: each answered call's seconds and the images it encoded
 
     def start(self, request: GenerationRequest) -> EncodingCalls | None:
         """The request's images sent to encode workers; None when there is nothing to do."""
@@ -125,6 +126,7 @@ class EncodingCalls:
         tried: set[str] = set()
         while instance is not None:
             tried.add(instance.address)
+            started = time.monotonic()
             try:
                 reply = await self._call(instance, images)
             except WorkerCallError as exc:
@@ -140,8 +142,11 @@ class EncodingCalls:
                     return {}
                 instance = self.encoding.choose(images[0], tried)
                 continue
-            for item in reply.items:
-                self.encoding.counters.count("cached" if item.cached else "encoded")
+            encoded = sum(not item.cached for item in reply.items)
+            self.encoding.counters.count("encoded", encoded)
+            self.encoding.counters.count("cached", len(reply.items) - encoded)
+            if self.encoding.on_encoded is not None:
+                self.encoding.on_encoded(time.monotonic() - started if encoded else 0.0, encoded)
             return {image.content_hash: instance.address for image in images}
         return {}
 

@@ -100,8 +100,10 @@ class GenerationRequest:
         an image left out keeps no encoder: its file is sent."""
         if not self.media:
             return self
+        if all(m.encoder == encoders.get(m.content_hash, "") for m in self.media):
+            return self
         media = tuple(dataclasses.replace(m, encoder=encoders.get(m.content_hash, "")) for m in self.media)
-        return dataclasses.replace(self, media=media) if media != self.media else self
+        return dataclasses.replace(self, media=media)
 
     def continued(self, token_ids: list[int], attempt: int, held_text_tokens: int = 0) -> GenerationRequest:
         """The same request resumed on other workers after `token_ids` were already generated:

@@ -39,7 +39,7 @@ def coordinator_deployment(docs: list[dict]) -> dict:
 
 
 def worker_deployments(docs: list[dict]) -> list[dict]:
-    """The prefill and decode workers' Deployments: every Deployment but the coordinators'."""
+    """The prefill, decode and encode workers' Deployments: every Deployment but the coordinators'."""
     return [d for d in of_kind(docs, "Deployment").values()
             if d["spec"]["template"]["metadata"]["labels"]["role"] != "coordinator"]
 
@@ -190,7 +190,9 @@ def test_kubernetes_workers_register_with_the_coordinators_management_service(tm
     config = coordinator_config(docs)
     services = of_kind(docs, "Service")
     workers = worker_deployments(docs)
-    assert sorted(w["spec"]["template"]["metadata"]["labels"]["role"] for w in workers) == ["decode", "prefill"]
+    # Encode workers too: the coordinator config's instances cannot list them, so registering is their only way in.
+    assert sorted(w["spec"]["template"]["metadata"]["labels"]["role"] for w in workers) == ["decode", "encode",
+                                                                                          "prefill"]
     # A StatefulSet is etcd's alone: a worker needs no stable name (it registers its pod IP), and a StatefulSet
     # could not surge during an upgrade (tests/deploy/test_kubernetes_rollouts.py).
     assert set(of_kind(docs, "StatefulSet")) == {"pdserve-etcd"}
@@ -198,6 +200,7 @@ def test_kubernetes_workers_register_with_the_coordinators_management_service(tm
         pod = workload["spec"]["template"]["spec"]
         container = pod["containers"][0]
         args = pdserve_args(container)
+        assert args.role == workload["spec"]["template"]["metadata"]["labels"]["role"]
         scheme, _, host_port = args.coordinator.partition("://")
         host, port = host_port.split(":")
         assert host in services and int(port) == config.http_config.manage_port
@@ -222,6 +225,45 @@ def test_kubernetes_workers_register_with_the_coordinators_management_service(tm
         assert files[auth.worker_secret_file] == coordinator_files[config.auth_config.worker_secret_file]
         assert files[registration.ca_cert] == ("pdserve-tls", "ca.pem")
         assert "server-key.pem" not in {key for _, key in files.values()}  # workers never hold its key
+
+
+def image_models() -> dict[str, bool]:
+    """Each model folder the Dockerfile builds into the image -> whether it is a vision-language one (--vlm)."""
+    text = (REPO / "deploy" / "Dockerfile").read_text().replace("\\\n", " ")
+    models = {}
+    for line in text.splitlines():
+        for command in line.split("&&") if not line.lstrip().startswith("#") else ():
+            words = shlex.split(command)
+            if "build-model" in words:
+                args = build_parser().parse_args(words[words.index("pdserve") + 1:])
+                models[args.out] = args.vlm
+    return models
+
+
+def test_kubernetes_encode_workers_run_the_vision_encoder_of_the_other_workers_model():
+    docs = kubernetes_docs()
+    workers = {d["spec"]["template"]["metadata"]["labels"]["role"]: d for d in worker_deployments(docs)}
+    args = {role: pdserve_args(d["spec"]["template"]["spec"]["containers"][0]) for role, d in workers.items()}
+    encode = args["encode"]
+    assert encode.role == "encode"
+    # One checkpoint for the cluster: the prefill workers build prompts around the encode workers' outputs.
+    assert encode.model == args["prefill"].model == args["decode"].model
+    assert encode.model == coordinator_config(docs).model_settings.modelWeightPath
+    assert encode.encoder_cache_images is None or encode.encoder_cache_images > 0  # 0 would turn its cache off
+    assert encode.max_encode_batch_images >= 1
+    assert not encode.simulate  # a simulated worker refuses --role encode
+
+
+def test_kubernetes_encode_workers_start_scaled_to_zero_while_their_model_is_the_images_text_model():
+    # An encode worker refuses a checkpoint without a vision tower: on the image's text model a replica would only
+    # crash-loop. It is scaled up once the cluster's model is a vision-language one.
+    docs = kubernetes_docs()
+    (encode,) = [d for d in worker_deployments(docs) if d["spec"]["template"]["metadata"]["labels"]["role"] == "encode"]
+    model = pdserve_args(encode["spec"]["template"]["spec"]["containers"][0]).model
+    models = image_models()
+    assert models, "the Dockerfile builds no model"
+    if model in models and not models[model]:
+        assert encode["spec"]["replicas"] == 0
 
 
 def test_dockerfile_copies_every_package():

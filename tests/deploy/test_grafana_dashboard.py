@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import REPO, metrics_url
+from tests.helpers import REPO, metrics_url, start_worker
 
 DASHBOARD = REPO / "deploy" / "grafana" / "pdserve-dashboard.json"
 # Prometheus adds these to every series when it scrapes, so no /metrics output carries them.
@@ -90,7 +90,7 @@ def live_series(urls: list[str]) -> dict[str, dict[str, set[str]]]:
 
 
 @pytest.mark.system
-def test_dashboard_queries_name_only_series_and_labels_a_running_cluster_exports(http, cluster):
+def test_dashboard_queries_name_only_series_and_labels_a_running_cluster_exports(http, cluster, vlm_dir):
     # Traffic first: labelled series (e2e latency by api, failures by reason, worker steps by kind) appear
     # only once something has been observed under their labels.
     body = {"model": "pdserve-tiny", "prompt": "Hello there", "max_tokens": 4}
@@ -101,7 +101,13 @@ def test_dashboard_queries_name_only_series_and_labels_a_running_cluster_exports
         assert stream.status_code == 200
         assert "data: [DONE]" in stream.read().decode()
     assert http.post("/v1/completions", json={**body, "top_p": 0}).status_code == 400
-    live = live_series([cluster.url, metrics_url(cluster.prefill), metrics_url(cluster.decode)])
+    # An encode worker (the embedded vision-language model's): its encoder queue and cache series are its own.
+    encoder = start_worker("encode", vlm_dir)
+    try:
+        live = live_series([cluster.url, metrics_url(cluster.prefill), metrics_url(cluster.decode),
+                            metrics_url(encoder)])
+    finally:
+        encoder.stop()
 
     problems = []
     for title, expr in queries(load_dashboard()):

@@ -50,18 +50,20 @@ def test_manifest_object_is_valid_for_the_pinned_kubernetes_version(path: Path, 
 def test_each_autoscaler_scales_a_worker_deployment_on_the_planners_metric_for_its_role():
     from coordinator.metrics import PlannerCollector
 
-    class Planner:  # what the collector reads, with desired counts
+    class Planner:  # what the collector reads, with desired counts (encode workers running)
         decisions, last, deciding = {}, None, True
         damper = type("Damper", (), {"desired": (2, 3)})()
 
         @staticmethod
-        def current():
-            return 1, 1
+        def describe_counts(which):
+            return {"prefill": 1, "decode": 1, "encode": 1} if which == "current" else \
+                {"prefill": 2, "decode": 3, "encode": 2}
 
     exported = {family.name: family for family in PlannerCollector(Planner()).collect()}
     deployments = {doc["metadata"]["name"]: doc for _, doc in OBJECTS if doc["kind"] == "Deployment"}
     autoscalers = [doc for _, doc in OBJECTS if doc["kind"] == "HorizontalPodAutoscaler"]
-    assert {a["spec"]["scaleTargetRef"]["name"] for a in autoscalers} == {"pdserve-prefill", "pdserve-decode"}
+    assert {a["spec"]["scaleTargetRef"]["name"] for a in autoscalers} == {"pdserve-prefill", "pdserve-decode",
+                                                                         "pdserve-encode"}
     for autoscaler in autoscalers:
         ref = autoscaler["spec"]["scaleTargetRef"]
         # The kind must be the workload's own: an HPA whose target kind is wrong finds nothing to scale.
@@ -71,5 +73,6 @@ def test_each_autoscaler_scales_a_worker_deployment_on_the_planners_metric_for_i
         (metric,) = autoscaler["spec"]["metrics"]
         assert metric["external"]["metric"]["selector"]["matchLabels"] == {"role": role}
         family = exported[metric["external"]["metric"]["name"]]
-        assert [sample.labels for sample in family.samples] == [{"role": "prefill"}, {"role": "decode"}]
+        assert [sample.labels for sample in family.samples] == [{"role": "prefill"}, {"role": "decode"},
+                                                                {"role": "encode"}]
         assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}

@@ -43,8 +43,8 @@ def probe_port(container: dict, probe: dict) -> int:
     return next(p["containerPort"] for p in container.get("ports", []) if p.get("name") == port)
 
 
-def test_the_manifests_have_a_prefill_and_a_decode_worker():
-    assert sorted(flag(c["args"], "--role") for _, c, _ in WORKERS) == ["decode", "prefill"]
+def test_the_manifests_have_a_prefill_a_decode_and_an_encode_worker():
+    assert sorted(flag(c["args"], "--role") for _, c, _ in WORKERS) == ["decode", "encode", "prefill"]
 
 
 @pytest.mark.parametrize(("name", "container", "config"), CONTAINERS, ids=IDS)

@@ -1,7 +1,7 @@
 """Every pdserve role in deploy/kubernetes can be rolled to a new image without losing a request: each role
-(coordinator, prefill, decode) is a Deployment that surges one pod and takes none down until the new one is available
-(a worker's registered with every coordinator by then), and every pod sleeps in preStop, then drains within a grace
-period that covers the sleep, its drain budget and the shutdown after it."""
+(coordinator, prefill, decode, encode) is a Deployment that surges one pod and takes none down until the new one is
+available (a worker's registered with every coordinator by then), and every pod sleeps in preStop, then drains within
+a grace period that covers the sleep, its drain budget and the shutdown after it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ DEFAULT_GRACE_S = 30
 SHUTDOWN_MARGIN_S = 10
 # The least preStop sleep that lets kube-proxy and the Services' clients drop a terminating pod's endpoints.
 LEAST_PRESTOP_S = 2
-ROLES = {"coordinator", "prefill", "decode"}
+ROLES = {"coordinator", "prefill", "decode", "encode"}
 DOCS = [doc for _, doc in OBJECTS]
 # Every kind that runs pods from a template: a pdserve role moved to any of them is still found, and checked.
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet"}
@@ -87,7 +87,7 @@ def shared_coordinator_config():
     return coordinator_config_of(deployment, container)[1]
 
 
-def test_the_rollout_checks_see_a_coordinator_a_prefill_and_a_decode_workload():
+def test_the_rollout_checks_see_a_coordinator_a_prefill_a_decode_and_an_encode_workload():
     # A role that dropped out of the selection above (another command, another kind) would escape every check.
     assert sorted(role(doc) for _, doc in WORKLOADS) == sorted(ROLES)
 

@@ -86,7 +86,7 @@ def served_metrics(docs: list[dict], workload: dict) -> tuple[str, int] | None:
         config = coordinator_config(docs)
         tls = config.tls_config.management.tls_enable
         return ("https" if tls else "http"), config.http_config.manage_port
-    if role in ("prefill", "decode"):
+    if role in ("prefill", "decode", "encode"):
         port = pdserve_args(container).metrics_port
         return ("http", port) if port > 0 else None  # 0: a port picked at start, -1: no metrics
     return None
@@ -129,8 +129,9 @@ def test_kubernetes_job_scrapes_each_pdserve_pod_where_it_serves_metrics():
         # One target however many ports the pod declares (Prometheus merges identical targets).
         assert kept == {(scheme, f"{POD_IP}:{port}", "/metrics")}, name
         scraped[name] = next(r for r in results if r is not None)
-    assert set(scraped) == {"pdserve-coordinator", "pdserve-prefill", "pdserve-decode"}
+    assert set(scraped) == {"pdserve-coordinator", "pdserve-prefill", "pdserve-decode", "pdserve-encode"}
     assert scraped["pdserve-prefill"]["component"] == "prefill"
+    assert scraped["pdserve-encode"]["component"] == "encode"
 
 
 def test_kubernetes_job_reads_only_annotations_and_labels_the_manifests_set():

@@ -46,3 +46,16 @@ def test_two_ranges_pair_on_their_newest_common_version_or_not_at_all():
 
 def test_releases_compare_by_number_not_by_text():
     assert release_key("0.10.0") > release_key("0.9.1") > release_key("0.2.0") > release_key("0.1.0")
+
+
+def test_the_previous_release_reads_no_embeddings_and_this_one_reads_version_1():
+    from proto.wire_versions import THIS_PROCESS, WireVersions
+
+    assert PREVIOUS.range("embeddings").newest == 0
+    assert WireVersions("0.1.0", {}, announced=False).range("embeddings") == FormatRange(0, 0)
+    assert from_health(pb.HealthResponse(role="prefill")).range("embeddings").newest == 0
+    assert THIS_PROCESS.range("embeddings") == FormatRange(0, 1)
+    announced = from_health(pb.HealthResponse.FromString(add_to_health(pb.HealthResponse()).SerializeToString()))
+    assert announced.range("embeddings").newest == 1
+    # a pair of this release and the previous one sends no encoder names: the files
+    assert THIS_PROCESS.range("embeddings").common_newest(PREVIOUS.range("embeddings")) == 0

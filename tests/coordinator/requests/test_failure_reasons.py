@@ -31,6 +31,8 @@ REASONS = [
     ("prefill", grpc.StatusCode.DEADLINE_EXCEEDED, pb.FAILURE_REASON_CALL_DEADLINE, FailureKind.WORKER_FAULT),
     ("decode", grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_LORA_UNAVAILABLE, FailureKind.ELSEWHERE),
     ("prefill", grpc.StatusCode.UNAVAILABLE, pb.FAILURE_REASON_LORA_UNAVAILABLE, FailureKind.ELSEWHERE),
+    ("prefill", grpc.StatusCode.FAILED_PRECONDITION, pb.FAILURE_REASON_EMBEDDINGS_UNAVAILABLE,
+     FailureKind.EMBEDDINGS_LOST),
 ]
 # Messages that once decided the kind, and ones that never did: none may change it now.
 MESSAGES = ["Deadline Exceeded", "sending KV to decode worker d:1: reset", "whatever the worker says"]

@@ -80,3 +80,20 @@ def test_the_circuit_breaker_reason_says_what_went_wrong():
     assert corrupt.circuit_reason == "KV transfer failed: bad block"
     sent = "sending KV to decode worker d:1: reset"
     assert WorkerFailure("prefill", "p:1", "UNAVAILABLE", sent, pb.FAILURE_REASON_KV_SEND_FAILED).circuit_reason == sent
+
+
+@pytest.mark.parametrize("code", ["FAILED_PRECONDITION", "UNAVAILABLE", "NOT_FOUND"])
+def test_embeddings_unavailable_on_a_prefill_call_is_embeddings_lost_and_blames_nobody(code):
+    kind = classify("prefill", code, pb.FAILURE_REASON_EMBEDDINGS_UNAVAILABLE)
+    assert kind is K.EMBEDDINGS_LOST
+    assert kind.blamed_role("prefill") is None and not kind.opens_circuit
+
+
+def test_embeddings_unavailable_on_a_decode_call_leaves_the_status_code_to_decide():
+    assert classify("decode", "FAILED_PRECONDITION", pb.FAILURE_REASON_EMBEDDINGS_UNAVAILABLE) is K.KV_NOT_RECEIVED
+    assert classify("decode", "UNAVAILABLE", pb.FAILURE_REASON_EMBEDDINGS_UNAVAILABLE) is K.WORKER_GONE
+    assert K.KV_NOT_RECEIVED.blamed_role("decode") == "prefill"
+
+
+def test_a_request_fault_takes_precedence_over_embeddings_unavailable():
+    assert classify("prefill", "INVALID_ARGUMENT", pb.FAILURE_REASON_EMBEDDINGS_UNAVAILABLE) is K.REQUEST_FAULT

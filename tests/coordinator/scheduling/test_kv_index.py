@@ -170,3 +170,56 @@ def test_an_expected_entry_lives_its_own_lifetime_whatever_other_instances_expec
     index.expect(["p1:1"], prompt(33))
     now[0] += 2  # p0's lifetime is over, p1's is not
     assert index.match(prompt(33)).prefill == {"p1:1": 32}
+
+
+def images_batch(hashes: list[int], seq: int = 0, reset: bool = True, removed: bool = False,
+                 medium: int = 0) -> pb.KvEventBatch:
+    """An encode worker's events: one per image (its content hash), as its encoder cache announces them."""
+    from kv_events.block_hash import hash_to_bytes
+
+    events = [pb.KvBlockEvent(hash=hash_to_bytes(h), removed=True, medium=medium) if removed
+              else pb.KvBlockEvent(hash=hash_to_bytes(h), num_tokens=64, medium=medium) for h in hashes]
+    return pb.KvEventBatch(epoch="epoch-1", seq=seq, reset=reset, snapshot=reset, role="encode", block_size=1,
+                           events=events)
+
+
+IMAGE_A, IMAGE_B = 0xA1 << 100, 0xB2 << 100
+
+
+def test_holders_lists_exactly_the_instances_whose_pool_holds_an_image():
+    index = KvIndex()
+    assert index.holders(IMAGE_A) == []
+    assert index.apply("e0:1", images_batch([IMAGE_A]))
+    assert index.apply("e1:1", images_batch([]))
+    assert index.apply("e2:1", images_batch([IMAGE_B]))
+    assert index.holders(IMAGE_A) == ["e0:1"] and index.holders(IMAGE_B) == ["e2:1"]
+    assert index.apply("e1:1", images_batch([IMAGE_A, IMAGE_B], seq=2, reset=False))
+    assert sorted(index.holders(IMAGE_A)) == ["e0:1", "e1:1"]
+    assert sorted(index.holders(IMAGE_B)) == ["e1:1", "e2:1"]
+
+
+def test_holders_forgets_an_image_once_removed_there_and_an_instance_once_dropped():
+    index = KvIndex()
+    index.apply("e0:1", images_batch([IMAGE_A, IMAGE_B]))
+    index.apply("e1:1", images_batch([IMAGE_A]))
+    assert index.apply("e0:1", images_batch([IMAGE_A], seq=1, reset=False, removed=True))
+    assert index.holders(IMAGE_A) == ["e1:1"] and index.holders(IMAGE_B) == ["e0:1"]
+    index.drop("e1:1")
+    assert index.holders(IMAGE_A) == [] and index.holders(IMAGE_B) == ["e0:1"]
+    index.apply("e9:1", images_batch([IMAGE_B]))  # takes e1's freed slot
+    assert index.holders(IMAGE_A) == [] and sorted(index.holders(IMAGE_B)) == ["e0:1", "e9:1"]
+
+
+def test_holders_counts_the_pool_only_not_a_tier():
+    index = KvIndex()
+    index.apply("e0:1", images_batch([]))
+    index.apply("e0:1", images_batch([IMAGE_A], seq=1, reset=False, medium=1))
+    assert index.holders(IMAGE_A) == []
+
+
+def test_an_encode_workers_images_match_no_prompt():
+    index = KvIndex()
+    index.apply("p0:1", kv_blocks_batch("prefill", prompt(32)))
+    index.apply("e0:1", images_batch([IMAGE_A, IMAGE_B]))
+    match = index.match(prompt(40))
+    assert match.prefill == {"p0:1": 32} and match.decode == {}
