@@ -12,7 +12,7 @@ from launcher.supervisor import Child
 
 def fleet(*roles_and_load: tuple[str, int]) -> tuple[dict, dict]:
     """Workers (ready and registered) of these roles with these outstanding requests, and the coordinator's list."""
-    workers, listed = {}, {"prefill": {}, "decode": {}}
+    workers, listed = {}, {"prefill": {}, "decode": {}, "encode": {}}
     for i, (role, load) in enumerate(roles_and_load):
         child = Child(f"{role} worker {i}", ["pdserve", "worker", "--role", role], "ready", address=f"127.0.0.1:{i}",
                       ready_at=1.0)
@@ -78,3 +78,21 @@ def test_autoscale_turns_the_planner_and_decode_rebalancing_on_even_over_a_confi
     assert scaled["rebalance_config"]["enabled"] and scaled["rebalance_config"]["min_imbalance"] == 6
     plain = _cluster_config(ClusterOptions(config=str(config)), [], [], "", _NoSecurity())
     assert not plain["planner_config"]["enabled"] and not plain["rebalance_config"]["enabled"]
+
+
+def test_encode_workers_are_started_and_stopped_to_the_planners_count_never_switched():
+    workers, listed = fleet(("prefill", 0), ("decode", 0), ("encode", 0))
+    assert kinds(next_actions({"prefill": 1, "decode": 1, "encode": 3}, workers, listed, max_workers=5)) == [
+        ("start", None, "encode"), ("start", None, "encode")]
+    workers, listed = fleet(("prefill", 0), ("decode", 0), ("encode", 4), ("encode", 1))
+    assert kinds(next_actions({"prefill": 1, "decode": 1, "encode": 1}, workers, listed, max_workers=4)) == [
+        ("stop", "127.0.0.1:3", "encode")]
+    # Decode short and encode over: an encode worker holds no language model, so it is stopped, not switched.
+    workers, listed = fleet(("prefill", 0), ("decode", 0), ("encode", 0), ("encode", 0))
+    assert kinds(next_actions({"prefill": 1, "decode": 2, "encode": 1}, workers, listed, max_workers=4)) == [
+        ("stop", "127.0.0.1:2", "encode")]
+
+
+def test_a_plan_without_an_encode_count_leaves_the_encode_workers_alone():
+    workers, listed = fleet(("prefill", 0), ("decode", 0), ("encode", 0), ("encode", 0))
+    assert next_actions({"prefill": 1, "decode": 1}, workers, listed, max_workers=4) == []
