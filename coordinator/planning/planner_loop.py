@@ -139,6 +139,7 @@ class PlannerLoop:
 
     def describe_counts(self, which: str) -> dict[str, int]:
         """The `current` (routable) or `desired` count of each role; encode only where there are encode workers."""
+        desired = self.damper.desired
         if which == "desired" and desired is None:
             return {}
         counts = dict(zip(("prefill", "decode"), self.current() if which == "current" else desired))

@@ -387,4 +387,6 @@ class InstanceRegistry:
         instance.held = False
 
     def snapshot(self) -> dict:
-        return {role: [i.describe() for i in self._pools[role]] for role in ROLES}
+        """Every instance by role; `encode` only where there are encode workers (as a release without them)."""
+        return {role: [i.describe() for i in self._pools[role]] for role in ROLES
+                if role in KV_ROLES or len(self._pools[role])}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import grpc
 
 from kv_events.block_hash import hash_from_bytes, hash_to_bytes
-from kv_transfer.codec import tensor_bytes
 from kv_transfer.embeddings import EMBEDDING_CHUNK_BYTES, embeddings_messages
 from proto import worker_pb2 as pb
 from proto import worker_pb2_grpc as pb_grpc
@@ -34,22 +33,19 @@ class EncoderServicer(AnswersHealth, pb_grpc.EncoderServiceServicer):
                 media = spans_from_pb(request.media, prompt_len, with_data=True)
                 outputs = await self.engine.encode(media)
         reply = pb.EncodeResponse()
-        for span, (features, cached) in zip(media, outputs):
+        for span, ((rows, hidden), cached) in zip(media, outputs):
             self.metrics.encoded_images.labels("cached" if cached else "encoded").inc()
-            reply.items.add(content_hash=hash_to_bytes(span.content_hash), rows=features.shape[0],
-                            hidden=features.shape[1], cached=cached)
+            reply.items.add(content_hash=hash_to_bytes(span.content_hash), rows=rows, hidden=hidden, cached=cached)
         return reply
 
     async def PullEmbeddings(self, request: pb.PullEmbeddingsRequest, context: grpc.aio.ServicerContext):
-        features = self.engine.held(hash_from_bytes(request.content_hash)) if len(request.content_hash) == 16 else None
-        if features is None:
+        held = self.engine.held(hash_from_bytes(request.content_hash)) if len(request.content_hash) == 16 else None
+        if held is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, "this encode worker does not hold that image's output "
                                 "(never encoded here, or evicted since)")
-        rows, hidden = features.shape
-        data = tensor_bytes(features.contiguous().cpu())
+        rows, hidden, dtype, data = held
         sent = 0
-        for message in embeddings_messages(request.content_hash, rows, hidden, self.engine.vision.embeddings_dtype,
-                                           data, self.chunk_bytes):
+        for message in embeddings_messages(request.content_hash, rows, hidden, dtype, data, self.chunk_bytes):
             sent += len(message.chunk.data)
             yield message
         self.metrics.embedding_pulls.labels("served").inc()

@@ -20,9 +20,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
+from kv_transfer.codec import tensor_bytes
 from worker.engine.load import WorkerLoad
 from worker.engine.media import MediaSpan
 from worker.torch_engine.model_runner import DTYPES, refuse_unsupported_vision, resolve_device
@@ -69,6 +69,7 @@ class EncodeEngine:
         self.model_name = self.model_dir.name
         self.metrics = None  # set by the server (WorkerMetrics)
         self._waiting: list[_Waiting] = []
+        self._in_flight: dict[int, asyncio.Future] = {}  # images being decoded or encoded, by content hash
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.num_running = 0  # images in the forward now
@@ -86,20 +87,58 @@ class EncodeEngine:
     def num_waiting(self) -> int:
         return sum(len(w.media) for w in self._waiting)
 
-    async def encode(self, media: tuple[MediaSpan, ...]) -> list[tuple[torch.Tensor, bool]]:
-        """Each item's output and whether the cache held it; InvalidRequest for an item that does not decode or fit
-        its positions."""
-        prepared = await asyncio.to_thread(self.vision.prepare, media)
-        cached = [span.content_hash not in prepared.pixels for span in media]
-        waiting = _Waiting(media, prepared)
-        self._waiting.append(waiting)
-        self._wake.set()
-        features = await waiting.done
-        return [(features[span.content_hash], hit) for span, hit in zip(media, cached)]
+    async def encode(self, media: tuple[MediaSpan, ...]) -> list[tuple[tuple[int, int], bool]]:
+        """Each item's output shape (rows, hidden) and whether it was found (cached, or being encoded for another
+        call: an image is decoded and encoded once however many calls bring it); InvalidRequest for an item that
+        does not decode or fit its positions."""
+        shapes: dict[int, tuple[int, int]] = {}
+        others: dict[int, asyncio.Future] = {}
+        mine: list[MediaSpan] = []
+        for span in media:
+            h = span.content_hash
+            if h in shapes or h in others or any(s.content_hash == h for s in mine):
+                continue
+            if h in self._in_flight:
+                others[h] = self._in_flight[h]
+            elif (held := self.vision.cached(h)) is not None:
+                shapes[h] = tuple(held.shape)
+            else:
+                mine.append(span)
+                self._in_flight[h] = asyncio.get_running_loop().create_future()
+        if mine:
+            await self._encode_mine(tuple(mine), shapes)
+        for h, future in others.items():
+            shapes[h] = await asyncio.shield(future)
+        encoded = {span.content_hash for span in mine}
+        return [(shapes[span.content_hash], span.content_hash not in encoded) for span in media]
 
-    def held(self, content_hash: int) -> torch.Tensor | None:
-        """The cached output of an image (a prefill worker's pull), or None once evicted."""
-        return self.vision.cache.peek(content_hash)
+    async def _encode_mine(self, mine: tuple[MediaSpan, ...], shapes: dict[int, tuple[int, int]]) -> None:
+        """Decode, then encode in the next batch, the images this call is the first to bring."""
+        try:
+            prepared = await asyncio.to_thread(self.vision.prepare, mine)
+            waiting = _Waiting(mine, prepared)
+            self._waiting.append(waiting)
+            self._wake.set()
+            features = await waiting.done
+        except BaseException as exc:
+            for span in mine:
+                future = self._in_flight.pop(span.content_hash)
+                if not future.done():  # other calls waiting on it fail with it (or retry, if it was cancelled)
+                    future.set_exception(exc if isinstance(exc, Exception) else RuntimeError("encode cancelled"))
+                    future.exception()  # retrieved here: no "never retrieved" warning when none waits
+            raise
+        for span in mine:
+            shapes[span.content_hash] = tuple(features[span.content_hash].shape)
+            self._in_flight.pop(span.content_hash).set_result(shapes[span.content_hash])
+
+    def held(self, content_hash: int) -> tuple[int, int, str, memoryview] | None:
+        """The cached output of an image as (rows, hidden, dtype, its bytes), for a prefill worker's pull; None
+        once evicted."""
+        features = self.vision.cache.peek(content_hash)
+        if features is None:
+            return None
+        rows, hidden = features.shape
+        return rows, hidden, self.vision.embeddings_dtype, tensor_bytes(features.cpu())
 
     def load(self) -> WorkerLoad:
         return WorkerLoad("encode", self.model_name, self.num_running, self.num_waiting, 0, 0)

@@ -140,6 +140,12 @@ class VisionEncoder:
         return EmbeddingsShape(span.num_tokens, self.model.config.get_text_config().hidden_size,
                                self.embeddings_dtype)
 
+    def cached(self, content_hash: int) -> torch.Tensor | None:
+        """The cache's output for an image, counted as a hit and made most recent; None (not counted: the miss is
+        counted where it is encoded) when it is not held."""
+        with self._lock:
+            return self.cache.get(content_hash) if content_hash in self.cache else None
+
     def wanted(self, media: Sequence[MediaSpan]) -> list[tuple[MediaSpan, EmbeddingsShape]]:
         """Items naming an encode worker whose output the cache lacks, with their shapes (what to pull)."""
         return [(span, self.shape_for(span)) for span in media if span.encoder and span.content_hash not in self.cache]
