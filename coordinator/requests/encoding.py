@@ -3,10 +3,12 @@ the prefill worker instead of encoding the files.
 
 Life of a request's images:
   1. `start`, as the request joins the coordinator's line: without a routable encode worker, or images, nothing
-     happens. Each distinct image goes to an encode worker holding it (the embeddings index, built from encode
-     workers' KV events, one per image), else to the least loaded (its Encode calls in flight from here, and the
-     images it reported waiting or running); one Encode call per encode worker, in a task, so encoding overlaps
-     the wait in the line.
+     happens. An image an encode worker holds (the embeddings index, built from encode workers' KV events, one
+     per image) is named to the prefill worker at once, without a call: nothing to encode, no file to send.
+     Every other distinct image goes to the least loaded encode worker (its Encode calls in flight from here,
+     and the images it reported waiting or running); one Encode call per encode worker, in a task, so encoding
+     overlaps the wait in the line (an encode worker decodes and encodes an image once, however many calls
+     bring it at once).
   2. `placed`, at the request's turn: it waits for the calls (the `encode` phase); each image an encode worker
      answered for is named to the prefill worker by that worker's address (MediaInput.encoder).
   3. A call that fails (the worker gone, draining, too slow) is tried once on another encode worker; failing
@@ -85,6 +87,12 @@ class ImageEncoding:
         holding = set(self.index.holders(image.content_hash))
         return min(candidates, key=lambda i: (i.address not in holding, _load(i), i.address))
 
+    def holder(self, image: MediaInput) -> Instance | None:
+        """The least loaded routable encode worker whose cache holds the image, as its KV events say."""
+        holding = self.index.holders(image.content_hash)
+        candidates = [i for i in self.registry.available("encode") if i.address in holding] if holding else ()
+        return min(candidates, key=lambda i: (_load(i), i.address), default=None)
+
 
 def _load(instance: Instance) -> int:
     return instance.outstanding_requests + instance.reported.num_waiting + instance.reported.num_running
@@ -111,13 +119,19 @@ class EncodingCalls:
         self._task.cancel()
 
     async def _encode_all(self, images: dict[int, MediaInput]) -> dict[int, str]:
+        held: dict[int, str] = {}
         groups: dict[Instance, list[MediaInput]] = {}
         for image in images.values():
+            holder = self.encoding.holder(image)
+            if holder is not None:
+                held[image.content_hash] = holder.address
+                continue
             instance = self.encoding.choose(image, set())
             if instance is not None:
                 groups.setdefault(instance, []).append(image)
+        self.encoding.counters.count("cached", len(held))
         results = await asyncio.gather(*(self._encode(instance, group) for instance, group in groups.items()))
-        encoders = {h: address for found in results for h, address in found.items()}
+        encoders = {h: address for found in (held, *results) for h, address in found.items()}
         self.encoding.counters.count("fallback", len(images) - len(encoders))
         return encoders
 

@@ -157,14 +157,16 @@ def test_an_image_in_the_next_turn_and_in_another_clients_request_is_not_encoded
     first = [image_part(photo), {"type": "text", "text": "What colour dominates?"}]
     tokens, text = chat(epd["epd"].address, first)
     before, prefill_before = encoder_counts(epd["encoders"]), prefill_encoded(epd["prefill"])
+    placed = coordinator_counts(epd["epd"])
     turn = {"model": "pdserve-tiny", "max_tokens": N, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
             "messages": [{"role": "user", "content": first}, {"role": "assistant", "content": text},
                          {"role": "user", "content": [{"type": "text", "text": "And the edges?"}]}]}
     next_turn = httpx.post(f"{epd['epd'].address}/v1/chat/completions", json=turn, timeout=120)
     assert next_turn.status_code == 200, next_turn.text
     other_client = chat(epd["epd"].address, [{"type": "text", "text": "Another client asks:"}, *first])
-    counted = grew(before, encoder_counts(epd["encoders"]))
-    assert counted["encoded"] == 0 and counted["cached"] == 2  # found in an encode worker's cache both times
+    # Both times the coordinator found it held by an encode worker (its KV events): no call, no file sent.
+    assert grew(placed, coordinator_counts(epd["epd"]))["cached"] == 2
+    assert grew(before, encoder_counts(epd["encoders"]))["encoded"] == 0
     assert prefill_encoded(epd["prefill"]) == prefill_before
     reference = httpx.post(f"{epd['pd'].address}/v1/chat/completions", json=turn, timeout=120).json()
     assert next_turn.json()["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]

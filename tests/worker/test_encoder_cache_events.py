@@ -86,17 +86,6 @@ async def test_a_cache_turned_off_holds_nothing_and_announces_nothing():
     assert len(cache) == 0 and len(got) == 1 and log.seq == 0
 
 
-def test_peek_neither_counts_a_lookup_nor_makes_the_image_more_recent():
-    cache = EncoderCache(max_items=2)
-    first = output(2)
-    cache.put(A, first)
-    cache.put(B, output(2))
-    assert cache.peek(A) is first and cache.peek(C) is None
-    assert (cache.hits, cache.misses) == (0, 0)
-    cache.put(C, output(2))  # A, peeked but not used, is still the least recently used
-    assert A not in cache and B in cache and C in cache
-
-
 def test_get_counts_hits_and_misses_and_makes_the_image_more_recent():
     cache = EncoderCache(max_items=2)
     cache.put(A, output(2))

@@ -134,7 +134,7 @@ class EncodeEngine:
     def held(self, content_hash: int) -> tuple[int, int, str, memoryview] | None:
         """The cached output of an image as (rows, hidden, dtype, its bytes), for a prefill worker's pull; None
         once evicted."""
-        features = self.vision.cache.peek(content_hash)
+        features = self.vision.cached(content_hash)  # a pull keeps the image recent, as an Encode call does
         if features is None:
             return None
         rows, hidden = features.shape

@@ -58,10 +58,6 @@ class EncoderCache:
         self.hits += 1
         return found
 
-    def peek(self, content_hash: int) -> torch.Tensor | None:
-        """The output held for `content_hash`, neither counted as a lookup nor made more recent (a peer's pull)."""
-        return self._items.get(content_hash)
-
     def put(self, content_hash: int, features: torch.Tensor) -> None:
         if self.max_items <= 0:
             return
