@@ -7,8 +7,9 @@ Every tick, once the last actions are done, one kind of action moves the workers
   3. One role over, the other not under: stop its least busy worker (SIGTERM: it deregisters and drains first),
      one at a time.
 Encode workers (`--encoders`, the planner's `encode` count) are started and stopped, never switched: their model
-part is another. Never below one worker of a role. An action is done when the coordinator lists the worker in its new role (a
-start or a switch) or its process has exited (a stop); one not done within ACTION_TIMEOUT_S is given up.
+part is another. Never below one worker of a role. An action is done when the coordinator lists the worker in its
+new role (a start or a switch) or its process has exited (a stop); one not done within ACTION_TIMEOUT_S is given
+up.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from coordinator.requests.request import GenerationRequest, MediaInput
 from coordinator.scheduling.kv_index import KvIndex
 from coordinator.workers.client import WorkerClient
 from coordinator.workers.instances import Instance, InstanceRegistry
-from kv_events.block_hash import hash_to_bytes
+from coordinator.workers.request_messages import media_to_pb
 from proto import worker_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class ImageEncoding:
         self.timeout_s = timeout_s
         self.counters = counters or EncoderCounters()
         self.on_encoded = None  # the planner's: each answered call's seconds and the images it encoded
+        self.in_flight: dict[int, str] = {}  # image → the encode worker an Encode call took it to, until it answers
 
     def start(self, request: GenerationRequest) -> EncodingCalls | None:
         """The request's images sent to encode workers; None when there is nothing to do."""
@@ -84,7 +85,8 @@ class ImageEncoding:
         candidates = self.registry.available("encode", exclude)
         if not candidates:
             return None
-        holding = set(self.index.holders(image.content_hash))
+        # The worker encoding it for another request now, else one holding it: encoded once, where it will be held.
+        holding = {*self.index.holders(image.content_hash), self.in_flight.get(image.content_hash)}
         return min(candidates, key=lambda i: (i.address not in holding, _load(i), i.address))
 
     def holder(self, image: MediaInput) -> Instance | None:
@@ -149,12 +151,10 @@ class EncodingCalls:
                     raise ApiError(400, f"the encode worker refused an image: {failure.details}") from None
                 self.encoding.registry.record_failure(instance, failure.circuit_reason,
                                                       gone=failure.kind.opens_circuit)
+                failed, instance = instance, self.encoding.choose(images[0], tried) if len(tried) < 2 else None
                 logger.warning("request %s: encoding %d images on %s failed (%s: %s); %s", self.request_id,
-                               len(images), instance.address, failure.code, failure.details,
-                               "trying another encode worker" if len(tried) < 2 else "sending the files instead")
-                if len(tried) >= 2:
-                    return {}
-                instance = self.encoding.choose(images[0], tried)
+                               len(images), failed.address, failure.code, failure.details,
+                               f"trying {instance.address}" if instance is not None else "sending the files instead")
                 continue
             encoded = sum(not item.cached for item in reply.items)
             self.encoding.counters.count("encoded", encoded)
@@ -165,8 +165,15 @@ class EncodingCalls:
         return {}
 
     async def _call(self, instance: Instance, images: list[MediaInput]) -> pb.EncodeResponse:
-        message = pb.EncodeRequest(request_id=self.request_id, media=[
-            pb.MediaItem(kind=m.kind, data=m.data, content_hash=hash_to_bytes(m.content_hash), offset=m.offset,
-                         num_tokens=m.num_tokens, source=m.source) for m in sorted(images, key=lambda m: m.offset)])
-        with self.encoding.registry.lease(instance):
-            return await self.encoding.client.encode(instance.address, message, self.encoding.timeout_s)
+        message = pb.EncodeRequest(request_id=self.request_id,
+                                   media=media_to_pb(sorted(images, key=lambda m: m.offset), with_data=True))
+        in_flight = self.encoding.in_flight
+        for image in images:
+            in_flight[image.content_hash] = instance.address
+        try:
+            with self.encoding.registry.lease(instance):
+                return await self.encoding.client.encode(instance.address, message, self.encoding.timeout_s)
+        finally:
+            for image in images:
+                if in_flight.get(image.content_hash) == instance.address:
+                    del in_flight[image.content_hash]

@@ -115,18 +115,20 @@ class PrefillBackend(abc.ABC):
         """Raise InvalidRequest if this backend cannot honour `sampling`; may compile a grammar, so the
         servicer calls it off the event loop."""
 
-    def prepare_media(self, media: tuple[MediaSpan, ...], pulled: dict[int, bytearray] | None = None) -> Any:
+    def prepare_media(self, media: tuple[MediaSpan, ...], pulled: dict | None = None) -> Any:
         """What the forwards need of `media` (decoded and preprocessed images, and the encoder outputs `pulled`
-        from encode workers by content hash); InvalidRequest unless this backend's model can take them (each item
-        decodes and fits its span). Called off the event loop; a text model takes none."""
+        from encode workers or held here, by content hash); InvalidRequest unless this backend's model can take
+        them (each item decodes and fits its span). Called off the event loop; a text model takes none."""
         refuse_media(media, self.model_name)
         return None
 
-    def embeddings_wanted(self, media: tuple[MediaSpan, ...]) -> list[tuple[MediaSpan, EmbeddingsShape]]:
+    def embeddings_wanted(self, media: tuple[MediaSpan, ...]
+                          ) -> tuple[list[tuple[MediaSpan, EmbeddingsShape]], dict]:
         """The items naming an encode worker whose output this worker does not hold, each with the shape its model
-        takes (what to pull); InvalidRequest for a model that takes no media."""
+        takes (what to pull), and the outputs it holds for the others (opaque to the caller, for `prepare_media`);
+        InvalidRequest for a model that takes no media."""
         refuse_media(media, self.model_name)
-        return []
+        return [], {}
 
     @abc.abstractmethod
     def kv_layout(self, job: PrefillJob) -> KvLayout:

@@ -33,13 +33,14 @@ class EmbeddingPuller:
         self.metrics = metrics
         self.timeout_s = timeout_s
 
-    async def pull(self, engine, media: tuple[MediaSpan, ...], request_id: str) -> dict[int, bytearray]:
-        """The outputs of the items naming an encode worker that this worker lacks, by content hash."""
-        wanted = engine.embeddings_wanted(media) if any(span.encoder for span in media) else []
-        if not wanted:
+    async def pull(self, engine, media: tuple[MediaSpan, ...], request_id: str) -> dict:
+        """The outputs of the items naming an encode worker, by content hash: pulled where this worker lacks them
+        (bytes), else its own (the backend's, taken now)."""
+        if not any(span.encoder for span in media):
             return {}
+        wanted, held = engine.embeddings_wanted(media)
         pulled = await asyncio.gather(*(self._pull_one(span, shape, request_id) for span, shape in wanted))
-        return {span.content_hash: data for (span, _), data in zip(wanted, pulled)}
+        return {**held, **{span.content_hash: data for (span, _), data in zip(wanted, pulled)}}
 
     async def _pull_one(self, span: MediaSpan, shape: EmbeddingsShape, request_id: str) -> bytearray:
         content_hash = hash_to_bytes(span.content_hash)

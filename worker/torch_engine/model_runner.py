@@ -209,7 +209,7 @@ class ModelRunner:
         logger.info("loaded %s (%s, %s) on %s, attention %s", self.model_dir, type(self.model).__name__,
                     self.model.dtype, self.device, self.attention)
 
-    def prepare_media(self, media: Sequence[MediaSpan], pulled: dict[int, bytearray] | None = None
+    def prepare_media(self, media: Sequence[MediaSpan], pulled: dict | None = None
                       ) -> PreparedMedia | None:
         """What a request's images need for its forwards (with the encoder outputs `pulled` from encode workers);
         InvalidRequest unless every item decodes and fits its span (a text model takes none)."""
@@ -218,11 +218,12 @@ class ModelRunner:
             return None
         return self.vision.prepare(media, pulled)
 
-    def embeddings_wanted(self, media: Sequence[MediaSpan]) -> list:
-        """The items to pull from encode workers, with the shape this model takes for each (vision.py)."""
+    def embeddings_wanted(self, media: Sequence[MediaSpan]) -> tuple[list, dict]:
+        """The items to pull from encode workers with the shape this model takes for each, and the outputs held
+        here for the others (vision.py)."""
         if self.vision is None:
             refuse_media(media, self.model_dir.name)
-            return []
+            return [], {}
         return self.vision.wanted(media)
 
     def load_lora(self, ref: AdapterRef, slot: int) -> int:

@@ -142,13 +142,23 @@ class VisionEncoder:
         with self._lock:
             return self.cache.get(content_hash) if content_hash in self.cache else None
 
-    def wanted(self, media: Sequence[MediaSpan]) -> list[tuple[MediaSpan, EmbeddingsShape]]:
-        """Items naming an encode worker whose output the cache lacks, with their shapes (what to pull)."""
-        return [(span, self.shape_for(span)) for span in media if span.encoder and span.content_hash not in self.cache]
+    def wanted(self, media: Sequence[MediaSpan]) -> tuple[list[tuple[MediaSpan, EmbeddingsShape]], dict]:
+        """Items naming an encode worker whose output the cache lacks, with their shapes (what to pull), and the
+        outputs it holds for the others, taken now (the cache may drop them before the request's forward)."""
+        to_pull, held = [], {}
+        for span in media:
+            if span.encoder and span.content_hash not in held:
+                found = self.cached(span.content_hash)
+                if found is None:
+                    to_pull.append((span, self.shape_for(span)))
+                else:
+                    held[span.content_hash] = found
+        return to_pull, held
 
-    def prepare(self, media: Sequence[MediaSpan], pulled: dict[int, bytearray] | None = None) -> PreparedMedia:
-        """Decode and preprocess every image the encoder cache lacks, and take the outputs `pulled` from encode
-        workers (kept in the cache too); InvalidRequest for a bad one."""
+    def prepare(self, media: Sequence[MediaSpan], pulled: dict | None = None) -> PreparedMedia:
+        """Decode and preprocess every image the encoder cache lacks, and take the outputs of those naming an
+        encode worker (`pulled`: bytes pulled from it, kept in the cache too, or the cache's own taken by
+        `wanted`); InvalidRequest for a bad one."""
         prepared = PreparedMedia()
         for span in media:
             if span.encoder:
@@ -169,16 +179,13 @@ class VisionEncoder:
             prepared.pixels[span.content_hash] = pixels
         return prepared
 
-    def _adopt(self, span: MediaSpan, data: bytearray | None) -> torch.Tensor:
-        """A pulled output as this model's tensor (its shape was checked on receipt), cached; without `data`, the
-        cache's (held when the pull was planned)."""
+    def _adopt(self, span: MediaSpan, data: bytearray | torch.Tensor | None) -> torch.Tensor:
+        """A pulled output (bytes whose shape was checked on receipt) as this model's tensor, cached; or the
+        cache's own, taken when the pull was planned (`wanted`)."""
+        if isinstance(data, torch.Tensor):
+            return data
         if data is None:
-            with self._lock:
-                held = self.cache.get(span.content_hash)
-            if held is None:
-                raise EmbeddingsUnavailable(f"{span.name}: its embeddings were dropped from this worker's cache "
-                                            "before its forward")
-            return held
+            raise EmbeddingsUnavailable(f"{span.name}: its embeddings were neither pulled nor held here")
         shape = self.shape_for(span)
         features = torch.frombuffer(data, dtype=self.model.dtype).view(shape.rows, shape.hidden).to(self.device)
         with self._lock:
