@@ -2,7 +2,7 @@
 against 1 prefill + 1 decode worker ("P+D", the prefill worker decoding and encoding images itself), measured side
 by side in one run.
 
-    .venv/bin/python bench/vision.py                     # the embedded VLM, 64 requests per level at 16 and 64 clients
+    .venv/bin/python bench/vision.py                     # the embedded VLM, 192 requests per level at 16 and 64 clients
     .venv/bin/python bench/vision.py --model DIR --requests 32 --concurrency 8 32
     .venv/bin/python bench/vision.py --requests 6 --concurrency 2 --image-size 256x192     # a smoke run
 
@@ -10,8 +10,9 @@ Each setup is a fresh `pdserve up --model DIR` (default: the embedded tiny VLM),
 requests (images of their own, not measured). Two workloads, each at every `--concurrency` (clients, each sending
 its next request when the last one ends), `--requests` requests per level:
 
-- `repeated`: many clients sending a small set of `--images` (8) images over and over (request N sends image
-  N mod 8). The prefill worker keeps its default encoder cache (32 images).
+- `repeated K`: many clients sending a small set of K images over and over (request N sends image N mod K), for
+  each K of `--images` (8 and 48). The prefill worker keeps its default encoder cache of 32 images: 8 fit in it
+  (P+D encodes each once too), 48 do not (P+D encodes again what its cache dropped; an encode worker keeps 256).
 - `distinct`: every request a new image (distinct content), so nothing is cached anywhere.
 
 Every request is a streamed /v1/chat/completions: distinct leading text ("Question N: ..."; the prefix cache
@@ -28,7 +29,7 @@ worker's own encoder cache misses (`pdserve_worker_encoder_cache_misses_total`).
 the one listening on its gRPC address in the coordinator's `GET /v1/instances` (the registration token from
 `pdserve up`'s run folder). Ratios are E+P+D / P+D at the same workload and concurrency.
 
-Targets: `repeated`: prefill busy time per request at most 0.6x, TTFT p50 at most 0.8x; `distinct`: TTFT p50 at
+Targets: `repeated` (every K): prefill busy time per request at most 0.6x, TTFT p50 at most 0.8x; `distinct`: TTFT p50 at
 most 1.1x (no worse). The exit status is 1 when a request failed, whatever the targets.
 """
 
@@ -59,7 +60,6 @@ from bench.serving import (OutcomeFigures, PdserveTarget, StartFailed, fmt, http
 
 SETUPS = {"E+P+D": ["--encoders", "1"], "P+D": []}
 BASELINE = "P+D"
-WORKLOADS = ("repeated", "distinct")
 TARGETS = {"repeated": {"cpu": 0.6, "ttft": 0.8}, "distinct": {"ttft": 1.1}}
 DISTINCT_BASE = 10_000  # image indices: repeated 0..images-1, distinct from here, warm-up from WARMUP_BASE
 WARMUP_BASE = 1_000_000
@@ -252,10 +252,11 @@ def run_setup(setup: str, extra: list[str], args, config: Path, log_dir: Path) -
                 log(f"{setup} warm-up: {len(errors)} failed: {errors[:2]}")
         n = 0  # request numbers: distinct leading text within the cluster, the same sequence in every setup
         distinct = DISTINCT_BASE
-        for workload in WORKLOADS:
+        for workload in args.workloads:
             for concurrency in args.concurrency:
-                if workload == "repeated":
-                    images = [(n + i) % args.images for i in range(args.requests)]
+                if workload != "distinct":  # "repeated K"
+                    count = int(workload.split()[1])
+                    images = [(n + i) % count for i in range(args.requests)]
                 else:
                     images = list(range(distinct, distinct + args.requests))
                     distinct += args.requests
@@ -296,14 +297,14 @@ def ttft_ratio(level: Level, base: Level | None) -> float | None:
     return p50 / b50 if p50 is not None and b50 else None
 
 
-def table(levels: list[Level]) -> str:
+def table(levels: list[Level], workloads: list[str]) -> str:
     base = {(lv.workload, lv.concurrency): lv for lv in levels if lv.setup == BASELINE}
     rows = ["| workload | clients | setup | ok | failed | TTFT p50 s | TTFT p90 s | TTFT p50 vs P+D "
             "| prefill CPU s/request | vs P+D | encode worker: encoded / cached | fallback / pull failed "
             "| prefill encoder misses |",
             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     order = {s: i for i, s in enumerate(SETUPS)}
-    for lv in sorted(levels, key=lambda lv: (WORKLOADS.index(lv.workload), lv.concurrency, order[lv.setup])):
+    for lv in sorted(levels, key=lambda lv: (workloads.index(lv.workload), lv.concurrency, order[lv.setup])):
         b = base.get((lv.workload, lv.concurrency))
         im = lv.images
         encoded = f"{im['encoded']:.0f} / {im['cached']:.0f}" if im else "–"
@@ -324,7 +325,7 @@ def verdicts(levels: list[Level]) -> list[str]:
             continue
         b = base.get((lv.workload, lv.concurrency))
         checks = []
-        for what, limit in TARGETS[lv.workload].items():
+        for what, limit in TARGETS[lv.workload.split()[0]].items():
             value = cpu_ratio(lv, b) if what == "cpu" else ttft_ratio(lv, b)
             name = "prefill CPU/request" if what == "cpu" else "TTFT p50"
             verdict = "not measured" if value is None else ("met" if value <= limit else "NOT met")
@@ -338,9 +339,10 @@ def verdicts(levels: list[Level]) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a vision-language model folder (default: the embedded VLM)")
-    p.add_argument("--requests", type=int, default=64, help="requests per level (workload, concurrency, setup)")
+    p.add_argument("--requests", type=int, default=192, help="requests per level (workload, concurrency, setup)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="clients per level")
-    p.add_argument("--images", type=int, default=8, help="distinct images of the `repeated` workload")
+    p.add_argument("--images", type=int, nargs="+", default=[8, 48],
+                   help="distinct images of each `repeated` workload (one workload per value)")
     p.add_argument("--warmup", type=int, default=4, help="requests per setup before measuring (own images)")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--image-size", default="1024x768", help="WIDTHxHEIGHT of every PNG")
@@ -350,6 +352,7 @@ def main(argv=None) -> int:
 
         args.model = str(ensure_default_vlm())
     args.width, args.height = (int(v) for v in args.image_size.lower().split("x"))
+    args.workloads = [f"repeated {count}" for count in args.images] + ["distinct"]
     levels: list[Level] = []
     with tempfile.TemporaryDirectory(prefix="pdserve-vision-") as tmp:
         folder = Path(tmp)
@@ -360,9 +363,9 @@ def main(argv=None) -> int:
         for setup, extra in SETUPS.items():
             levels += run_setup(setup, extra, args, config, folder)
     print(f"model: {args.model}; {args.image_size} PNGs as data URLs; {args.requests} requests per level; "
-          f"`repeated`: {args.images} images; {args.max_tokens} new tokens each; ratios E+P+D / P+D")
+          f"`repeated K`: K images; {args.max_tokens} new tokens each; ratios E+P+D / P+D")
     print()
-    print(table(levels))
+    print(table(levels, args.workloads))
     print()
     print("Targets:")
     print("\n".join(verdicts(levels)))

@@ -24,9 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from launcher.supervisor import Child, Supervisor
-from worker.service.options import ROLES
+from worker.service.options import ALL_ROLES as SCALED_ROLES, ROLES
 
-SCALED_ROLES = (*ROLES, "encode")
 logger = logging.getLogger(__name__)
 
 ACTION_TIMEOUT_S = 180.0

@@ -8,7 +8,6 @@ the ready line once its admin says ready, and stops it on SIGTERM.
 
 from __future__ import annotations
 
-import json
 import signal
 import ssl
 import socket
@@ -16,11 +15,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from launcher.envoy_gateway import EnvoyProcess, render_bootstrap
+from launcher.management_poll import wait_listed
 from launcher.supervisor import Child, Supervisor
 
 HOST = "127.0.0.1"
@@ -53,34 +52,9 @@ def start_sidecars(supervisor: Supervisor, base: list[str], config_file: str, de
 def wait_announced(supervisor: Supervisor, management_url: str, token: str, count: int, timeout_s: float,
                    context: ssl.SSLContext | None = None) -> None:
     """Until the picker knows `count` live sidecars (each announces itself once it serves)."""
-    request = urllib.request.Request(f"{management_url}/v1/sidecars", headers={"Authorization": f"Bearer {token}"})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(request, timeout=2, context=context) as resp:
-                if sum(s["live"] for s in json.loads(resp.read())["sidecars"]) >= count:
-                    return
-        except OSError:
-            pass
-        supervisor.run_for(0.2)
-    raise RuntimeError(f"the endpoint picker did not hear from {count} sidecars within {timeout_s:g}s")
-
-
-def wait_routable(supervisor: Supervisor, management_url: str, token: str, role: str, count: int, timeout_s: float,
-                  context: ssl.SSLContext | None = None) -> None:
-    """Until the coordinator lists `count` healthy instances of `role` (registered workers it routes to)."""
-    request = urllib.request.Request(f"{management_url}/v1/instances", headers={"Authorization": f"Bearer {token}"})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(request, timeout=2, context=context) as resp:
-                listed = json.loads(resp.read()).get(role, [])
-                if sum(i["state"] == "healthy" for i in listed) >= count:
-                    return
-        except OSError:
-            pass
-        supervisor.run_for(0.2)
-    raise RuntimeError(f"the coordinator did not route to {count} {role} workers within {timeout_s:g}s")
+    wait_listed(supervisor, management_url, "/v1/sidecars", token, count,
+                lambda listed: sum(s["live"] for s in listed["sidecars"]), timeout_s,
+                f"the endpoint picker did not hear from {count} sidecars", context)
 
 
 def start_envoy(supervisor: Supervisor, run_dir: Path, listen_port: int, epp_url: str, sidecars: list[Child],

@@ -26,7 +26,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from launcher.cluster_security import ClusterSecurity
-from launcher.gateway_cluster import ENDPOINT_PICKER, start_envoy, start_sidecars, wait_announced, wait_routable
+from launcher.gateway_cluster import ENDPOINT_PICKER, start_envoy, start_sidecars, wait_announced
+from launcher.management_poll import wait_listed
 from launcher.supervisor import Child, GaveUp, RestartPolicy, StartFailed, Stopped, Supervisor, say
 
 HOST = "127.0.0.1"
@@ -319,10 +320,8 @@ def _run_autoscaled(options: ClusterOptions, supervisor: Supervisor, base: list[
     print(f"pdserve: starting {len(workers)} workers (autoscaled up to {options.most_workers()}) ...", flush=True)
     supervisor.start(list(workers))
     _wait_healthy(supervisor, coordinator.address, START_TIMEOUT_S, security.client_ssl_context())
+    _wait_encoders(options, supervisor, management, security)
     token = (security.run_dir / "registration-token").read_text().strip()
-    if options.num_encode:
-        wait_routable(supervisor, management, token, "encode", options.num_encode, START_TIMEOUT_S,
-                      security.client_ssl_context())
     scaler = LocalAutoscaler(supervisor, management, token, security.client_ssl_context(), new_worker, workers,
                              options.most_workers(), say)
     restart = _rolling_restart(supervisor, coordinator, config, security,
@@ -342,9 +341,18 @@ def _start_encoders(options: ClusterOptions, supervisor: Supervisor, base: list[
     supervisor.start([Child(f"encode worker {i}", _worker_argv(options, base, "encode", model_dir, security)
                             + ["--coordinator", management], WORKER_READY, on_ready=_pin_worker_port)
                       for i in range(options.num_encode)])
-    token = (security.run_dir / "registration-token").read_text().strip()
-    wait_routable(supervisor, management, token, "encode", options.num_encode, START_TIMEOUT_S,
-                  security.client_ssl_context())
+    _wait_encoders(options, supervisor, management, security)
+
+
+def _wait_encoders(options: ClusterOptions, supervisor: Supervisor, management_url: str,
+                   security: ClusterSecurity) -> None:
+    """Until the coordinator routes to the --encoders encode workers (each registers once it serves)."""
+    if options.num_encode:
+        token = (security.run_dir / "registration-token").read_text().strip()
+        wait_listed(supervisor, management_url, "/v1/instances", token, options.num_encode,
+                    lambda listed: sum(i["state"] == "healthy" for i in listed.get("encode", [])), START_TIMEOUT_S,
+                    f"the coordinator did not route to {options.num_encode} encode workers",
+                    security.client_ssl_context())
 
 
 def _rolling_restart(supervisor: Supervisor, coordinator: Child, config: dict, security: ClusterSecurity,

@@ -20,10 +20,6 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker.service.options import ModelBackend
     from worker.service.serve import serve
 
-    if args.simulate and args.role == "encode":
-        print("pdserve worker --simulate: --role encode needs a vision-language model: a simulated worker has no "
-              "vision tower", file=sys.stderr)
-        return 2
     if args.simulate and args.speculative_method:
         print("pdserve worker --simulate: --speculative-method needs a model: a simulated worker's synthetic tokens "
               "cannot be drafted", file=sys.stderr)

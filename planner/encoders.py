@@ -1,7 +1,8 @@
 """The online planner's encode workers (no torch): how many the images of the last window needed.
 
-Every Encode call the coordinator makes is recorded with the time its encode worker spent on it and the images
-it encoded (a call answered from the cache costs little and counts as little). The window's encode seconds over
+Every Encode call the coordinator makes is recorded with the time its encode worker says it spent on it
+(EncodeResponse.busy_ms: decoding its images and their share of the forwards they ran in, so batching counts once)
+and the images it encoded; an image found cached costs no time. The window's encode seconds over
 its length are the encode workers' busy share; divided by TARGET_UTILIZATION and rounded up, that is the count
 wanted: never below one while there are encode workers (images keep coming to them), none where there are none
 (the operator did not start encoder disaggregation). Up at once; down by one per decision, only after the count
@@ -29,15 +30,16 @@ class EncoderDemand:
 
     def record(self, now: float, busy_s: float, encoded: int) -> None:
         self._calls.append((now, busy_s, encoded))
+        self._forget(now)
 
     def busy_share(self, now: float) -> float:
         """The encode workers' busy seconds per second over the window (1.0: one worker always busy)."""
-        while self._calls and self._calls[0][0] < now - self.config.window_s:
-            self._calls.popleft()
+        self._forget(now)
         return sum(busy for _, busy, _ in self._calls) / self.config.window_s
 
-    def images(self) -> int:
-        return sum(encoded for _, _, encoded in self._calls)
+    def _forget(self, now: float) -> None:
+        while self._calls and self._calls[0][0] < now - self.config.window_s:
+            self._calls.popleft()
 
     def decide(self, now: float, current: int, room: int) -> int:
         """The desired count given `current` routable encode workers and `room` more instances the cluster may

@@ -549,14 +549,12 @@ class SwitchRoleResponse(_message.Message):
     def __init__(self, previous_role: _Optional[str] = ..., role: _Optional[str] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "media", "traceparent")
+    __slots__ = ("request_id", "media")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
-    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     media: _containers.RepeatedCompositeFieldContainer[MediaItem]
-    traceparent: str
-    def __init__(self, request_id: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ...) -> None: ...
 
 class EncodedItem(_message.Message):
     __slots__ = ("content_hash", "rows", "hidden", "cached")
@@ -571,10 +569,12 @@ class EncodedItem(_message.Message):
     def __init__(self, content_hash: _Optional[bytes] = ..., rows: _Optional[int] = ..., hidden: _Optional[int] = ..., cached: _Optional[bool] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "busy_ms")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_MS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[EncodedItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[EncodedItem, _Mapping]]] = ...) -> None: ...
+    busy_ms: float
+    def __init__(self, items: _Optional[_Iterable[_Union[EncodedItem, _Mapping]]] = ..., busy_ms: _Optional[float] = ...) -> None: ...
 
 class PullEmbeddingsRequest(_message.Message):
     __slots__ = ("request_id", "content_hash")

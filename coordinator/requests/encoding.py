@@ -11,14 +11,14 @@ Life of a request's images:
      bring it at once).
   2. `placed`, at the request's turn: it waits for the calls (the `encode` phase); each image an encode worker
      answered for is named to the prefill worker by that worker's address (MediaInput.encoder).
-  3. A call that fails (the worker gone, draining, too slow) is tried once on another encode worker; failing
-     again, or with none left, the image keeps its file and the prefill worker encodes it, as without encoders
-     (`fallback`). An image the encode worker refuses (it does not decode, or does not fit its positions) is the
-     client's 400.
+  3. A call that fails (the worker gone, draining, too slow: each call has until the request's deadline, at most
+     `timeout_s`) is tried once on another encode worker; failing again, or with none left, the image keeps its
+     file and the prefill worker encodes it, as without encoders (`fallback`). An image the encode worker refuses
+     (INVALID_ARGUMENT: it does not decode, or does not fit its positions) is the client's 400.
   4. Later, a prefill worker that cannot pull an output (its encode worker lost since, or the image evicted
-     there) fails the attempt with EMBEDDINGS_UNAVAILABLE; the pipeline tries again at once with the files,
-     without counting a retry (pipeline.py). A prefill worker of the previous release, which reads no
-     embeddings, is always sent the files (attempt.py).
+     there) fails the attempt with EMBEDDINGS_UNAVAILABLE; the pipeline routes it again at once with the files,
+     without counting a retry (pipeline.py). A prefill worker, or a cluster, that does not all read the
+     embeddings format is sent the files (attempt.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from prometheus_client import Counter
 
 from coordinator.errors import ApiError
-from coordinator.requests.failures import FailureKind, WorkerCallError
+from coordinator.requests.failures import WorkerCallError
 from coordinator.requests.request import GenerationRequest, MediaInput
 from coordinator.scheduling.kv_index import KvIndex
 from coordinator.workers.client import WorkerClient
@@ -73,12 +73,13 @@ class ImageEncoding:
         self.on_encoded = None  # the planner's: each answered call's seconds and the images it encoded
         self.in_flight: dict[int, str] = {}  # image → the encode worker an Encode call took it to, until it answers
 
-    def start(self, request: GenerationRequest) -> EncodingCalls | None:
-        """The request's images sent to encode workers; None when there is nothing to do."""
+    def start(self, request: GenerationRequest, deadline: float) -> EncodingCalls | None:
+        """The request's images sent to encode workers, each call within `timeout_s` and the request's `deadline`
+        (time.monotonic); None when there is nothing to do."""
         images = {m.content_hash: m for m in request.media if m.data}
         if not images or not self.registry.available("encode"):
             return None
-        return EncodingCalls(self, request.request_id, images)
+        return EncodingCalls(self, request.request_id, images, deadline)
 
     def choose(self, image: MediaInput, exclude: set[str]) -> Instance | None:
         """An encode worker holding the image, else the least loaded one (none: every one excluded)."""
@@ -103,9 +104,10 @@ def _load(instance: Instance) -> int:
 class EncodingCalls:
     """One request's Encode calls, started at once, awaited at its turn."""
 
-    def __init__(self, encoding: ImageEncoding, request_id: str, images: dict[int, MediaInput]):
+    def __init__(self, encoding: ImageEncoding, request_id: str, images: dict[int, MediaInput], deadline: float):
         self.encoding = encoding
         self.request_id = request_id
+        self.deadline = deadline
         self.started = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._encode_all(images))
 
@@ -118,7 +120,11 @@ class EncodingCalls:
         return request.with_encoders(encoders)
 
     def cancel(self) -> None:
-        self._task.cancel()
+        if self._task.done():
+            if not self._task.cancelled():
+                self._task.exception()  # retrieved: its request left the line first, nobody waits for it
+        else:
+            self._task.cancel()
 
     async def _encode_all(self, images: dict[int, MediaInput]) -> dict[int, str]:
         held: dict[int, str] = {}
@@ -142,12 +148,11 @@ class EncodingCalls:
         tried: set[str] = set()
         while instance is not None:
             tried.add(instance.address)
-            started = time.monotonic()
             try:
                 reply = await self._call(instance, images)
             except WorkerCallError as exc:
                 failure = exc.failure
-                if failure.kind is FailureKind.REQUEST_FAULT:
+                if failure.code == "INVALID_ARGUMENT":  # the image itself (its field named): another cannot help
                     raise ApiError(400, f"the encode worker refused an image: {failure.details}") from None
                 self.encoding.registry.record_failure(instance, failure.circuit_reason,
                                                       gone=failure.kind.opens_circuit)
@@ -160,7 +165,7 @@ class EncodingCalls:
             self.encoding.counters.count("encoded", encoded)
             self.encoding.counters.count("cached", len(reply.items) - encoded)
             if self.encoding.on_encoded is not None:
-                self.encoding.on_encoded(time.monotonic() - started if encoded else 0.0, encoded)
+                self.encoding.on_encoded(reply.busy_ms / 1000, encoded)
             return {image.content_hash: instance.address for image in images}
         return {}
 
@@ -171,8 +176,9 @@ class EncodingCalls:
         for image in images:
             in_flight[image.content_hash] = instance.address
         try:
+            timeout = max(0.001, min(self.encoding.timeout_s, self.deadline - time.monotonic()))
             with self.encoding.registry.lease(instance):
-                return await self.encoding.client.encode(instance.address, message, self.encoding.timeout_s)
+                return await self.encoding.client.encode(instance.address, message, timeout)
         finally:
             for image in images:
                 if in_flight.get(image.content_hash) == instance.address:

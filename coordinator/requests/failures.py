@@ -59,7 +59,7 @@ class FailureKind(enum.Enum):
     EMBEDDINGS_LOST = "embeddings_lost"
 
     def blamed_role(self, stage: str) -> str | None:
-        """The role of the instance at fault when `stage` ("prefill" or "decode") failed; None: nobody."""
+        """The role of the instance at fault when `stage` ("prefill", "decode" or "encode") failed; None: nobody."""
         if self in (FailureKind.REQUEST_FAULT, FailureKind.DEADLINE, FailureKind.MOVED, FailureKind.ELSEWHERE,
                     FailureKind.EMBEDDINGS_LOST):
             return None
@@ -113,7 +113,7 @@ def classify(stage: str, code: str, reason: int = pb.FAILURE_REASON_UNSPECIFIED)
 class WorkerFailure:
     """A worker call that ended in an error status: which call, where, and what the worker said and why."""
 
-    stage: str  # "prefill" or "decode"
+    stage: str  # the role of the worker called: "prefill", "decode" or "encode"
     address: str
     code: str  # the gRPC status code's name, e.g. "UNAVAILABLE"
     details: str  # for people: the client's error and /v1/instances show it
@@ -144,7 +144,7 @@ class WorkerFailure:
 
 
 class WorkerCallError(Exception):
-    """A prefill, decode or health call failed; raised by WorkerClient instead of gRPC's own error."""
+    """A prefill, decode, encode or health call failed; raised by WorkerClient instead of gRPC's own error."""
 
     def __init__(self, failure: WorkerFailure):
         super().__init__(f"{failure.stage} worker {failure.address}: {failure.code}: {failure.details}")

@@ -116,19 +116,20 @@ class RequestPipeline:
         trace = GenerationTrace(self.metrics)
         ticket = request.ticket
         # Its images go to encode workers now, while it waits its turn (encoding.py).
-        encoding = self.encoding.start(request) if self.encoding is not None else None
+        encoding = self.encoding.start(request, deadline) if self.encoding is not None else None
         try:
             await self._wait_turn(request, max_tokens, deadline, timeout, trace)
-            if encoding is not None:
-                request = await encoding.placed(request, trace)
-                encoding = None
-            request = self._with_drafting(request)
-            progress = Progress()
-            if ticket is not None:
-                ticket.streams.append(progress)  # its tokens are charged to the tenant as they stream
-            live = self.planner.arrived(request, max_tokens, progress) if self.planner is not None else None
-            started = time.monotonic()
+            live = None
             try:
+                if encoding is not None:
+                    request = await encoding.placed(request, trace)
+                    encoding = None
+                request = self._with_drafting(request)
+                progress = Progress()
+                if ticket is not None:
+                    ticket.streams.append(progress)  # its tokens are charged to the tenant as they stream
+                live = self.planner.arrived(request, max_tokens, progress) if self.planner is not None else None
+                started = time.monotonic()
                 async for event in self._attempts(request, max_tokens, deadline, timeout, trace, listener, progress):
                     yield event
                 self.service.observe(started, progress)

@@ -11,8 +11,12 @@ import json
 import signal
 import threading
 
+import grpc
 import httpx
 import pytest
+
+from proto import worker_pb2 as pb
+from proto import worker_pb2_grpc as pb_grpc
 
 from tests.helpers import (image_bytes, management_url, metrics_url, scrape, sse_events, start_coordinator,
                            start_worker, vlm_reference, wait_for, write_config)
@@ -229,6 +233,14 @@ class CorruptingProxy:
             self.loop.stop()
 
         asyncio.run_coroutine_threadsafe(stop(), self.loop)
+
+
+def test_an_encode_worker_refuses_a_role_switch_naming_why(epd):
+    stub = pb_grpc.WorkerControlStub(grpc.insecure_channel(epd["encoders"][0].address))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.SwitchRole(pb.SwitchRoleRequest(role="prefill", drain_timeout_s=1), timeout=10)
+    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "holds no language model" in refused.value.details()
 
 
 def test_a_damaged_embeddings_stream_is_refused_and_the_request_still_answers(epd, vlm_dir, vlm):

@@ -111,7 +111,7 @@ class DecodeBackend(abc.ABC):
         """Raise InvalidRequest if this backend cannot honour `sampling`; may compile a grammar, so the
         servicer calls it off the event loop."""
 
-    def prepare_media(self, media: tuple[MediaSpan, ...], pulled: dict[int, bytearray] | None = None) -> Any:
+    def prepare_media(self, media: tuple[MediaSpan, ...]) -> Any:
         """As PrefillBackend.prepare_media, for a local prefill here."""
         refuse_media(media, self.model_name)
         return None

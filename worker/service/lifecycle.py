@@ -98,7 +98,7 @@ async def serve_until_stopped(server: grpc.aio.Server, options, gate: DrainGate,
     for close in closers:
         await close()
     engine.shutdown()
-    if getattr(engine.pool, "tier", None) is not None:
+    if engine.pool.tier is not None:
         engine.pool.tier.close()  # its file goes with the worker
 
 

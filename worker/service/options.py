@@ -77,6 +77,8 @@ class WorkerOptions:
     def __post_init__(self):
         if self.role not in ALL_ROLES:
             raise ValueError(f"role must be one of {', '.join(ALL_ROLES)}, got {self.role!r}")
+        if self.role == "encode" and isinstance(self.backend, SimulatedBackend):
+            raise ValueError("--role encode needs a vision-language model: a simulated worker has no vision tower")
         if self.max_encode_batch_images < 1:
             raise ValueError(f"--max-encode-batch-images must be >= 1, got {self.max_encode_batch_images}")
         if self.kv_tier_gb < 0:

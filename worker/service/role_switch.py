@@ -58,6 +58,9 @@ class WorkerControlServicer(pb_grpc.WorkerControlServicer):
                                 f"role must be 'prefill' or 'decode', got {request.role!r}")
         if request.role == switch.role:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"this worker is a {switch.role} worker already")
+        if switch.role not in ROLES:  # an encode worker loaded the vision tower alone
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"a {switch.role} worker holds no language model: it cannot switch roles")
         if not 0 <= request.drain_timeout_s <= MAX_DRAIN_S:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"drain_timeout_s must be in [0, {MAX_DRAIN_S:g}], got {request.drain_timeout_s}")

@@ -12,8 +12,6 @@ from worker.simulated.prefill_engine import SimulatedPrefillEngine
 def build_engine(options, runner=None) -> SimulatedPrefillEngine | SimulatedDecodeEngine:
     """`options` is a WorkerOptions whose backend is a SimulatedBackend (there is no model: `runner` is None)."""
     sim = options.backend
-    if options.role == "encode":
-        raise ValueError("--role encode needs a vision-language model: a simulated worker has no vision tower")
     budget = options.kv_budget_tokens or sim.kv_budget_tokens
     pool = BlockPool(1 + max(1, budget // options.block_size), options.block_size, options.prefix_caching)
     attach_tier(pool, options.kv_tier_dir, options.kv_tier_gb, sim.kv_shape.kv_bytes(options.block_size),

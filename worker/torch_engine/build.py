@@ -11,6 +11,7 @@ from worker.torch_engine.decode_engine import DecodeEngine
 from worker.torch_engine.model_runner import ModelRunner
 from worker.torch_engine.peer_blocks import TorchPeerBlocks
 from worker.torch_engine.prefill_engine import PrefillEngine
+from worker.torch_engine.vision import PREFILL_CACHE_IMAGES
 
 
 def paged_pool(runner: ModelRunner, tokens: int, block_size: int = 16, prefix_caching: bool = True) -> BlockPool:
@@ -36,7 +37,8 @@ def build_engine(options, runner: ModelRunner | None = None):
         return EncodeEngine(backend.model_dir, backend.dtype, backend.device, backend.encoder_cache_images,
                             options.max_encode_batch_images)
     if runner is None:
-        cache_images = 32 if backend.encoder_cache_images is None else backend.encoder_cache_images
+        cache_images = (PREFILL_CACHE_IMAGES if backend.encoder_cache_images is None
+                        else backend.encoder_cache_images)
         runner = ModelRunner(backend.model_dir, backend.dtype, backend.device, cache_images,
                              backend.max_loras, backend.max_lora_rank, backend.attention)
     tokens = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token(), runner.device.type)

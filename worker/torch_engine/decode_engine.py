@@ -66,8 +66,8 @@ class DecodeEngine(DecodeBackend):
     def check_sampling(self, sampling: SamplingParams) -> None:
         self.guidance.check(sampling)
 
-    def prepare_media(self, media, pulled=None):
-        return self.runner.prepare_media(media, pulled)
+    def prepare_media(self, media):
+        return self.runner.prepare_media(media)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -32,6 +32,7 @@ from worker.engine.errors import EmbeddingsUnavailable, InvalidRequest
 from worker.engine.media import MediaSpan
 
 IMAGE_FORMATS = ("JPEG", "PNG")
+PREFILL_CACHE_IMAGES = 32  # a prefill (or decode) worker's encoder cache: its memory is for KV
 
 
 class EncoderCache:
@@ -50,13 +51,14 @@ class EncoderCache:
         self._lock = threading.Lock()  # a snapshot (the event loop) against a put (an engine thread)
 
     def get(self, content_hash: int) -> torch.Tensor | None:
-        found = self._items.get(content_hash)
-        if found is None:
-            self.misses += 1
-            return None
-        self._items.move_to_end(content_hash)
-        self.hits += 1
-        return found
+        with self._lock:
+            found = self._items.get(content_hash)
+            if found is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(content_hash)
+            self.hits += 1
+            return found
 
     def put(self, content_hash: int, features: torch.Tensor) -> None:
         if self.max_items <= 0:
@@ -114,7 +116,7 @@ class PreparedMedia:
 class VisionEncoder:
     """A model's image encoder (`get_image_features`) behind its image processor and an encoder cache."""
 
-    def __init__(self, model, processor, device: torch.device, cache_items: int = 32):
+    def __init__(self, model, processor, device: torch.device, cache_items: int = PREFILL_CACHE_IMAGES):
         self.model = model
         self.processor = processor
         self.image_processor = processor.image_processor
@@ -145,9 +147,10 @@ class VisionEncoder:
     def wanted(self, media: Sequence[MediaSpan]) -> tuple[list[tuple[MediaSpan, EmbeddingsShape]], dict]:
         """Items naming an encode worker whose output the cache lacks, with their shapes (what to pull), and the
         outputs it holds for the others, taken now (the cache may drop them before the request's forward)."""
-        to_pull, held = [], {}
+        to_pull, held, seen = [], {}, set()
         for span in media:
-            if span.encoder and span.content_hash not in held:
+            if span.encoder and span.content_hash not in seen:
+                seen.add(span.content_hash)
                 found = self.cached(span.content_hash)
                 if found is None:
                     to_pull.append((span, self.shape_for(span)))

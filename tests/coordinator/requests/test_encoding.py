@@ -118,17 +118,17 @@ def test_workers_of_other_roles_are_never_chosen_to_encode():
 def test_start_does_nothing_without_a_routable_encode_worker():
     images, registry, _ = encoding()
     registry.register("prefill", "p0:1")
-    assert images.start(request(image(FILE_A))) is None
+    assert images.start(request(image(FILE_A)), deadline=0.0) is None
     images, registry, _ = encoding("e0:1")
     registry.record_failure(registry.get("encode", "e0:1"), "UNAVAILABLE: gone", gone=True)
-    assert images.start(request(image(FILE_A))) is None
+    assert images.start(request(image(FILE_A)), deadline=0.0) is None
 
 
 def test_start_does_nothing_without_images_that_carry_their_file():
     images, _, _ = encoding("e0:1")
-    assert images.start(request()) is None
+    assert images.start(request(), deadline=0.0) is None
     identity_only = MediaInput("image", b"", A, 1, 4, "messages.0.content.0")  # a decode-side copy: no file
-    assert images.start(request(identity_only)) is None
+    assert images.start(request(identity_only), deadline=0.0) is None
 
 
 def test_with_encoders_names_each_image_by_content_hash_and_an_empty_map_clears_them():
