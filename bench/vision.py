@@ -29,8 +29,8 @@ worker's own encoder cache misses (`pdserve_worker_encoder_cache_misses_total`).
 the one listening on its gRPC address in the coordinator's `GET /v1/instances` (the registration token from
 `pdserve up`'s run folder). Ratios are E+P+D / P+D at the same workload and concurrency.
 
-Targets: `repeated` (every K): prefill busy time per request at most 0.6x, TTFT p50 at most 0.8x; `distinct`: TTFT p50 at
-most 1.1x (no worse). The exit status is 1 when a request failed, whatever the targets.
+Targets: `repeated` (every K): prefill busy time per request at most 0.6x, TTFT p50 at most 0.8x; `distinct`:
+TTFT p50 at most 1.1x (no worse). The exit status is 1 when a request failed, whatever the targets.
 """
 
 from __future__ import annotations
