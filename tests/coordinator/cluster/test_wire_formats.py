@@ -77,3 +77,23 @@ def test_the_router_pairs_a_decode_worker_only_with_prefill_workers_that_write_a
     announce(registry, "prefill", "p2:1", layout3)
     with pytest.raises(WorkerError):
         router.route([1, 2, 3])
+
+
+def test_images_are_named_to_an_encode_worker_only_once_every_worker_reads_embeddings_else_their_files_go():
+    from coordinator.metrics import NullMetrics
+    from coordinator.requests.attempt import AttemptRunner
+    from coordinator.requests.request import GenerationRequest, MediaInput, SamplingOptions
+    from coordinator.scheduling.router import Placement
+
+    registry, formats = cluster({"p1:1": THIS_PROCESS, "p2:1": PREVIOUS, "d1:1": THIS_PROCESS})
+    runner = AttemptRunner(None, registry, None, 10.0, NullMetrics())
+    runner.formats = formats
+    image = MediaInput("image", b"png", 7, 1, 16, "messages.0.content.0", encoder="e1:1")
+    request = GenerationRequest("r", list(range(20)), SamplingOptions(), media=(image,))
+    new, old, decode = registry.get("prefill", "p1:1"), registry.get("prefill", "p2:1"), registry.get("decode", "d1:1")
+    # A 0.1.0 prefill worker in the cluster: every prefill worker gets the file, the new one too.
+    assert runner._in_formats(request, Placement(new, decode)).media[0].encoder == ""
+    assert runner._in_formats(request, Placement(old, decode)).media[0].encoder == ""
+    registry.deregister("prefill", "p2:1")
+    assert runner._in_formats(request, Placement(new, decode)).media[0].encoder == "e1:1"
+    assert runner._in_formats(request, Placement(None, decode)).media[0].encoder == ""  # the decode worker prefills
