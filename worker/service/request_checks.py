@@ -69,12 +69,12 @@ async def checked_media(engine: PrefillBackend | DecodeBackend, items, prompt_le
     media = spans_from_pb(items, prompt_len, with_data)
     if not (media and with_data):
         return media, None
-    pulled = None
-    if any(span.encoder for span in media):
-        if embeddings is None:
-            raise InvalidRequest(f"{media[0].name}: only a prefill worker pulls images' embeddings from an encode "
-                                 "worker; send the image's data")
-        pulled = await embeddings.pull(engine, media, request_id)
+    if not any(span.encoder for span in media):
+        return media, await asyncio.to_thread(engine.prepare_media, media)
+    if embeddings is None:
+        raise InvalidRequest(f"{media[0].name}: only a prefill worker pulls images' embeddings from an encode "
+                             "worker; send the image's data")
+    pulled = await embeddings.pull(engine, media, request_id)
     return media, await asyncio.to_thread(engine.prepare_media, media, pulled)
 
 
