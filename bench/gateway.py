@@ -95,7 +95,6 @@ import random
 import re
 import shlex
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -534,19 +533,42 @@ def picker_cpu_ms(data: bytes, model_dir: str, repeats: int = 5, held=lambda ids
     return min(parse) * 1000, min(tokens) * 1000
 
 
+@dataclass(frozen=True)
+class CpuSplit:
+    """--epp-pin: the picker's processes on one CPU, the rest (this process too) on the others; not pinned on one
+    CPU or without the flag."""
+
+    everywhere: set[int]
+    pinned: set[int] | None
+    placement: str  # for the logs and the tables
+
+    @classmethod
+    def of(cls, args, pinned_what: str, rest_what: str) -> CpuSplit:
+        everywhere = os.sched_getaffinity(0)
+        if not (args.epp_pin and len(everywhere) > 1):
+            return cls(everywhere, None, "every process on every CPU (not pinned)")
+        pinned = {min(everywhere)}
+        return cls(everywhere, pinned, f"{pinned_what} on CPU {min(everywhere)}; {rest_what} on CPUs "
+                                       f"{','.join(map(str, sorted(everywhere - pinned)))}")
+
+    def pin_self(self) -> None:
+        if self.pinned:
+            pin_self(self.everywhere - self.pinned)
+
+    def unpin_self(self) -> None:
+        if self.pinned:
+            pin_self(self.everywhere)
+
+
 def epp_part(args, model_dir: str, log_dir: Path) -> tuple[str, list[str]]:
     log(f"epp: making {args.epp_requests} prompts of {args.epp_prompt_kb} KB")
     bodies = epp_bodies(args)
     parse_ms, tokens_ms = picker_cpu_ms(bodies[0], model_dir)
-    everywhere = os.sched_getaffinity(0)
-    gateway_cpus = {min(everywhere)} if args.epp_pin and len(everywhere) > 1 else None
-    placement = (f"Envoy and the coordinator (picker) on CPU {min(everywhere)}; the workers, sidecars and this "
-                 f"client on CPUs {','.join(map(str, sorted(everywhere - gateway_cpus)))}" if gateway_cpus
-                 else "every process on every CPU (not pinned)")
+    split = CpuSplit.of(args, "Envoy and the coordinator (picker)", "the workers, sidecars and this client")
+    gateway_cpus, placement = split.pinned, split.placement
     setup = Setup("epp", REPO, "cache_affinity", prefill=1, decode=2)
     log(f"epp: starting the cluster (1 prefill + 2 decode): {placement}")
-    if gateway_cpus:
-        pin_self(everywhere - gateway_cpus)
+    split.pin_self()
     try:
         cluster = start_cluster(setup, "epp", shlex.split(args.sim_args), args.prefill_cache_tokens, log_dir,
                                 gateway_cpus)
@@ -575,8 +597,7 @@ def epp_part(args, model_dir: str, log_dir: Path) -> tuple[str, list[str]]:
             log("epp: stopping the cluster")
             cluster.stop()
     finally:
-        if gateway_cpus:
-            pin_self(everywhere)
+        split.unpin_self()
     ok = [t for t in timings if t.ok]
     log(f"epp: {len(ok)}/{len(timings)} ok in {wall:.1f} s")
     windows = {"whole run": histogram_delta(snapshots[0], snapshots[-1])}
@@ -632,15 +653,11 @@ def epp_direct_part(args, model_dir: str, log_dir: Path) -> tuple[str, list[str]
     bodies = epp_bodies(args, count, lambda text: {"model": MODEL_NAME, "prompt": text, "max_tokens": 16})
     parse_ms, tokens_ms = picker_cpu_ms(bodies[0], model_dir)
     held_ms = picker_cpu_ms(bodies[0], model_dir, held=len)[1]
-    everywhere = os.sched_getaffinity(0)
-    picker_cpus = {min(everywhere)} if args.epp_pin and len(everywhere) > 1 else None
-    placement = (f"the coordinator (picker) on CPU {min(everywhere)}; the workers and this load generator on CPUs "
-                 f"{','.join(map(str, sorted(everywhere - picker_cpus)))}" if picker_cpus
-                 else "every process on every CPU (not pinned)")
+    split = CpuSplit.of(args, "the coordinator (picker)", "the workers and this load generator")
+    picker_cpus, placement = split.pinned, split.placement
     setup = Setup("epp-direct", REPO, "cache_affinity", prefill=1, decode=2)
     log(f"epp-direct: starting the coordinator and 1 prefill + 2 decode workers: {placement}")
-    if picker_cpus:
-        pin_self(everywhere - picker_cpus)
+    split.pin_self()
     runs, announcer = [], None
     try:
         cluster = start_cluster(setup, "eppdirect", shlex.split(args.sim_args), args.prefill_cache_tokens, log_dir,
@@ -668,8 +685,7 @@ def epp_direct_part(args, model_dir: str, log_dir: Path) -> tuple[str, list[str]
             log("epp-direct: stopping the cluster")
             cluster.stop()
     finally:
-        if picker_cpus:
-            pin_self(everywhere)
+        split.unpin_self()
     head = ("| hold (s) | window | streams ok | picks/s | open → pick p50 / p90 / p99 (ms) | body sent → pick p50 / "
             "p90 / p99 (ms) | server pick p50 / p99 (ms) | server picks | server picks <= 20 ms | coordinator CPU / "
             "pick (ms) | load generator CPU / pick (ms) |")

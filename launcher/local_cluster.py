@@ -156,6 +156,13 @@ def _worker_argv(options: ClusterOptions, base: list[str], role: str, model_dir:
                    *options.speculative_flags(role), *options.worker_args]
 
 
+def _registered_worker(options: ClusterOptions, base: list[str], role: str, model_dir: str, security: ClusterSecurity,
+                       management_url: str, number: int) -> Child:
+    """A `pdserve worker` child that registers with the coordinator (not listed in its config)."""
+    argv = _worker_argv(options, base, role, model_dir, security) + ["--coordinator", management_url]
+    return Child(f"{role} worker {number}", argv, WORKER_READY, on_ready=_pin_worker_port)
+
+
 def _workers(options: ClusterOptions, base: list[str], model_dir: str,
              security: ClusterSecurity) -> list[tuple[Child, dict | None]]:
     """The worker children, `pdserve worker`s or vLLM instances, each with its instance entry when known before
@@ -311,8 +318,7 @@ def _run_autoscaled(options: ClusterOptions, supervisor: Supervisor, base: list[
     numbers = itertools.count()
 
     def new_worker(role: str) -> Child:
-        argv = _worker_argv(options, base, role, model_dir, security) + ["--coordinator", management]
-        return Child(f"{role} worker {next(numbers)}", argv, WORKER_READY, on_ready=_pin_worker_port)
+        return _registered_worker(options, base, role, model_dir, security, management, next(numbers))
 
     workers = {new_worker(role): role for role, count in (("prefill", options.num_prefill),
                                                           ("decode", options.num_decode),
@@ -338,8 +344,7 @@ def _start_encoders(options: ClusterOptions, supervisor: Supervisor, base: list[
         return
     management = coordinator.announced[COORDINATOR_MANAGEMENT]
     print(f"pdserve: starting {options.num_encode} encode workers ...", flush=True)
-    supervisor.start([Child(f"encode worker {i}", _worker_argv(options, base, "encode", model_dir, security)
-                            + ["--coordinator", management], WORKER_READY, on_ready=_pin_worker_port)
+    supervisor.start([_registered_worker(options, base, "encode", model_dir, security, management, i)
                       for i in range(options.num_encode)])
     _wait_encoders(options, supervisor, management, security)
 
