@@ -59,7 +59,8 @@ from worker.engine.sequence import SamplingParams  # noqa: E402
 from worker.engine.block_pool import BlockTable  # noqa: E402
 from worker.torch_engine.build import paged_pool  # noqa: E402
 from worker.torch_engine.decode_engine import DecodeEngine  # noqa: E402
-from worker.torch_engine.model_runner import DTYPES, DecodeRow, ModelRunner, resolve_device  # noqa: E402
+from worker.torch_engine.model_runner import DecodeRow, ModelRunner  # noqa: E402
+from worker.torch_engine.model_support import DTYPES, resolve_device  # noqa: E402
 from worker.torch_engine.prefill_engine import PrefillEngine  # noqa: E402
 
 BENCH_SPEC = ModelSpec(name="pdserve-bench-512x8", hidden_size=512, intermediate_size=1376, num_hidden_layers=8,

@@ -43,7 +43,8 @@ def run_worker(args: argparse.Namespace) -> int:
             return 2
         backend = ModelBackend(model_dir=model, dtype=args.dtype, device=args.device, threads=args.threads,
                                encoder_cache_images=args.encoder_cache_images, max_loras=args.max_loras,
-                               max_lora_rank=args.max_lora_rank, attention=args.attention, speculative=speculative)
+                               max_lora_rank=args.max_lora_rank, attention=args.attention, speculative=speculative,
+                               enforce_eager=args.enforce_eager)
     try:
         security = load_security_file(args.security_config) if args.security_config else SecurityFile()
     except ValueError as exc:
@@ -145,6 +146,9 @@ def add_worker_parser(sub) -> None:
                         "the machine's C++ compiler); torch: blocks gathered, then SDPA (the reference; CUDA); "
                         "auto: the kernel on the CPU when it builds, else torch")
     p.add_argument("--max-running", type=int, default=64, help="sequences per decode step")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="decode: never capture decode steps as CUDA graphs (on a CUDA device they are captured at "
+                        "start-up, one per batch and context bucket; elsewhere steps always run eagerly)")
     p.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                    help="decode: draft tokens from the request's own text and verify them in one forward; ngram: "
                         "prompt lookup (vLLM's); suffix: suffix matching over the text and the coordinator's hints "

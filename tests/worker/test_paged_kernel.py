@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from worker.torch_engine import kernels
 from worker.torch_engine.attention_plan import GROUP_ROWS, MIN_SHARED_BLOCKS, PROMPT_TILE, build_plan, decode_groups
-from worker.torch_engine.model_runner import resolve_attention
+from worker.torch_engine.model_support import resolve_attention
 
 BS, HQ, HKV, D = 16, 6, 2, 32
 

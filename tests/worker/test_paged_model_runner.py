@@ -164,7 +164,7 @@ def test_garbage_in_never_written_pool_memory_never_reaches_the_output(runner, p
 def test_attention_the_paged_function_does_not_compute_is_refused_at_start_up_by_name(config, refused):
     from types import SimpleNamespace
 
-    from worker.torch_engine.model_runner import refuse_unsupported_attention
+    from worker.torch_engine.model_support import refuse_unsupported_attention
 
     if refused is None:
         refuse_unsupported_attention(SimpleNamespace(**config))

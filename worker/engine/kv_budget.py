@@ -100,10 +100,11 @@ class KvAdmission:
 HOST_POOL_CAP_BYTES = 4 << 30
 
 
-def default_capacity_tokens(bytes_per_token: int, device_type: str = "cpu", memory_fraction: float = 0.4) -> int:
-    """A pool size from the memory free now: `memory_fraction` of it (on the host, at most 4 GiB), in token
-    positions."""
-    available = _available_memory_bytes(device_type)
+def default_capacity_tokens(bytes_per_token: int, device_type: str = "cpu", memory_fraction: float = 0.4,
+                            reserved_bytes: int = 0) -> int:
+    """A pool size from the memory free now, less `reserved_bytes` (what is yet to be allocated beside it): a
+    `memory_fraction` of it (on the host, at most 4 GiB), in token positions."""
+    available = max(0, _available_memory_bytes(device_type) - reserved_bytes)
     size = int(available * memory_fraction)
     if device_type == "cpu":
         size = min(size, HOST_POOL_CAP_BYTES)

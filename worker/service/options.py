@@ -25,7 +25,8 @@ class ModelBackend:
     encoder_cache_images: int | None = None
     max_loras: int | None = None  # LoRA adapters resident at once; None: 4 on a text model, 0 on a vision one
     max_lora_rank: int = 16  # the largest adapter rank it loads
-    attention: str = "auto"  # kernel | torch | auto (model_runner.resolve_attention)
+    attention: str = "auto"  # kernel | torch | auto (model_support.resolve_attention)
+    enforce_eager: bool = False  # never capture decode steps as CUDA graphs (they run eagerly, as on the CPU)
     speculative: SpeculativeConfig | None = None  # decode: draft and verify several tokens per step; None: off
 
 

@@ -14,10 +14,12 @@ from worker.torch_engine.prefill_engine import PrefillEngine
 from worker.torch_engine.vision import PREFILL_CACHE_IMAGES
 
 
-def paged_pool(runner: ModelRunner, tokens: int, block_size: int = 16, prefix_caching: bool = True) -> BlockPool:
-    """A block pool of about `tokens` positions, its tensors allocated on the runner's device."""
-    num_blocks = 1 + max(1, tokens // block_size)  # block 0 is the pool's zero block
-    runner.allocate_cache(num_blocks, block_size)
+def paged_pool(runner: ModelRunner, tokens: int, block_size: int = 16, prefix_caching: bool = True,
+               max_decode_rows: int = 64) -> BlockPool:
+    """A block pool of about `tokens` positions, its tensors allocated on the runner's device (with the decode step
+    over them, for steps of up to `max_decode_rows` rows)."""
+    num_blocks = 1 + max(1, tokens // block_size)  # block 0 is the pool's zero block, and the decode step's dummy slot
+    runner.allocate_cache(num_blocks, block_size, max_decode_rows)
     runner.block_pool = BlockPool(num_blocks, block_size, prefix_caching)
     return runner.block_pool
 
@@ -40,9 +42,15 @@ def build_engine(options, runner: ModelRunner | None = None):
         cache_images = (PREFILL_CACHE_IMAGES if backend.encoder_cache_images is None
                         else backend.encoder_cache_images)
         runner = ModelRunner(backend.model_dir, backend.dtype, backend.device, cache_images,
-                             backend.max_loras, backend.max_lora_rank, backend.attention)
-    tokens = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token(), runner.device.type)
-    pool = paged_pool(runner, tokens, options.block_size, options.prefix_caching)
+                             backend.max_loras, backend.max_lora_rank, backend.attention, backend.enforce_eager)
+    decoding = options.role == "decode"
+    # The decode graphs' memory is kept out of the budget before it is sized; they are captured once the pool exists.
+    reserved = runner.graph_reserve_bytes(options.max_running, options.block_size) if decoding else 0
+    tokens = options.kv_budget_tokens or default_capacity_tokens(runner.kv_bytes_per_token(), runner.device.type,
+                                                                 reserved_bytes=reserved)
+    pool = paged_pool(runner, tokens, options.block_size, options.prefix_caching, options.max_running)
+    if decoding:
+        runner.capture_graphs()
     attach_tier(pool, options.kv_tier_dir, options.kv_tier_gb, runner.cache.block_bytes, runner.cache)
     if options.role == "prefill":
         engine = PrefillEngine(runner, pool, options.max_prefill_tokens, options.max_prefill_batch_size)

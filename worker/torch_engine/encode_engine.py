@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 from kv_transfer.codec import tensor_bytes
 from worker.engine.load import WorkerLoad
 from worker.engine.media import MediaSpan
-from worker.torch_engine.model_runner import DTYPES, refuse_unsupported_vision, resolve_device
+from worker.torch_engine.model_support import DTYPES, refuse_unsupported_vision, resolve_device
 from worker.torch_engine.vision import PreparedMedia, VisionEncoder
 
 logger = logging.getLogger(__name__)

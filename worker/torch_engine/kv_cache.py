@@ -30,12 +30,13 @@ class KvCache:
         # gather costs a page fault per 4 KiB, several times the copy itself.
         self._gathered = [torch.empty(0, dtype=dtype, device=device), torch.empty(0, dtype=dtype, device=device)]
 
-    def gather(self, pool: torch.Tensor, index: torch.Tensor, rows: int, which: int) -> torch.Tensor:
+    def gather(self, pool: torch.Tensor, index: torch.Tensor, rows: int, which: int,
+               into: torch.Tensor | None = None) -> torch.Tensor:
         """`pool` (a layer's keys or values) viewed as `rows`-position runs, the runs at `index`, into gather buffer
-        `which` (0: keys, 1: values); valid until the next gather into the same buffer."""
+        `which` (0: keys, 1: values), or `into` (a caller's own, large enough); valid until the next gather there."""
         runs = pool.view(-1, rows, *pool.shape[1:])
         need = index.numel() * runs[0].numel()
-        buf = self._gathered[which]
+        buf = self._gathered[which] if into is None else into
         if buf.numel() < need:
             buf = self._gathered[which] = torch.empty(need, dtype=pool.dtype, device=pool.device)
         out = buf[:need].view(index.numel(), *runs.shape[1:])

@@ -79,26 +79,40 @@ class LoraPlan:
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (first row, end row, slot) of a chunk
 
 
-class lora_rows:
-    """Context manager: forwards inside it (on this thread) add each token's adapter delta. `decode_slots`: per
-    decode row, its adapter's slot (-1: the base model); `segments`: (first row, end row, slot) of each prompt chunk
-    under an adapter. Neither: the base model's forward alone."""
+def decode_mask(decode_slots: Sequence[int], num_slots: int, max_rank: int, device: torch.device,
+                dtype: torch.dtype) -> torch.Tensor:
+    """[rows, slots * max_rank]: 1 in the columns of each decode row's adapter slot (none for -1, the base model)."""
+    columns = torch.arange(num_slots * max_rank, device=device) // max_rank
+    index = torch.tensor(decode_slots, dtype=torch.long, device=device)
+    return (columns.unsqueeze(0) == index.unsqueeze(1)).to(dtype)
 
-    def __init__(self, decode_slots: Sequence[int], segments: list[tuple[int, int, int]], max_rank: int,
-                 num_slots: int, device: torch.device, dtype: torch.dtype):
-        self.plan = None
-        if segments or any(slot >= 0 for slot in decode_slots):
-            self.plan = LoraPlan(len(decode_slots), segments=segments)
-            if any(slot >= 0 for slot in decode_slots):
-                columns = torch.arange(num_slots * max_rank, device=device) // max_rank
-                index = torch.tensor(decode_slots, dtype=torch.long, device=device)
-                self.plan.decode_mask = (columns.unsqueeze(0) == index.unsqueeze(1)).to(dtype)
+
+class lora_plan:
+    """Context manager: forwards inside it (on this thread) add each token's adapter delta as `plan` says (None:
+    the base model's forward alone)."""
+
+    def __init__(self, plan: LoraPlan | None):
+        self.plan = plan
 
     def __enter__(self) -> None:
         _current.plan = self.plan
 
     def __exit__(self, *exc) -> None:
         _current.plan = None
+
+
+class lora_rows(lora_plan):
+    """The plan of one packed forward: `decode_slots`: per decode row, its adapter's slot (-1: the base model);
+    `segments`: (first row, end row, slot) of each prompt chunk under an adapter. Neither: no plan."""
+
+    def __init__(self, decode_slots: Sequence[int], segments: list[tuple[int, int, int]], max_rank: int,
+                 num_slots: int, device: torch.device, dtype: torch.dtype):
+        plan = None
+        if segments or any(slot >= 0 for slot in decode_slots):
+            plan = LoraPlan(len(decode_slots), segments=segments)
+            if any(slot >= 0 for slot in decode_slots):
+                plan.decode_mask = decode_mask(decode_slots, num_slots, max_rank, device, dtype)
+        super().__init__(plan)
 
 
 def wrap_projections(model: nn.Module, slots: int, max_rank: int) -> tuple[dict[str, ModuleShape], list[LoraLinear]]:

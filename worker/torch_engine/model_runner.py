@@ -30,75 +30,16 @@ from worker.engine.sequence import TokenLogprobs
 from worker.torch_engine.sampling import batch_logprobs
 from worker.torch_engine.kv_cache import KvCache
 from worker.torch_engine.lora import load_lora_weights, lora_rows, wrap_projections
-from worker.torch_engine import kernels
 from worker.torch_engine.attention_plan import MIN_SHARED_BLOCKS, build_plan
+from worker.torch_engine.decode_graphs import CaptureReport, DecodeGraphs, graphs_refusal, reserve_bytes
+from worker.torch_engine.decode_step import DecodeStep
 from worker.torch_engine.paged_attention import ATTENTION_NAME, AttentionBatch, PrefillSegment, attention_batch
 from worker.engine.scheduler import Chunk
 from worker.torch_engine.vision import PreparedMedia, VisionEncoder
+from worker.torch_engine.model_support import (DTYPES, refuse_unsupported_attention, refuse_unsupported_vision,
+                                                 resolve_attention, resolve_device)
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto`: the first CUDA device when there is one, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device is available here")
-    return device
-
-
-ATTENTION_BACKENDS = ("auto", "kernel", "torch")
-
-
-def resolve_attention(name: str, device: torch.device) -> str:
-    """`kernel` (the engine's paged kernel: CPU only, built here by the C++ compiler) or `torch` (gathers blocks,
-    then SDPA: the reference, and the CUDA path); `auto`: the kernel on the CPU when it builds, else torch."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"--attention {name}: must be one of {', '.join(ATTENTION_BACKENDS)}")
-    if name == "torch" or (name == "auto" and device.type != "cpu"):
-        return "torch"
-    if device.type != "cpu":
-        raise ValueError(f"--attention kernel: the paged kernel runs on the CPU only, not {device.type} "
-                         "(use --attention torch or auto)")
-    try:
-        kernels.load()
-    except kernels.KernelUnavailable as exc:
-        if name == "kernel":
-            raise ValueError(f"--attention kernel: {exc}") from exc
-        logger.warning("paged-attention kernel unavailable, attending with torch (gathers blocks): %s", exc)
-        return "torch"
-    return "kernel"
-
-
-def refuse_unsupported_attention(config) -> None:
-    """Fail at start-up, naming the setting, for attention the paged function does not compute (rather than serve
-    wrong tokens): sliding windows and logit soft-capping."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    if (window and getattr(config, "use_sliding_window", True) is not False) or "sliding_attention" in layer_types:
-        raise ValueError(f"{config.model_type}: sliding-window attention (sliding_window={window}) is not supported "
-                         "by pdserve's paged attention yet")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise ValueError(f"{config.model_type}: attention logit soft-capping is not supported by pdserve's paged "
-                         "attention yet")
-
-
-SERVED_VISION_MODELS = frozenset({"llava"})
-
-
-def refuse_unsupported_vision(config) -> None:
-    """Fail at start-up, naming the reason, for a vision-language architecture the runner was not built for: only
-    LLaVA's is served (one position per token, fixed-size images, causal attention over them). Others need what it
-    lacks: multimodal rotary positions (Qwen2-VL), image sizes for tiling (LLaVA-NeXT), bidirectional attention
-    over the image prefix (PaliGemma)."""
-    if config.model_type not in SERVED_VISION_MODELS:
-        raise ValueError(f"{config.model_type}: of vision-language models only {sorted(SERVED_VISION_MODELS)} "
-                         "(one position per token, fixed-size images) are served yet")
-
 
 # Prompt positions scored per log-softmax: bounds the float32 [rows, vocabulary] copies a long chunk makes.
 SCORED_ROWS = 256
@@ -163,8 +104,12 @@ class ModelRunner:
     """Owns the model, the tokenizer and the KV pool's tensors; called only from an engine thread."""
 
     def __init__(self, model_dir: Path | str, dtype: str = "auto", device: str = "auto", encoder_cache_items: int = 32,
-                 max_loras: int | None = 0, max_lora_rank: int = 16, attention: str = "auto"):
+                 max_loras: int | None = 0, max_lora_rank: int = 16, attention: str = "auto",
+                 enforce_eager: bool = False, pad_decode_steps: bool | None = None):
         self.model_dir = Path(model_dir)
+        self.enforce_eager = enforce_eager  # never capture decode steps as CUDA graphs
+        # Pad decode steps to their batch buckets; None: only where they are captured (padding buys nothing eager).
+        self.pad_decode_steps = pad_decode_steps
         self.device = resolve_device(device)
         self.attention_requested = attention
         self.attention = resolve_attention(attention, self.device)
@@ -206,6 +151,7 @@ class ModelRunner:
         self.cache: KvCache | None = None
         self.block_size = 0
         self.block_pool: BlockPool | None = None  # whose blocks `cache` holds (set by `paged_pool`)
+        self.decode_step: DecodeStep | None = None  # pure decode steps, bucketed (made with the cache)
         logger.info("loaded %s (%s, %s) on %s, attention %s", self.model_dir, type(self.model).__name__,
                     self.model.dtype, self.device, self.attention)
 
@@ -281,8 +227,21 @@ class ModelRunner:
         _, kv_heads, head_dim = self.kv_shape(1)
         return 2 * self.num_layers * kv_heads * head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
-    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
-        """Make the pool's tensors: `num_blocks` blocks of `block_size` positions on every layer."""
+    @property
+    def max_context(self) -> int:
+        """The positions a sequence may reach: the checkpoint's `max_position_embeddings`."""
+        return getattr(self.config, "max_position_embeddings", None) or 8192
+
+    def graph_reserve_bytes(self, max_rows: int, block_size: int) -> int:
+        """Device memory to keep out of the KV pool for the decode graphs of steps of `max_rows` rows (0: none)."""
+        if graphs_refusal(self.device, self.enforce_eager):
+            return 0
+        per_position = self.kv_bytes_per_token() // (2 * self.num_layers)
+        return reserve_bytes(max_rows, self.max_context, block_size, per_position)
+
+    def allocate_cache(self, num_blocks: int, block_size: int, max_decode_rows: int = 64) -> None:
+        """Make the pool's tensors: `num_blocks` blocks of `block_size` positions on every layer; and the bucketed
+        decode step over them, for steps of up to `max_decode_rows` rows."""
         _, kv_heads, head_dim = self.kv_shape(1)
         if self.attention == "kernel" and (block_size % 8 or head_dim % 8):
             # The kernel reads eight positions and eight lanes at a time.
@@ -294,6 +253,19 @@ class ModelRunner:
             self.attention = "torch"
         self.cache = KvCache(self.num_layers, num_blocks, block_size, kv_heads, head_dim, self.dtype, self.device)
         self.block_size = block_size
+        pad = self.pad_decode_steps
+        if pad is None:
+            pad = graphs_refusal(self.device, self.enforce_eager) is None
+        self.decode_step = DecodeStep(self.model, self.cache, max_decode_rows, self.max_context,
+                                      self.attention == "kernel", (self.max_loras, self.max_lora_rank), pad)
+
+    def capture_graphs(self) -> CaptureReport | None:
+        """Capture the decode step's CUDA graphs (after `allocate_cache`); None, logged, where they are not made."""
+        reason = graphs_refusal(self.device, self.enforce_eager)
+        if reason is not None:
+            logger.info("decode steps run eagerly: %s", reason)
+            return None
+        return DecodeGraphs(self.decode_step).capture()
 
     # slots -----------------------------------------------------------------------------------
     def _slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
@@ -329,12 +301,15 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, decode: Sequence[DecodeRow], chunks: Sequence[PromptChunk],
                 on_layer: Callable[[int], None] | None = None,
-                prompt_logprobs: dict[int, list] | None = None) -> torch.Tensor:
+                        prompt_logprobs: dict[int, list] | None = None) -> torch.Tensor:
         """One packed forward; logits [rows, V]: one per decode row, then one per chunk with `logits` (one per
         position of a `verify` chunk). A chunk with
         `prompt_logprobs` gets, in `prompt_logprobs[its index]`, the TokenLogprobs (with rank) of each prompt token
-        it predicts (the token after each of its positions, as far as the prompt goes)."""
+        it predicts (the token after each of its positions, as far as the prompt goes). Decode rows alone run as the
+        bucketed step (decode_step.py) where they fit it."""
         self._zero_fresh_blocks()
+        if not chunks and decode and self.decode_step is not None and self.decode_step.fits(decode):
+            return self.decode_step.run(decode, on_layer)
         ids: list[int] = []
         positions: list[int] = []
         slot_parts: list[torch.Tensor] = []
@@ -363,8 +338,6 @@ class ModelRunner:
                 continue
             if start:
                 seg.context_slots = self._slots(chunk.table, 0, start + n).to(self.device)
-                seg.mask = (torch.arange(start + n).unsqueeze(0)
-                            <= torch.arange(start, start + n).unsqueeze(1)).to(self.device)
             batch.segments.append(seg)
         for chunk, seg in zip(chunks, segments):
             if chunk.verify:

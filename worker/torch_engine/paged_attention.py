@@ -10,7 +10,7 @@ earlier positions are attended by the engine's kernel, which reads each sequence
 pool (`kernels/paged_attention.cpp`; rows sharing leading blocks read them once per group), and a chunk that is
 its whole context by SDPA over its own keys. Without one (the reference, and the CUDA path), decode rows are
 attended together over their blocks gathered into a buffer (padded with the zero block, masked; the leading
-blocks every row shares attended once) and each prompt chunk over its gathered context.
+blocks every row shares attended once) and each prompt chunk over its gathered context, causal from the lower right.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -36,10 +37,9 @@ class PrefillSegment:
 
     start: int
     end: int
-    # Slots of every position of its sequence up to the chunk's end; None: the chunk is the whole context (no
-    # earlier positions), so it attends its own keys causally.
+    # Slots of every position of its sequence up to the chunk's end, attended causally from the lower right (the
+    # chunk's last query sees the whole context); None: the chunk is the whole context, so it attends its own keys.
     context_slots: torch.Tensor | None = None
-    mask: torch.Tensor | None = None  # [chunk, context] bool, with context_slots
 
 
 @dataclass
@@ -54,6 +54,9 @@ class AttentionBatch:
     # [num_decode * blocks]: each decode row's blocks after the shared ones, padded with block 0.
     decode_blocks: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, blocks * block_size] bool: its positions among them
+    # Where the decode rows' blocks are gathered, (keys, values); None: the pool's shared buffers. A captured decode
+    # step (decode_step.py) has its own, whose addresses its graphs keep.
+    gathered: tuple[torch.Tensor, torch.Tensor] | None = None
     segments: list[PrefillSegment] = field(default_factory=list)
     # With it, the kernel attends every decode row and every chunk not in `segments` (those are whole contexts).
     kernel: KernelPlan | None = None
@@ -109,8 +112,9 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         # the positions past each row's length are masked out.
         cache, bs = batch.cache, batch.cache.block_size
         if batch.shared_blocks is None:
-            k = cache.gather(k_pool, batch.decode_blocks, bs, 0).view(nd, -1, hkv, d).transpose(1, 2)
-            v = cache.gather(v_pool, batch.decode_blocks, bs, 1).view(nd, -1, hkv, d).transpose(1, 2)
+            into = batch.gathered or (None, None)
+            k = cache.gather(k_pool, batch.decode_blocks, bs, 0, into[0]).view(nd, -1, hkv, d).transpose(1, 2)
+            v = cache.gather(v_pool, batch.decode_blocks, bs, 1, into[1]).view(nd, -1, hkv, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.decode_mask, scale=scaling)
         else:
             o = _cascade(q * (scaling if scaling is not None else d ** -0.5), k_pool, v_pool, batch)
@@ -123,7 +127,10 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         else:
             k = batch.cache.gather(k_pool, seg.context_slots, 1, 0).view(-1, hkv, d).transpose(0, 1).unsqueeze(0)
             v = batch.cache.gather(v_pool, seg.context_slots, 1, 1).view(-1, hkv, d).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scaling, enable_gqa=hq != hkv)
+            if hq != hkv:  # the fused kernels a lower-right bias dispatches to take as many kv heads as query heads
+                k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+            bias = causal_lower_right(q.shape[2], k.shape[2])  # no mask tensor: flash / efficient kernels on a GPU
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling)
         out[seg.start : seg.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
