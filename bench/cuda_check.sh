@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# The worker engine on a GPU, in one prepared run: parity, then bench/engine.py's tables. Each step has its own
-# time limit and writes its output to OUT (default /tmp/cuda-check); a failing step does not stop the next.
+# The worker engine on a GPU, in one prepared run: parity, then the decode step's and the engine's tables. Each step
+# has its own time limit and writes its output to OUT (default /tmp/cuda-check); a failing step does not stop the next.
 #
-#     bash bench/cuda_check.sh [CHECK_DIR]
+#     bash bench/cuda_check.sh [CHECK_DIR] [PART...]
 #
+# PARTs (default: parity steps throughput, at most 7 minutes: one device command):
+#   parity      eager against captured: batches 3, 13, 63 and one prompt at the context limit, float32 and bfloat16
+#   steps       the decode step's time by rows (replay and eager, CUDA events), host time per step, capture cost
+#   throughput  the engine with graphs and eager beside transformers' continuous batching, 16 and 64 streams
+#   context     decode steps by context length (bench/engine.py --context-steps)
+#   engine      bench/engine.py's table against model.generate (its sequential baseline alone takes a minute)
+#
+# Prepare it here first: `bash bench/cuda_prepare.sh`, then carry ".cudarun" and ".whl" to the device.
 # CHECK_DIR (default .cudarun) holds what cannot be built there without the network:
 #   smollm2/       SmolLM2-135M-Instruct's config and tokenizer; the weights are drawn at random there (the
 #                  checkpoint does not travel), which times the same architecture: the engine's timings do not
@@ -12,8 +20,11 @@
 #   ../.whl/       wheels the machine lacks (llguidance; protobuf at this project's version), installed first.
 set -u
 CHECK_DIR=${1:-.cudarun}
+shift $(( $# > 0 ? 1 : 0 ))
+PARTS=${*:-parity steps throughput}
 OUT=${OUT:-/tmp/cuda-check}
 PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda}  # DEVICE=cpu runs the same steps here, to check the script itself
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -41,15 +52,31 @@ for f in src.glob("*.json"):
 print("random-weight SmolLM2-135M built", file=sys.stderr)
 EOF
 
-step() {  # step NAME SECONDS ARGS...: one bench/engine.py run
+run() {  # run NAME SECONDS COMMAND...: one timed step, its output kept
     local name=$1 limit=$2
     shift 2
     echo "== $name" >&2
-    timeout "$limit" $PY bench/engine.py --device cuda "$@" >"$OUT/$name.txt" 2>"$OUT/$name.err"
+    timeout "$limit" "$@" >"$OUT/$name.txt" 2>"$OUT/$name.err"
     echo "rc=$?" >>"$OUT/$name.txt"
     cat "$OUT/$name.txt"
 }
-step parity 90 --parity --dtype float32 --requests 16 --new-tokens 32 --model "$CHECK_DIR/pdserve-tiny"
-step smollm2 150 --model "$smollm2" --dtype bfloat16 --requests 64 --new-tokens 64 --concurrency 4 16 64
-step context 60 --context-steps --model "$smollm2" --dtype bfloat16 --contexts 256 2048 --rows 64
-step bench512 100 --dtype bfloat16 --requests 64 --new-tokens 64 --concurrency 16 64
+graphs="$PY bench/decode_graphs.py"
+for part in $PARTS; do
+    case $part in
+    parity)
+        run parity-tiny 60 $graphs parity --model "$CHECK_DIR/pdserve-tiny" --dtype float32 --device "$DEVICE"
+        run parity-smollm2 90 $graphs parity --model "$smollm2" --dtype bfloat16 --device "$DEVICE" ;;
+    steps)
+        run steps 90 $graphs steps --model "$smollm2" --dtype bfloat16 --device "$DEVICE" ;;
+    context)
+        run context 60 $PY bench/engine.py --device "$DEVICE" --context-steps --model "$smollm2" --dtype bfloat16 \
+            --contexts 256 2048 --rows 64 ;;
+    throughput)
+        run throughput 240 $graphs throughput --model "$smollm2" --dtype bfloat16 --device "$DEVICE" \
+            --concurrency 16 64 ;;
+    engine)
+        run engine 150 $PY bench/engine.py --device "$DEVICE" --model "$smollm2" --dtype bfloat16 --requests 64 \
+            --new-tokens 64 --concurrency 4 16 64 ;;
+    *) echo "unknown part $part (parity, steps, throughput, context, engine)" >&2 ;;
+    esac
+done

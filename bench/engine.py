@@ -24,7 +24,8 @@ requests unconstrained.
 Every engine run also times each decode step whole and its model forward alone (on CUDA, up to the
 forward's kernels finishing): the rest (sampling, stop checks, detokenizing, the hand-off to the event
 loop) is the step's overhead, printed per batch size (the decode-only steps whose batch held exactly
-`concurrency` sequences). `--step-overhead` prints only that.
+`concurrency` sequences). `--step-overhead` prints only that. On CUDA the decode steps are captured as graphs
+(bucketed to `concurrency` rows, at the start of each run, off the clock) unless `--enforce-eager`.
 
 `--context-steps` times one decode step of `--rows` sequences at each context length, with each attention path
 (the engine's paged kernel and the torch reference that gathers blocks), the contexts distinct per row or all
@@ -242,7 +243,9 @@ async def run_engine(prefill_runner, decode_runner, prompts, new_tokens, concurr
     tokens = pool_tokens(prompts, new_tokens, concurrency)
     prefill = PrefillEngine(prefill_runner, paged_pool(prefill_runner, tokens, BLOCK_SIZE),
                             max_batch_tokens=8192, max_batch_size=16)
-    decode = DecodeEngine(decode_runner, paged_pool(decode_runner, tokens, BLOCK_SIZE), max_running=256)
+    decode = DecodeEngine(decode_runner, paged_pool(decode_runner, tokens, BLOCK_SIZE, max_decode_rows=concurrency),
+                          max_running=256)
+    decode_runner.capture_graphs()  # as a decode worker does once its pool is made (CUDA, unless --enforce-eager)
     with (times or StepTimes()).attached(decode, decode_runner):
         run = await _run_clients(prefill, decode, decode_runner, prompts, new_tokens, concurrency, grammar)
     if decode.scheduler.num_preemptions:
@@ -473,6 +476,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto",
                         help="auto (the first CUDA device if any, else cpu), cpu or cuda[:N]; the baselines too")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: as the checkpoint loads")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="decode steps run eagerly (on CUDA they are otherwise captured as graphs, per run)")
     args = parser.parse_args()
 
     device = resolve_device(args.device)  # refuses cuda where there is none
@@ -487,7 +492,7 @@ def main() -> None:
         baselines = run_baselines(model_dir, args.dtype, device, prompts[: args.baseline_requests], args.new_tokens)
 
     runner = ModelRunner(model_dir, args.dtype, args.device)
-    decode_runner = ModelRunner(model_dir, args.dtype, args.device)
+    decode_runner = ModelRunner(model_dir, args.dtype, args.device, enforce_eager=args.enforce_eager)
     for r in (runner, decode_runner):
         check_on_device(r.model, device)
     if args.parity:
