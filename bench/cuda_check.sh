@@ -26,7 +26,7 @@ OUT=${OUT:-/tmp/cuda-check}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}  # DEVICE=cpu runs the same steps here, to check the script itself
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1  # no network there: nothing may wait on the Hub
 if compgen -G ".whl/*.whl" >/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -397,7 +397,7 @@ def run_context_steps(args, model_name, model_dir: Path) -> None:
                 ms = context_step_ms(runner, args.rows, context, layout == "shared", args.steps)
                 results[layout, context, name] = ms
                 print(f"{layout} context {context} {name}: {ms:.1f} ms/step", file=sys.stderr)
-                runner.cache = None
+                runner.release_cache()
                 gc.collect()
     runner = runners[paths[0]]
     if len(paths) == 1:

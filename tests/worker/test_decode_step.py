@@ -5,13 +5,14 @@ embedded and the real checkpoint; its padding rows write only the dummy slot."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from worker.engine.block_pool import BlockTable
 from worker.torch_engine.build import paged_pool
-from worker.torch_engine.decode_graphs import graphs_refusal
+from worker.torch_engine.decode_graphs import GRAPH_MAX_CONTEXT, graphs_refusal
 from worker.torch_engine.decode_step import DUMMY_SLOT, batch_buckets, context_buckets
 from worker.torch_engine.model_runner import DecodeRow, ModelRunner, PromptChunk
 
@@ -77,7 +78,8 @@ def test_padding_rows_write_only_the_dummy_slot(model_dir):
     runner.forward(rows, [])  # 13 rows, padded to 16
     bs = runner.block_size
     own = {row.table.block_ids[row.position // bs] * bs + row.position % bs for row in rows}
-    changed = set((keys != before).any(-1).any(-1).nonzero().flatten().tolist())
+    same = (keys == before) | (keys.isnan() & before.isnan())  # blocks never handed out hold whatever was there
+    changed = set((~same).any(-1).any(-1).nonzero().flatten().tolist())
     assert own <= changed <= own | {DUMMY_SLOT}  # padding wrote nowhere else (token 0 may write zeros)
 
 
@@ -101,6 +103,22 @@ def test_eager_steps_on_the_cpu_are_unpadded_and_never_captured(model_dir):
     assert runner.graph_reserve_bytes(48, BLOCK) == 0
     assert graphs_refusal(torch.device("cpu"), False) == "the device is cpu, not CUDA"
     assert graphs_refusal(torch.device("cuda"), True) == "--enforce-eager"
+    dynamic = SimpleNamespace(rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    assert "dynamic RoPE" in graphs_refusal(torch.device("cuda"), False, dynamic)
+    assert graphs_refusal(torch.device("cuda"), False, SimpleNamespace(rope_parameters={"rope_type": "llama3"})) is None
+
+
+def test_rows_past_the_steps_context_run_packed_and_the_tables_never_outgrow_the_pool(model_dir):
+    runner = ModelRunner(model_dir, device="cpu", pad_decode_steps=True)
+    paged_pool(runner, 4096, BLOCK)
+    step = runner.decode_step
+    assert step.columns == min(runner.max_context, GRAPH_MAX_CONTEXT) // BLOCK + 1
+    paged_pool(runner, 64, BLOCK)  # 4 blocks and block 0: no row can hold more
+    assert runner.decode_step is not step and step.graphs is None
+    assert runner.decode_step.columns == 5 * BLOCK // BLOCK + 1
+    table = BlockTable(list(range(1, 5)))
+    assert runner.decode_step.fits([DecodeRow(3, 4 * BLOCK - 1, table)])
+    assert not runner.decode_step.fits([DecodeRow(3, 6 * BLOCK, BlockTable(list(range(1, 5)) * 2))])
 
 
 def test_batch_buckets_pad_at_most_seven_rows_and_end_at_the_largest():

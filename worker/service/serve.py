@@ -93,7 +93,7 @@ async def _serve(options: WorkerOptions) -> None:
         if role is not None:
             ports.metrics.role_switches.labels(role).inc()
             if runner is not None:
-                runner.cache = None  # the old role's KV cache goes before the new one is allocated
+                runner.release_cache()  # the old role's KV cache goes before the new one is allocated
         engine = None
 
 

@@ -71,22 +71,32 @@ class StepBuffers:
         self.lengths_host, self.lengths = pair(rows)
         self.tables_host, self.tables = pair(rows, columns)
         self.lora_host, self.lora = pair(rows, lora_columns, kind=dtype)  # each row's adapter columns (lora.py)
+        # Marks the last upload's copies done: the host writes the pinned buffers again only after it.
+        self.uploaded = torch.cuda.Event() if pinned else None
         self.ids_np, self.positions_np = self.ids_host.numpy()[0], self.positions_host.numpy()[0]
         self.slots_np, self.lengths_np = self.slots_host.numpy(), self.lengths_host.numpy()
         self.tables_np = self.tables_host.numpy()
 
-    def upload(self, rows: int, width: int, lora: bool) -> None:
-        """Copy the first `rows` rows (`width` table columns) to the device without blocking the host: the copies
-        queue on the stream ahead of the step that reads them."""
+    def upload(self, rows: int, lora: bool) -> None:
+        """Copy the first `rows` rows to the device without blocking the host: the copies queue on the stream ahead
+        of the step that reads them."""
         if self.device.type == "cpu":
             return
         for host, dev in ((self.ids_host, self.ids), (self.positions_host, self.positions)):
             dev[:, :rows].copy_(host[:, :rows], non_blocking=True)
-        for host, dev in ((self.slots_host, self.slots), (self.lengths_host, self.lengths)):
+        # Whole rows of the tables: contiguous, one copy (a [rows, width] slice of each would be staged).
+        for host, dev in ((self.slots_host, self.slots), (self.lengths_host, self.lengths),
+                          (self.tables_host, self.tables)):
             dev[:rows].copy_(host[:rows], non_blocking=True)
-        self.tables[:rows, :width].copy_(self.tables_host[:rows, :width], non_blocking=True)
         if lora:
             self.lora[:rows].copy_(self.lora_host[:rows], non_blocking=True)
+        self.uploaded.record()
+
+    def writable(self) -> None:
+        """Wait until the last upload has read the pinned buffers (at once in practice: every step waits for its
+        sampled tokens before the next is prepared)."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
 
 
 class DecodeStep:
@@ -127,7 +137,7 @@ class DecodeStep:
         n = len(rows)
         size, width, lora = self.prepare(rows)
         if self.graphs is not None and (size, width) in self.graphs:
-            logits = self.graphs.replay(size, width)
+            logits = self.graphs.replay(size, width)  # no `on_layer`: a replay runs no Python (CUDA: no asks)
         else:
             plan = None
             if self.kernel:
@@ -140,6 +150,7 @@ class DecodeStep:
     def prepare(self, rows: Sequence) -> tuple[int, int, bool]:
         """Write `rows` and their padding into the buffers; (batch bucket, context bucket, adapters on)."""
         b, bs, n = self.buffers, self.block_size, len(rows)
+        b.writable()
         size = smallest_at_least(self.buckets, n) if rows else self.buckets[-1]  # none: every row padding
         positions = [row.position for row in rows]
         blocks = [p // bs for p in positions]
@@ -159,7 +170,7 @@ class DecodeStep:
         if lora:
             b.lora_host[:size] = decode_mask(adapters + [-1] * pad, self.lora_slots, self.lora_rank,
                                              torch.device("cpu"), b.lora_host.dtype)
-        b.upload(size, width, lora)
+        b.upload(size, lora)
         return size, width, lora
 
     def forward(self, size: int, width: int, lora: bool, plan=None,

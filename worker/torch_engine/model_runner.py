@@ -12,6 +12,7 @@ are served (LLaVA): a decode worker continues them from token ids alone.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,8 @@ from worker.torch_engine.sampling import batch_logprobs
 from worker.torch_engine.kv_cache import KvCache
 from worker.torch_engine.lora import load_lora_weights, lora_rows, wrap_projections
 from worker.torch_engine.attention_plan import MIN_SHARED_BLOCKS, build_plan
-from worker.torch_engine.decode_graphs import CaptureReport, DecodeGraphs, graphs_refusal, reserve_bytes
+from worker.torch_engine.decode_graphs import (GRAPH_MAX_CONTEXT, CaptureReport, DecodeGraphs, graphs_refusal,
+                                               reserve_bytes)
 from worker.torch_engine.decode_step import DecodeStep
 from worker.torch_engine.paged_attention import ATTENTION_NAME, AttentionBatch, PrefillSegment, attention_batch
 from worker.engine.scheduler import Chunk
@@ -234,14 +236,15 @@ class ModelRunner:
 
     def graph_reserve_bytes(self, max_rows: int, block_size: int) -> int:
         """Device memory to keep out of the KV pool for the decode graphs of steps of `max_rows` rows (0: none)."""
-        if graphs_refusal(self.device, self.enforce_eager):
+        if graphs_refusal(self.device, self.enforce_eager, self.config):
             return 0
         per_position = self.kv_bytes_per_token() // (2 * self.num_layers)
-        return reserve_bytes(max_rows, self.max_context, block_size, per_position)
+        return reserve_bytes(max_rows, self.step_context(), block_size, per_position, self.vocab_size)
 
     def allocate_cache(self, num_blocks: int, block_size: int, max_decode_rows: int = 64) -> None:
         """Make the pool's tensors: `num_blocks` blocks of `block_size` positions on every layer; and the bucketed
         decode step over them, for steps of up to `max_decode_rows` rows."""
+        self.release_cache()
         _, kv_heads, head_dim = self.kv_shape(1)
         if self.attention == "kernel" and (block_size % 8 or head_dim % 8):
             # The kernel reads eight positions and eight lanes at a time.
@@ -255,13 +258,29 @@ class ModelRunner:
         self.block_size = block_size
         pad = self.pad_decode_steps
         if pad is None:
-            pad = graphs_refusal(self.device, self.enforce_eager) is None
-        self.decode_step = DecodeStep(self.model, self.cache, max_decode_rows, self.max_context,
+            pad = graphs_refusal(self.device, self.enforce_eager, self.config) is None
+        self.decode_step = DecodeStep(self.model, self.cache, max_decode_rows, self.step_context(num_blocks),
                                       self.attention == "kernel", (self.max_loras, self.max_lora_rank), pad)
+
+    def step_context(self, num_blocks: int | None = None) -> int:
+        """The longest context a decode step runs bucketed (longer rows run packed): the checkpoint's, at most
+        GRAPH_MAX_CONTEXT (the tables and gather buffers grow with it) and what a pool of `num_blocks` holds."""
+        context = min(self.max_context, GRAPH_MAX_CONTEXT)
+        return context if num_blocks is None else min(context, num_blocks * self.block_size)
+
+    def release_cache(self) -> None:
+        """Let the pool's tensors go, with the decode step and its graphs (their memory too)."""
+        if self.decode_step is not None:
+            self.decode_step.graphs = None
+        self.decode_step = None
+        self.cache = None
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def capture_graphs(self) -> CaptureReport | None:
         """Capture the decode step's CUDA graphs (after `allocate_cache`); None, logged, where they are not made."""
-        reason = graphs_refusal(self.device, self.enforce_eager)
+        reason = graphs_refusal(self.device, self.enforce_eager, self.config)
         if reason is not None:
             logger.info("decode steps run eagerly: %s", reason)
             return None
