@@ -325,7 +325,11 @@ def stream_and_then(fleet, https, act) -> tuple[str, str]:
                 continue
             texts.extend(c["text"] for c in json.loads(line[6:])["choices"])
             if not acted and len(texts) >= 20:
-                serving = next(i for i in instances(fleet, https)["decode"] if i["outstanding_requests"])
+                # Waited for, not read once: a stream between two attempts (moved off an instance that failed it)
+                # is on no instance for that moment.
+                serving = wait_for(lambda: next((i for i in instances(fleet, https)["decode"]
+                                                 if i["outstanding_requests"]), None),
+                                   timeout_s=60, what="a decode instance holding the stream")
                 act(vllm_instance_at(fleet, "decode", serving["address"]))
                 acted = True
     assert acted
