@@ -15,6 +15,7 @@ LIFE_CYCLES = (
     ("A request in the coordinator", "coordinator/requests/pipeline.py"),
     ("Where a request's time went", "coordinator/requests/trace.py"),
     ("A request on a prefill and a decode worker", "worker/engine/__init__.py"),
+    ("A decode step, bucketed and replayed", "worker/torch_engine/decode_step.py"),
     ("A request's images, from the client to the prefill worker", "coordinator/requests/media.py"),
     ("An image on a vision-language worker", "worker/torch_engine/vision.py"),
     ("A request's images on encode workers", "coordinator/requests/encoding.py"),
