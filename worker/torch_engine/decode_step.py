@@ -137,15 +137,15 @@ class DecodeStep:
         n = len(rows)
         size, width, lora = self.prepare(rows)
         if self.graphs is not None and (size, width) in self.graphs:
-            logits = self.graphs.replay(size, width)  # no `on_layer`: a replay runs no Python (CUDA: no asks)
-        else:
-            plan = None
-            if self.kernel:
-                block = self.block_size
-                plan = build_plan([(row.table.block_ids[: row.position // block + 1], row.position) for row in rows]
-                                  + [((DUMMY_SLOT // block,), 0)] * (size - n), [], block)
-            logits = self.forward(size, width, lora, plan, on_layer)
-        return logits[:n].float() if logits.dtype != torch.float32 else logits[:n].clone()
+            # A copy: the graphs' logits buffer is written again at the next replay. No `on_layer`: a replay runs
+            # no Python (and on CUDA no receiver asks for blocks).
+            return self.graphs.replay(size, width)[:n].clone()
+        plan = None
+        if self.kernel:
+            block = self.block_size
+            plan = build_plan([(row.table.block_ids[: row.position // block + 1], row.position) for row in rows]
+                              + [((DUMMY_SLOT // block,), 0)] * (size - n), [], block)
+        return self.forward(size, width, lora, plan, on_layer)[:n].float()  # an eager forward's own tensor
 
     def prepare(self, rows: Sequence) -> tuple[int, int, bool]:
         """Write `rows` and their padding into the buffers; (batch bucket, context bucket, adapters on)."""

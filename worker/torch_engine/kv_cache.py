@@ -37,7 +37,7 @@ class KvCache:
         runs = pool.view(-1, rows, *pool.shape[1:])
         need = index.numel() * runs[0].numel()
         buf = self._gathered[which] if into is None else into
-        if buf.numel() < need:
+        if into is None and buf.numel() < need:
             buf = self._gathered[which] = torch.empty(need, dtype=pool.dtype, device=pool.device)
         out = buf[:need].view(index.numel(), *runs.shape[1:])
         return torch.index_select(runs, 0, index, out=out)

@@ -230,13 +230,18 @@ class ModelRunner:
         return 2 * self.num_layers * kv_heads * head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
     @property
+    def graphs_refused(self) -> str | None:
+        """Why this runner's decode steps are not captured as CUDA graphs (None: they are)."""
+        return graphs_refusal(self.device, self.enforce_eager, self.config)
+
+    @property
     def max_context(self) -> int:
         """The positions a sequence may reach: the checkpoint's `max_position_embeddings`."""
         return getattr(self.config, "max_position_embeddings", None) or 8192
 
     def graph_reserve_bytes(self, max_rows: int, block_size: int) -> int:
         """Device memory to keep out of the KV pool for the decode graphs of steps of `max_rows` rows (0: none)."""
-        if graphs_refusal(self.device, self.enforce_eager, self.config):
+        if self.graphs_refused:
             return 0
         per_position = self.kv_bytes_per_token() // (2 * self.num_layers)
         return reserve_bytes(max_rows, self.step_context(), block_size, per_position, self.vocab_size)
@@ -258,7 +263,7 @@ class ModelRunner:
         self.block_size = block_size
         pad = self.pad_decode_steps
         if pad is None:
-            pad = graphs_refusal(self.device, self.enforce_eager, self.config) is None
+            pad = self.graphs_refused is None
         self.decode_step = DecodeStep(self.model, self.cache, max_decode_rows, self.step_context(num_blocks),
                                       self.attention == "kernel", (self.max_loras, self.max_lora_rank), pad)
 
@@ -280,9 +285,8 @@ class ModelRunner:
 
     def capture_graphs(self) -> CaptureReport | None:
         """Capture the decode step's CUDA graphs (after `allocate_cache`); None, logged, where they are not made."""
-        reason = graphs_refusal(self.device, self.enforce_eager, self.config)
-        if reason is not None:
-            logger.info("decode steps run eagerly: %s", reason)
+        if self.graphs_refused is not None:
+            logger.info("decode steps run eagerly: %s", self.graphs_refused)
             return None
         return DecodeGraphs(self.decode_step).capture()
 
